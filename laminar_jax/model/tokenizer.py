@@ -1,0 +1,112 @@
+"""Tokenizers: a built-in character tokenizer for CPU demos, and HF `tokenizer.json` via `tokenizers`.
+
+Both satisfy the same small protocol used by data pipelines and the rollout engine:
+``encode(text) -> list[int]``, ``decode(ids) -> str``, ``apply_chat_template(messages) -> str``,
+and the ids ``pad_id``, ``bos_id`` (or None), ``eos_id``, plus ``vocab_size``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Optional, Protocol, Sequence
+
+
+class Tokenizer(Protocol):
+    pad_id: int
+    bos_id: Optional[int]
+    eos_id: int
+    vocab_size: int
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: Sequence[int]) -> str: ...
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str: ...
+
+
+def _plain_chat(messages: Sequence[dict]) -> str:
+    # Minimal, model-agnostic rendering: "role: content" lines, then the assistant's turn.
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or "content" not in m:
+            raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
+    if len(messages) == 1 and messages[0].get("role") == "user":
+        return str(messages[0]["content"])
+    return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant: "
+
+
+class BuiltinTokenizer:
+    """Character tokenizer: ids 0..3 are <pad>, <bos>, <eos>, <unk>; then '\\n' and printable ASCII.
+
+    vocab_size is 100; unknown characters map to <unk> and decode as '?'.
+    """
+
+    PAD, BOS, EOS, UNK = 0, 1, 2, 3
+    _CHARS = "\n" + "".join(chr(c) for c in range(32, 127))
+
+    def __init__(self):
+        self.pad_id, self.bos_id, self.eos_id = self.PAD, self.BOS, self.EOS
+        self._to_id = {c: i + 4 for i, c in enumerate(self._CHARS)}
+        self.vocab_size = 4 + len(self._CHARS)
+
+    def encode(self, text: str) -> list[int]:
+        return [self._to_id.get(c, self.UNK) for c in text]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in ids:
+            i = int(i)
+            if i in (self.PAD, self.BOS, self.EOS):
+                continue
+            out.append(self._CHARS[i - 4] if 4 <= i < self.vocab_size else "?")
+        return "".join(out)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        return _plain_chat(messages)
+
+
+class HFTokenizer:
+    """A Hugging Face `tokenizer.json` (+ optional tokenizer_config.json for special tokens)."""
+
+    def __init__(self, path: str):
+        from tokenizers import Tokenizer as _Tok
+
+        file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
+        if not os.path.exists(file):
+            raise FileNotFoundError(f"tokenizer file not found: {file}")
+        self._tok = _Tok.from_file(file)
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        cfg = {}
+        cfg_file = os.path.join(os.path.dirname(file), "tokenizer_config.json")
+        if os.path.exists(cfg_file):
+            with open(cfg_file) as f:
+                cfg = json.load(f)
+
+        def _id(name: str) -> Optional[int]:
+            tok = cfg.get(name)
+            if isinstance(tok, dict):
+                tok = tok.get("content")
+            return None if tok is None else self._tok.token_to_id(tok)
+
+        self.eos_id = _id("eos_token")
+        if self.eos_id is None:
+            raise ValueError(f"{file}: no eos_token found (set it in tokenizer_config.json)")
+        self.bos_id = _id("bos_token")
+        pad = _id("pad_token")
+        self.pad_id = self.eos_id if pad is None else pad
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+
+    def apply_chat_template(self, messages: Sequence[dict]) -> str:
+        return _plain_chat(messages)
+
+
+def load_tokenizer(spec: str) -> Tokenizer:
+    """'builtin' -> BuiltinTokenizer; otherwise a path to a HF model dir or tokenizer.json."""
+    if spec == "builtin":
+        return BuiltinTokenizer()
+    return HFTokenizer(spec)

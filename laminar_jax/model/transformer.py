@@ -1,0 +1,198 @@
+"""Flax NNX decoder-only transformer (Llama-3 / Qwen2 / Qwen3).
+
+Parameters carry logical axis names (metadata ``out_sharding``) so the learner can map them
+onto a mesh: 'vocab', 'embed', 'heads', 'kv_heads', 'mlp', 'norm', 'head_dim'.
+Kernels are stored [in, out] (HF stores [out, in]; loading transposes).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.attention import CacheBackend, dense_attention
+
+
+def _init(init, axes: Sequence[Optional[str]]):
+    # eager_sharding=False: parameters are created unsharded; the learner places them.
+    return nnx.with_metadata(init, out_sharding=tuple(axes), eager_sharding=False)
+
+
+def _linear(din: int, dout: int, axes, bias: bool, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Linear:
+    return nnx.Linear(
+        din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+        kernel_init=_init(nnx.initializers.normal(0.02), axes),
+        bias_init=_init(nnx.initializers.zeros_init(), axes[1:]),
+        rngs=rngs)
+
+
+class RMSNorm(nnx.Module):
+    """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 (as HF does)."""
+
+    def __init__(self, dim: int, eps: float, param_dtype):
+        self.eps = eps
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype), out_sharding=("norm",), eager_sharding=False)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        xf = x.astype(jnp.float32)
+        xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return xf.astype(x.dtype) * self.weight[...].astype(x.dtype)
+
+
+def rope_inv_freq(cfg: TransformerConfig) -> np.ndarray:
+    """f32[head_dim/2] inverse frequencies, with Llama-3 scaling when configured."""
+    d = cfg.head_dim
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.int64).astype(np.float32) / d))
+    s = cfg.rope_scaling
+    if s is None:
+        return inv.astype(np.float32)
+    low_wav = s.original_max_position_embeddings / s.low_freq_factor
+    high_wav = s.original_max_position_embeddings / s.high_freq_factor
+    wavelen = 2 * np.pi / inv
+    scaled = np.where(wavelen > low_wav, inv / s.factor, inv)
+    smooth = (s.original_max_position_embeddings / wavelen - s.low_freq_factor) / (
+        s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * scaled / s.factor + smooth * scaled
+    medium = ~(wavelen < high_wav) & ~(wavelen > low_wav)
+    return np.where(medium, smoothed, scaled).astype(np.float32)
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotate-half RoPE. x: f[B, T, H, D]; positions: i32[B, T]."""
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # f32[B, T, D/2]
+    emb = jnp.concatenate([freqs, freqs], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(emb), jnp.sin(emb)
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return (x.astype(jnp.float32) * cos + rotated * sin).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
+        self.cfg = cfg
+        d, hd = cfg.hidden_size, cfg.head_dim
+        lin = functools.partial(_linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        self.q_proj = lin(d, cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias)
+        self.k_proj = lin(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias)
+        self.v_proj = lin(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias)
+        self.o_proj = lin(cfg.num_heads * hd, d, ("heads", "embed"), cfg.o_bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype)
+
+    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None):
+        b, t, _ = x.shape
+        c = self.cfg
+        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+        if backend is None:
+            out, new_cache = dense_attention(q, k, v, segment_ids), None
+        else:
+            out, new_cache = backend(q, k, v, layer_cache)
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), new_cache
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
+        lin = functools.partial(_linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype, bias=cfg.mlp_bias)
+        self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"))
+        self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"))
+        self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"))
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.self_attn = Attention(cfg, rngs, dtype, param_dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        self.mlp = MLP(cfg, rngs, dtype, param_dtype)
+
+    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None):
+        h, new_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids, layer_cache, backend)
+        x = x + h
+        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+
+
+class ModelOutput(NamedTuple):
+    logits: jax.Array  # f32[B, T, V]
+    values: Optional[jax.Array]  # f32[B, T] when the model has a value head
+    hidden: jax.Array  # f[B, T, D] final-normed hidden states
+
+
+class Transformer(nnx.Module):
+    """Decoder-only LM. ``model(tokens)`` -> f32[B, T, V] logits."""
+
+    def __init__(self, cfg: TransformerConfig, *, rngs: nnx.Rngs, dtype=jnp.float32,
+                 param_dtype=jnp.float32, value_head: bool = False):
+        self.cfg = cfg
+        self.dtype = dtype
+        self.embed_tokens = nnx.Embed(
+            cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
+            embedding_init=_init(nnx.initializers.normal(0.02), ("vocab", "embed")), rngs=rngs)
+        self.layers = nnx.List([DecoderLayer(cfg, rngs, dtype, param_dtype) for _ in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs, dtype, param_dtype)
+        if value_head:
+            self.value_head = _linear(cfg.hidden_size, 1, ("embed", None), True, rngs, dtype, param_dtype)
+
+    @property
+    def has_value_head(self) -> bool:
+        return hasattr(self, "value_head")
+
+    def _trunk(self, tokens, positions, segment_ids, cache, backend):
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))  # static: from the config, never trained
+        x = self.embed_tokens(tokens)
+        new_cache = []
+        for i, layer in enumerate(self.layers):
+            x, c = layer(x, positions, inv_freq, segment_ids,
+                         None if cache is None else cache[i], backend)
+            new_cache.append(c)
+        return self.norm(x), new_cache
+
+    def _logits(self, h):
+        if self.cfg.tie_word_embeddings:
+            return self.embed_tokens.attend(h).astype(jnp.float32)
+        return self.lm_head(h).astype(jnp.float32)
+
+    def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
+                segment_ids: Optional[jax.Array] = None) -> ModelOutput:
+        """Training forward over a padded or packed batch.
+
+        tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
+        segment_ids: i32[B, T], 0 = padding (default all ones).
+        """
+        b, t = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        if segment_ids is None:
+            segment_ids = jnp.ones((b, t), jnp.int32)
+        h, _ = self._trunk(tokens, positions, segment_ids, None, None)
+        values = self.value_head(h)[..., 0].astype(jnp.float32) if self.has_value_head else None
+        return ModelOutput(self._logits(h), values, h)
+
+    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
+        return self.forward(tokens, positions, segment_ids).logits
+
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: Sequence[Any],
+                       backend: CacheBackend) -> tuple[jax.Array, list[Any]]:
+        """Decode/prefill through a cache backend (see laminar_jax.model.attention).
+
+        tokens, positions: i32[B, T]; cache: one backend-defined pytree per layer.
+        Returns (f32[B, T, V] logits, new per-layer cache list).
+        """
+        h, new_cache = self._trunk(tokens, positions, None, cache, backend)
+        return self._logits(h), new_cache
