@@ -1,0 +1,54 @@
+"""Plain records that cross plane boundaries (rollout -> buffer -> learner).
+
+They hold host data only (numpy / Python scalars), so any plane can build, store, checkpoint
+or send them without importing another plane.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Literal, Optional
+
+import numpy as np
+
+FinishReason = Literal["eos", "length", "aborted"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Trajectory:
+    """One generated response to one prompt, produced entirely by one weight version.
+
+    Attributes:
+      uid: Unique id of this trajectory: f"{prompt_uid}/{sample_index}".
+      prompt_uid: Id of the prompt (dataset index + epoch); the ledger key.
+      sample_index: Index within the prompt's group (0..n_samples-1).
+      prompt_ids: i32[P] prompt token ids.
+      response_ids: i32[R] generated ids (including the stop token when finish_reason == 'eos').
+      behaviour_logprobs: f32[R] log-prob of each generated token under `version` (sampling dist.).
+      version: The one weight version that generated every response token.
+      finish_reason: 'eos' (stop token), 'length' (max_new_tokens / max length) or 'aborted'.
+      reward: Scalar reward, None until scored.
+      data_source: Key of the reward function that scores it.
+      ground_truth: Whatever the reward function needs.
+      extra: Free-form JSON-serialisable metadata (timings, server id, moves...).
+    """
+
+    uid: str
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: np.ndarray
+    response_ids: np.ndarray
+    behaviour_logprobs: np.ndarray
+    version: int
+    finish_reason: FinishReason = "eos"
+    reward: Optional[float] = None
+    data_source: str = ""
+    ground_truth: Any = None
+    extra: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(len(self.prompt_ids) + len(self.response_ids))
+
+    def with_reward(self, reward: float) -> "Trajectory":
+        return dataclasses.replace(self, reward=float(reward))
