@@ -1,0 +1,130 @@
+"""The whole run's configuration: one typed section per plane, validated once.
+
+Flow: ``configs/<x>.py:get_config(variant)`` returns an ml_collections ConfigDict built from
+:func:`default_config`; the command line overrides it (``--config.learner.lr=1e-6``);
+:func:`finalize` turns it into a frozen :class:`Config`, rejecting unknown keys and bad values
+with the dotted key; the runtime writes it into the run directory as JSON, and child processes
+start from that file (:func:`load_config`), never from argv.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Optional
+
+import ml_collections
+
+from laminar_jax.buffer.config import BufferSection
+from laminar_jax.configlib import ConfigError, expect, from_config_dict, to_config_dict, to_json, validate_tree
+from laminar_jax.data.config import DataSection
+from laminar_jax.learner.config import LearnerSection, MeshSection
+from laminar_jax.model.config import ModelSection
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.runtime.config import RuntimeSection
+from laminar_jax.scheduler.config import SchedulerSection
+
+__all__ = ["Config", "ConfigError", "default_config", "finalize", "save_config", "load_config"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """A whole run.
+
+    Attributes:
+      model: The policy model (laminar_jax.model).
+      learner: Losses, optimiser, checkpoints (laminar_jax.learner).
+      mesh: Device mesh of the learner.
+      rollout: Rollout engines and sampling (laminar_jax.rollout).
+      relay: Weight store and relay tier (laminar_jax.relay).
+      buffer: Experience buffer and sampling policy (laminar_jax.buffer).
+      scheduler: Repack and failure detection (laminar_jax.scheduler).
+      data: Prompts and rewards (laminar_jax.data).
+      runtime: Wiring, mode and run length (laminar_jax.runtime).
+      seed: Global seed; planes derive theirs from it unless set.
+    """
+
+    model: ModelSection = ModelSection()
+    learner: LearnerSection = LearnerSection()
+    mesh: MeshSection = MeshSection()
+    rollout: RolloutSection = RolloutSection()
+    relay: RelaySection = RelaySection()
+    buffer: BufferSection = BufferSection()
+    scheduler: SchedulerSection = SchedulerSection()
+    data: DataSection = DataSection()
+    runtime: RuntimeSection = RuntimeSection()
+    seed: int = 0
+
+    def validate(self, prefix: str) -> None:
+        expect(self.seed >= 0, "seed", self.seed, ">= 0")
+
+
+SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
+
+
+def default_config() -> ml_collections.ConfigDict:
+    """All defaults as a ConfigDict (what configs/*.py start from and override)."""
+    return to_config_dict(Config())
+
+
+def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
+    """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError."""
+    cfg = from_config_dict(Config, cd)
+    validate_tree(cfg)
+    return cfg
+
+
+def save_config(cfg: Config, run_dir: str) -> str:
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "config.json")
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        f.write(to_json(cfg))
+    os.replace(tmp, path)
+    return path
+
+
+def load_config(path: str) -> Config:
+    """Read a resolved config.json (as written by save_config) and validate it again."""
+    with open(path) as f:
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    return finalize(raw)
+
+
+def replace(cfg: Config, **sections) -> Config:
+    """Functional update of whole sections or dotted keys: replace(cfg, **{"runtime.mode": "sync"})."""
+    out = cfg
+    for key, value in sections.items():
+        section, _, field = key.partition(".")
+        if not field:
+            out = dataclasses.replace(out, **{section: value})
+        else:
+            out = dataclasses.replace(out, **{section: dataclasses.replace(getattr(out, section), **{field: value})})
+    validate_tree(out)
+    return out
+
+
+def section_docs() -> dict[str, dict[str, str]]:
+    """{section: {field: doc}} for the configuration reference."""
+    from laminar_jax.configlib import field_docs
+
+    out: dict[str, dict[str, str]] = {}
+    for name, tp in SECTIONS.items():
+        if isinstance(tp, str):
+            tp = globals()[tp]
+        if dataclasses.is_dataclass(tp):
+            out[name] = field_docs(tp)
+    return out
+
+
+def resolve_run_dir(cfg: Config, now: Optional[str] = None) -> str:
+    if cfg.runtime.run_dir:
+        return cfg.runtime.run_dir
+    import time
+
+    return os.path.join("runs", now or time.strftime("%Y%m%d-%H%M%S"))

@@ -1,0 +1,59 @@
+"""Config section for the runtime (wiring, mode, run length)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from laminar_jax.configlib import expect
+
+MODES = ("sync", "one_step", "stream", "laminar")
+
+
+@dataclasses.dataclass(frozen=True)
+class RuntimeSection:
+    """How the planes are wired and how long the run lasts.
+
+    Attributes:
+      kind: 'local' (threads in one process, the embedded default) or 'ray' (one actor per role).
+      mode: 'sync', 'one_step', 'stream' or 'laminar' (see docs/ARCHITECTURE.md, "Modes").
+      run_dir: Run directory (resolved config, checkpoints, weight store, TensorBoard, timeline). None: runs/<timestamp>.
+      num_servers: Number of rollout servers.
+      prompts_per_step: Prompts (GRPO groups) per learner step.
+      samples_per_prompt: Responses generated per prompt (the GRPO group size).
+      total_steps: Learner steps to run.
+      max_staleness: Staleness bound for 'stream' admission control (AReaL capacity rule); None = unbounded.
+      sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
+      sft_lr: Learning rate of the warm-start.
+      checkpoint_every: Learner steps between checkpoints (0 = only at the end).
+      progress: Show the live progress display.
+      timeline: Write the slot-occupancy timeline PNG at the end.
+      wait_timeout_s: Upper bound on any single wait inside the runtime; exceeded waits fail the run naming what they waited for.
+      address: Ray cluster address for kind='ray' (None starts a local cluster).
+    """
+
+    kind: Literal["local", "ray"] = "local"
+    mode: Literal["sync", "one_step", "stream", "laminar"] = "laminar"
+    run_dir: Optional[str] = None
+    num_servers: int = 2
+    prompts_per_step: int = 8
+    samples_per_prompt: int = 4
+    total_steps: int = 20
+    max_staleness: Optional[int] = 2
+    sft_warmup_steps: int = 0
+    sft_lr: float = 3e-3
+    checkpoint_every: int = 0
+    progress: bool = True
+    timeline: bool = True
+    wait_timeout_s: float = 600.0
+    address: Optional[str] = None
+
+    def validate(self, prefix: str) -> None:
+        for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps"):
+            v = getattr(self, name)
+            expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
+        expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")
+        expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
+        expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
+        if self.max_staleness is not None:
+            expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0 or None")

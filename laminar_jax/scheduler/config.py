@@ -1,0 +1,32 @@
+"""Config section for the host-side scheduler (repack, heartbeats)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from laminar_jax.configlib import expect
+
+
+@dataclasses.dataclass(frozen=True)
+class SchedulerSection:
+    """Repack and failure detection.
+
+    Attributes:
+      repack: Run dynamic repack (laminar mode only).
+      repack_interval_s: Seconds between repack plans (also planned right after each publish).
+      c_max: Destination KV fill bound for repack, as a fraction of its pages.
+      max_batch: B, the roofline batch bound used by repack (sources have fewer live sequences; destinations never exceed it).
+      heartbeat_timeout_s: A server, relay or learner silent this long is declared dead.
+    """
+
+    repack: bool = True
+    repack_interval_s: float = 2.0
+    c_max: float = 0.99
+    max_batch: int = 64
+    heartbeat_timeout_s: float = 30.0
+
+    def validate(self, prefix: str) -> None:
+        expect(0 < self.c_max <= 1, f"{prefix}.c_max", self.c_max, "in (0, 1]")
+        expect(self.max_batch >= 1, f"{prefix}.max_batch", self.max_batch, ">= 1")
+        expect(self.repack_interval_s > 0, f"{prefix}.repack_interval_s", self.repack_interval_s, "> 0")
+        expect(self.heartbeat_timeout_s > 0, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")

@@ -1,0 +1,86 @@
+"""Mode policies: when prompts may be dispatched and when a server may take new weights.
+
+The four modes differ only here (plus whether repack runs); the runtime loop and the simulator
+are the same code for all of them.
+
+  sync      generate a whole batch, then train on it (verl-style baseline).
+  one_step  generation of batch k+1 overlaps training on batch k; weights one step behind.
+  stream    continuous dispatch under a staleness bound (AReaL capacity rule); global weight
+            updates: all servers drain, then all swap together (AsyncFlow-style).
+  laminar   continuous dispatch; each server swaps on its own as soon as it has drained
+            (trajectory-level asynchrony), helped by repack.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional, Sequence
+
+
+@dataclasses.dataclass(frozen=True)
+class ModePolicy:
+    """Attributes:
+      name: Mode name.
+      swap: 'global' (every server swaps at one barrier) or 'per_server'.
+      repack: Whether dynamic repack runs in this mode.
+      batches_ahead: For sync/one_step: how many batches dispatch may run ahead of the learner.
+      bounded_staleness: Dispatch obeys the AReaL capacity rule with max_staleness.
+    """
+
+    name: str
+    swap: Literal["global", "per_server"]
+    repack: bool
+    batches_ahead: Optional[int]
+    bounded_staleness: bool
+
+
+POLICIES = {
+    "sync": ModePolicy("sync", "global", False, 0, False),
+    "one_step": ModePolicy("one_step", "global", False, 1, False),
+    "stream": ModePolicy("stream", "global", False, None, True),
+    "laminar": ModePolicy("laminar", "per_server", True, None, False),
+}
+
+
+def get_policy(mode: str, repack: bool = True) -> ModePolicy:
+    if mode not in POLICIES:
+        raise ValueError(f"runtime.mode={mode!r}: must be one of {sorted(POLICIES)}")
+    p = POLICIES[mode]
+    return dataclasses.replace(p, repack=p.repack and repack)
+
+
+def dispatch_allowance(p: ModePolicy, learner_version: int, dispatched: int, prompts_per_step: int,
+                       max_staleness: Optional[int]) -> Optional[int]:
+    """How many more prompts may be dispatched now; None = no mode limit (capacity still applies).
+
+    learner_version counts completed learner steps; dispatched counts prompts ever dispatched.
+      sync/one_step: prompts of batch k may go out once learner_version >= k - batches_ahead,
+                     so allowance = (learner_version + 1 + batches_ahead) * B - dispatched.
+      stream:        AReaL: (max_staleness + learner_version + 1) * B - dispatched.
+      laminar:       unbounded unless max_staleness is set, then as stream.
+    """
+    if p.batches_ahead is not None:
+        return max(0, (learner_version + 1 + p.batches_ahead) * prompts_per_step - dispatched)
+    if p.bounded_staleness or max_staleness is not None:
+        eta = 0 if max_staleness is None else max_staleness
+        return max(0, (eta + learner_version + 1) * prompts_per_step - dispatched)
+    return None
+
+
+def server_may_admit(p: ModePolicy, server_version: int, newest_version: int, global_pending: bool) -> bool:
+    """A server admits new prompts only while it runs the newest version it could take.
+
+    A server that knows of a newer version stops admitting so it drains and can swap (or, in
+    laminar mode, is emptied sooner by repack). In global modes a pending barrier stops everyone.
+    """
+    if p.swap == "global":
+        return not global_pending
+    return server_version >= newest_version
+
+
+def swap_now(p: ModePolicy, server_live: int, live_per_server: Sequence[int]) -> bool:
+    """May this server load the newest version now? Never with a live sequence (one version per
+    trajectory); in global modes only once every server has drained."""
+    if server_live > 0:
+        return False
+    return p.swap == "per_server" or all(n == 0 for n in live_per_server)

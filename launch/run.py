@@ -1,0 +1,37 @@
+"""Entry point: python launch/run.py --config=configs/demo.py[:variant] --config.learner.lr=1e-3
+
+Parses the config, finalizes it (validation names the bad key), writes the run directory and
+starts the configured runtime. Logging and environment are configured here and nowhere else.
+"""
+
+import logging
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from absl import app  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:variant].",
+                                          lock_config=True)
+
+
+def main(argv):
+    del argv
+    logging.basicConfig(level=os.environ.get("LAMINAR_LOG", "WARNING"),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from laminar_jax.config import ConfigError, finalize
+    from laminar_jax.runtime import run
+
+    try:
+        cfg = finalize(_CONFIG.value)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    app.run(lambda argv: sys.exit(main(argv)))

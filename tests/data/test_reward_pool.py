@@ -1,0 +1,116 @@
+"""RewardPool: real worker processes; failures score 0.0, are counted, and the pool recovers."""
+
+import os
+import signal
+import time
+
+import pytest
+
+from laminar_jax.data import RewardPool
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROBES = "data_reward_probes:registry"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    p = RewardPool(num_workers=2, timeout_s=1.5, registry_spec=PROBES, pythonpath=[HERE])
+    yield p
+    p.close()
+
+
+def _wait_for(cond, what, timeout_s=20.0):
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out after {timeout_s}s waiting for {what}")
+        time.sleep(0.05)
+
+
+def test_scores_many_concurrently(pool):
+    futs = [pool.submit("echo", str(i / 100), None) for i in range(60)]
+    futs.append(pool.submit("synthetic_skew", "ab1ab0", "ab1ab0"))
+    futs.append(pool.submit("openai/gsm8k", "so \\boxed{12}", "12"))
+    results = [f.result(timeout=60) for f in futs]
+    assert [r.reward for r in results[:60]] == [i / 100 for i in range(60)]
+    assert results[60].reward == 1.0 and results[61].reward == 1.0
+    assert all(r.ok and r.error is None and r.latency_s >= 0 for r in results)
+
+
+def test_exception_and_nan_score_zero_and_are_counted(pool):
+    before = pool.stats()
+    r = pool.score("raise", "x", None)
+    assert (r.reward, r.ok) == (0.0, False) and "scorer exploded" in r.error
+    r = pool.score("nan", "x", None)
+    assert (r.reward, r.ok) == (0.0, False) and "not finite" in r.error
+    r = pool.score("no_such_source_with_a_bad_math_answer", "x", "1")  # default math scorer: wrong -> 0
+    assert r.ok and r.reward == 0.0
+    after = pool.stats()
+    assert after["errors"] - before["errors"] == 2 and after["restarts"] == before["restarts"]
+    assert pool.score("echo", "0.75", None).reward == 0.75
+
+
+def test_timeout_scores_zero_replaces_the_worker_and_pool_keeps_scoring(pool):
+    before = pool.stats()
+    pids = set(pool.worker_pids())
+    hung = pool.submit("hang", "x", None, {"sleep_s": 3600})
+    quick = [pool.submit("echo", "0.5", None) for _ in range(10)]  # the other worker keeps going
+    r = hung.result(timeout=30)
+    assert (r.reward, r.ok) == (0.0, False) and "timed out" in r.error and r.latency_s >= 1.5
+    assert all(f.result(timeout=30).reward == 0.5 for f in quick)
+    after = pool.stats()
+    assert after["timeouts"] - before["timeouts"] == 1 and after["restarts"] - before["restarts"] == 1
+    assert len(set(pool.worker_pids()) - pids) == 1
+    assert [pool.score("echo", "0.25", None).reward for _ in range(4)] == [0.25] * 4
+
+
+def test_crash_mid_call_and_killed_idle_worker_are_replaced(pool):
+    before = pool.stats()
+    r = pool.score("crash", "x", None)
+    assert (r.reward, r.ok) == (0.0, False) and "exited" in r.error
+    victim = pool.worker_pids()[0]
+    os.kill(victim, signal.SIGKILL)  # an idle worker killed from outside
+    _wait_for(lambda: victim not in pool.worker_pids(), f"worker {victim} to be replaced")
+    results = [pool.submit("pid", "x", None) for _ in range(8)]
+    used = {int(f.result(timeout=30).reward) for f in results}
+    assert victim not in used and used <= set(pool.worker_pids())
+    after = pool.stats()
+    assert after["crashes"] - before["crashes"] == 1 and after["restarts"] - before["restarts"] == 2
+
+
+def test_unserialisable_request_is_counted_not_raised(pool):
+    r = pool.submit("echo", "1", object()).result(timeout=5)
+    assert (r.reward, r.ok) == (0.0, False) and "JSON" in r.error
+    assert pool.stats()["bad_requests"] >= 1
+
+
+def test_bad_registry_is_reported_by_check():
+    p = RewardPool(num_workers=1, timeout_s=1.0, registry_spec="data_reward_probes:missing", pythonpath=[HERE])
+    try:
+        fut = p.submit("echo", "1", None)
+        r = fut.result(timeout=30)
+        assert not r.ok and "cannot load reward registry" in r.error
+        with pytest.raises(RuntimeError, match="data_reward_probes:missing"):
+            p.submit("echo", "1", None)
+    finally:
+        p.close()
+
+
+def test_thread_mode_times_out_and_runs_math_verify():
+    with RewardPool(num_workers=2, timeout_s=1.0, registry_spec=PROBES, mode="thread") as p:
+        assert p.score("math", "$\\boxed{2}$", "2").reward == 1.0  # no signal error off the main thread
+        r = p.score("hang", "x", None, {"sleep_s": 2.5})
+        assert not r.ok and "timed out" in r.error
+        assert p.score("echo", "0.5", None).reward == 0.5
+        s = p.stats()
+        assert s["timeouts"] == 1 and s["ok"] == 2
+
+
+def test_close_resolves_pending_and_refuses_new_work():
+    p = RewardPool(num_workers=1, timeout_s=30, registry_spec=PROBES, pythonpath=[HERE])
+    hung = p.submit("hang", "x", None, {"sleep_s": 60})
+    queued = p.submit("echo", "1", None)
+    p.close(wait_s=0.2)
+    assert not hung.result(timeout=5).ok and queued.result(timeout=5).error == "reward pool closed"
+    with pytest.raises(RuntimeError):
+        p.submit("echo", "1", None)
