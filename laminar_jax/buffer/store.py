@@ -93,6 +93,21 @@ class ExperienceStore:
         self._seq += 1
         return self._seq
 
+    def complete_group_keys(self, fields: Sequence[str]) -> set[str]:
+        """Groups whose every member has all `fields` (consumed or not)."""
+        with self._cv:
+            return {g for g, rows in self._groups.items()
+                    if len(rows) >= self.group_size and all(f in self._rows[r] for r in rows for f in fields)}
+
+    def discard_group(self, group: str) -> None:
+        """Forget a group's rows (e.g. dropped prompt)."""
+        with self._cv:
+            for row in self._groups.pop(group, []):
+                uid = self._rows.pop(row)["uid"]
+                del self._uid_row[uid]
+                self._row_group.pop(row, None)
+                self._field_seq.pop(row, None)
+
     def ready_groups(self, consumer: str, fields: Sequence[str]) -> int:
         with self._cv:
             return len(self._complete_groups(consumer, fields))

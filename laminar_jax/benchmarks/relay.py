@@ -1,0 +1,246 @@
+"""Relay-tier benchmark: learner stall, publish-to-visible latency, pull bandwidth, chain fan-out,
+and the naive orbax save+restore alternative, measured side by side in one run.
+
+    python -m laminar_jax.benchmarks.relay [--quick] [--sizes-mb 100,500,2000] [--link-mb-s 200]
+
+Prints a table, then one JSON line (the returned dict) last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Any
+
+import numpy as np
+
+from laminar_jax.relay.chain import start_local_chain
+from laminar_jax.relay.client import RelayClient
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.publisher import Publisher
+from laminar_jax.relay.store import WeightStore
+
+MB = 1 << 20
+
+
+def _param_shapes(total_mb: int) -> list[tuple[str, tuple[int, ...], str]]:
+    """LLM-like parameter set of about total_mb: bf16 embedding, f32 layer matrices, small vectors."""
+    d = 1024
+    embed_rows = max(1, total_mb * MB // 8 // (d * 2))  # ~1/8 of the bytes, bf16
+    out = [("embed", (embed_rows, d), "bfloat16")]
+    per_layer = 4 * d * d * 4 + 2 * d * 4  # one [d, 4d] f32 matrix + two norms
+    for i in range(max(1, (total_mb * MB * 7 // 8) // per_layer)):
+        out += [(f"l{i}.w", (d, 4 * d), "float32"), (f"l{i}.n1", (d,), "float32"), (f"l{i}.n2", (d,), "float32")]
+    return out
+
+
+def _make_params(total_mb: int, seed: int) -> dict:
+    import jax
+    import ml_dtypes
+
+    rng = np.random.default_rng(seed)
+    host = {}
+    for name, shape, dt in _param_shapes(total_mb):
+        a = rng.random(shape, dtype=np.float32)
+        host[name] = a.astype(ml_dtypes.bfloat16) if dt == "bfloat16" else a
+    tree = jax.device_put(host)
+    jax.block_until_ready(tree)
+    return tree
+
+
+def _fresh(tree: dict) -> dict:
+    """New device buffers with the same values (jax caches host copies on an array)."""
+    import jax
+
+    out = jax.tree.map(lambda a: a + 0, tree)
+    jax.block_until_ready(out)
+    return out
+
+
+def _nbytes(tree: dict) -> int:
+    return sum(int(a.nbytes) for a in tree.values())
+
+
+def _timed(fn) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def _drop_cache(root: str) -> list[str]:
+    files = []
+    for d, _, names in os.walk(root):
+        for n in names:
+            p = os.path.join(d, n)
+            fd = os.open(p, os.O_RDONLY)
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            os.close(fd)
+            files.append(p)
+    return files
+
+
+def _raw_disk_read(files: list[str]) -> float:
+    buf = memoryview(bytearray(64 * MB))
+    n, t0 = 0, time.perf_counter()
+    for p in files:
+        with open(p, "rb", buffering=0) as f:
+            while k := f.readinto(buf):
+                n += k
+    return n / (time.perf_counter() - t0)
+
+
+def bench_size(total_mb: int, work: str, reps: int) -> dict:
+    """Stall vs device_get, publish-to-visible, pull vs memcpy vs disk, orbax, for one size."""
+    import jax
+
+    tree = _make_params(total_mb, seed=total_mb)
+    nbytes = _nbytes(tree)
+    store = WeightStore(os.path.join(work, f"store{total_mb}"), keep_last=2)
+    cfg = RelaySection(keep_in_memory=1, chunk_bytes=32 * MB, keep_last=2)
+    stalls, d2hs, store_vis, relay_vis, pulls, pull_copies, copies, prealloc = [], [], [], [], [], [], [], []
+    with start_local_chain(1, cfg) as chain, Publisher(cfg, store, chain.addresses) as pub:
+        client = RelayClient(chain.addresses, config=cfg)
+        for v in range(1, reps + 1):
+            fresh = _fresh(tree)
+            d2h, host = _timed(lambda: jax.device_get(fresh))
+            d2hs.append(d2h)
+            del fresh, host
+            fresh = _fresh(tree)
+            stalls.append(pub.publish(v, fresh))
+            del fresh
+            pub.flush(600)
+            t = pub.stats().timings[v]
+            store_vis.append(t["store_visible"])
+            relay_vis.append(t["relay_visible"])
+            dt, (_, got) = _timed(lambda: client.pull(newer_than=v - 1, timeout=60))  # zero-copy map
+            pulls.append(nbytes / dt)
+            del got
+            dt, (_, got) = _timed(lambda: client.pull(newer_than=v - 1, timeout=60, copy=True))
+            pull_copies.append(nbytes / dt)
+            dt, _ = _timed(lambda: {k: np.array(a) for k, a in got.items()})  # memcpy into fresh memory
+            copies.append(nbytes / dt)
+            dst = {k: np.ones_like(a) for k, a in got.items()}  # pre-touched: the best memcpy here
+            dt, _ = _timed(lambda: [np.copyto(dst[k], a) for k, a in got.items()])
+            prealloc.append(nbytes / dt)
+            del got, dst
+        m = store.manifest(reps)
+        files = _drop_cache(os.path.join(work, f"store{total_mb}", m.data))
+        disk = _raw_disk_read(files)
+        _drop_cache(os.path.join(work, f"store{total_mb}", m.data))
+        dt, _ = _timed(lambda: store.read(reps))
+        store_read = nbytes / dt
+    naive_save, naive_restore = _orbax(tree, os.path.join(work, f"orbax{total_mb}"))
+    med = statistics.median
+    return {"mb": total_mb, "bytes": nbytes, "arrays": len(tree), "stall_s": med(stalls), "d2h_s": med(d2hs),
+            "store_visible_s": med(store_vis), "relay_visible_s": med(relay_vis), "pull_gbps": med(pulls) / 1e9,
+            "pull_copy_gbps": med(pull_copies) / 1e9, "raw_gbps": med(prealloc) / 1e9,
+            "raw_fresh_gbps": med(copies) / 1e9, "disk_gbps": disk / 1e9,
+            "store_read_gbps": store_read / 1e9, "naive_save_s": naive_save, "naive_restore_s": naive_restore,
+            "naive_s": naive_save + naive_restore, "ours_s": med(relay_vis) + nbytes / med(pulls)}
+
+
+def _orbax(tree: dict, path: str) -> tuple[float, float]:
+    import jax
+    import orbax.checkpoint as ocp
+
+    shutil.rmtree(path, ignore_errors=True)
+    ckpt = ocp.StandardCheckpointer()
+    t_save, _ = _timed(lambda: (ckpt.save(path, tree), ckpt.wait_until_finished()))
+    abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+    t_restore, restored = _timed(lambda: jax.block_until_ready(ckpt.restore(path, abstract)))
+    ckpt.close()
+    shutil.rmtree(path, ignore_errors=True)
+    return t_save, t_restore
+
+
+def bench_chain(total_mb: int, chunk_mb: int, link_rate: int, ns: list[int]) -> dict[int, float]:
+    """Seconds from publish() until the last relay of an n-relay chain holds the version."""
+    flat = {k: np.asarray(v) for k, v in _host_params(total_mb).items()}
+    cfg = RelaySection(chunk_bytes=chunk_mb * MB, link_rate_bytes_per_s=link_rate, link_burst_bytes=1 * MB,
+                       keep_in_memory=1, io_timeout_s=120.0)
+    out = {}
+    for n in ns:
+        with start_local_chain(n, cfg) as chain, \
+                Publisher(cfg, relay_addresses=chain.addresses, copy_numpy=False) as pub:
+            last = RelayClient([chain.addresses[-1]], config=cfg)
+            for v in (1, 2, 3):  # versions 1-2 warm the relays' buffers (steady state); time version 3
+                t0 = time.perf_counter()
+                pub.publish(v, flat)
+                last.wait_for(v, timeout=600)
+                out[n] = time.perf_counter() - t0
+    return out
+
+
+def _host_params(total_mb: int) -> dict:
+    rng = np.random.default_rng(1)
+    return {name: rng.random(shape, dtype=np.float32) for name, shape, _ in _param_shapes(total_mb)}
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench relay", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="smallest size only (< 2 min)")
+    p.add_argument("--sizes-mb", default=None, help="comma-separated parameter-set sizes in MB")
+    p.add_argument("--chain-mb", type=int, default=None, help="version size for the chain runs (MB)")
+    p.add_argument("--chunk-mb", type=int, default=None, help="chunk size on chain links (MB)")
+    p.add_argument("--link-mb-s", type=float, default=200.0, help="token-bucket limit per link (MB/s)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> dict:
+    args = parse_args(argv)
+    sizes = [int(s) for s in args.sizes_mb.split(",")] if args.sizes_mb else ([100] if args.quick else [100, 500, 2000])
+    chain_mb = args.chain_mb or (128 if args.quick else 512)
+    chunk_mb = args.chunk_mb or (2 if args.quick else 8)
+    link_rate = int(args.link_mb_s * MB)
+    work = tempfile.mkdtemp(prefix="relay-bench-", dir=args.workdir)
+    t_start = time.perf_counter()
+    try:
+        rows = [bench_size(s, work, args.reps) for s in sizes]
+        chain = bench_chain(chain_mb, chunk_mb, link_rate, [1, 2, 4, 8])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    _print_table(rows, chain, chain_mb, chunk_mb, args.link_mb_s)
+    big = rows[-1]
+    result = {"bench": "relay", "bytes": big["bytes"], "stall_s": big["stall_s"], "d2h_s": big["d2h_s"],
+              "stall_ratio": big["stall_s"] / max(big["d2h_s"], 1e-9), "pull_gbps": big["pull_gbps"],
+              "raw_gbps": big["raw_gbps"], "pull_vs_raw": big["pull_gbps"] / big["raw_gbps"],
+              "chain8_vs_1hop": chain[8] / chain[1], "naive_s": big["naive_s"], "ours_s": big["ours_s"],
+              "store_visible_s": big["store_visible_s"], "relay_visible_s": big["relay_visible_s"],
+              "disk_gbps": big["disk_gbps"], "raw_fresh_gbps": big["raw_fresh_gbps"],
+              "pull_copy_gbps": big["pull_copy_gbps"],
+              "pull_copy_vs_raw_fresh": big["pull_copy_gbps"] / big["raw_fresh_gbps"],
+              "chain_s": {str(k): v for k, v in chain.items()}, "chain_bytes": chain_mb * MB,
+              "chunk_bytes": chunk_mb * MB, "link_bytes_per_s": link_rate, "sizes": rows,
+              "quick": args.quick, "wall_s": time.perf_counter() - t_start}
+    print(json.dumps(result))
+    return result
+
+
+def _print_table(rows: list[dict], chain: dict, chain_mb: int, chunk_mb: int, link: float) -> None:
+    print("GB/s columns: pull = zero-copy map of the local relay; pull cp = pull(copy=True); memcpy = into "
+          "pre-touched memory; memcpy new = into fresh allocations; disk = cold raw read; ts = WeightStore.read")
+    hdr = (f"{'size':>7} {'stall ms':>8} {'d2h ms':>7} {'ratio':>5} {'store vis':>9} {'relay vis':>9} "
+           f"{'pull':>6} {'pull cp':>7} {'memcpy':>6} {'memcpy new':>10} {'disk':>5} {'ts':>5} "
+           f"{'orbax s':>7} {'ours s':>6}")
+    print(hdr)
+    for r in rows:
+        print(f"{r['bytes'] / MB:6.0f}M {r['stall_s'] * 1e3:8.2f} {r['d2h_s'] * 1e3:7.2f} "
+              f"{r['stall_s'] / max(r['d2h_s'], 1e-9):5.2f} {r['store_visible_s']:9.2f} {r['relay_visible_s']:9.2f} "
+              f"{r['pull_gbps']:6.2f} {r['pull_copy_gbps']:7.2f} {r['raw_gbps']:6.2f} {r['raw_fresh_gbps']:10.2f} "
+              f"{r['disk_gbps']:5.2f} {r['store_read_gbps']:5.2f} {r['naive_s']:7.2f} {r['ours_s']:6.2f}")
+    print(f"chain: {chain_mb} MB version, {chunk_mb} MB chunks, {link:.0f} MB/s per link")
+    for n, t in chain.items():
+        print(f"  {n} relay(s): last relay has it after {t:6.2f} s  ({t / chain[1]:.2f}x one hop)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,48 @@
+"""Relay plane: versioned weight store, learner-side publisher, relay workers, rollout-side client.
+
+Weights travel as a flat ``dict[str, np.ndarray]`` (name -> host array). Names come from
+``flatten_tree`` (``jax.tree_util.keystr`` of each leaf path; an already-flat dict keeps its keys).
+
+Interfaces (import from here or from the named module):
+
+- ``flat.flatten_tree(pytree) -> dict[str, np.ndarray]`` and
+  ``flat.unflatten_like(flat, template_pytree, strict=True) -> pytree``.
+- ``store.WeightStore(url_or_path, keep_last=3, format="zarr3"|"zarr3_ocdbt", verify=True)``:
+  ``.write(version, flat) -> Manifest`` (atomic: manifest, then ``LATEST``), ``.latest() -> int|None``,
+  ``.versions() -> list[int]``, ``.read(version, names=None) -> flat``, ``.manifest(version)``,
+  ``.lease(version, holder, ttl_s=None) -> Lease`` (context manager; ``renew()``, ``release()``),
+  ``.gc() -> GcReport``. Missing versions raise ``VersionNotFound``.
+- ``publisher.Publisher(config, store=None, relay_addresses=None)``: ``.publish(version, params) -> stall_s``
+  (returns once the host copy is taken), ``.flush(timeout)``, ``.close()``, ``.check()``, ``.stats()``.
+- ``server.RelayServer(config, successors=(), port=None)``: ``.start()``, ``.stop()``, ``.address``,
+  ``.versions_held()``, ``.set_successors(addresses)``, ``.check()``, ``.stats()``.
+- ``client.RelayClient(addresses, store=None, config=RelaySection())``:
+  ``.pull(newer_than=-1, timeout=60, shardings=None, like=None) -> (version, params)`` (local relay,
+  then other relays, then the store; ``TimeoutError`` names what it waited for),
+  ``.latest_version(timeout)``, ``.wait_for(version, timeout, address=None)``.
+- ``chain.start_local_chain(n, config) -> LocalChain`` (``.addresses``, ``.kill(i)``, ``.stop()``):
+  n ``python -m laminar_jax.relay.worker`` processes, relay i forwarding to relays i+1, i+2, ...
+- ``config.RelaySection``: the plane's config section.
+
+Nothing here imports jax at import time; relay worker processes never do.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "RelaySection": "config", "flatten_tree": "flat", "unflatten_like": "flat", "tree_items": "flat",
+    "WeightStore": "store", "VersionNotFound": "store", "Lease": "store", "GcReport": "store",
+    "Manifest": "manifest", "ManifestError": "manifest", "Publisher": "publisher",
+    "PublisherStats": "publisher", "RelayServer": "server", "RelayClient": "client",
+    "start_local_chain": "chain", "LocalChain": "chain", "TokenBucket": "ratelimit",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

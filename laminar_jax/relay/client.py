@@ -1,0 +1,197 @@
+"""Rollout side: pull the newest weights from the local relay, other relays, or the store.
+
+A relay on the same host hands over its memfd over an abstract unix socket, so a pull costs one
+``mmap`` plus one memcpy (or none: with shardings, ``jax.device_put`` reads the mapping directly).
+A remote relay streams the bytes over TCP. Every wait is bounded and its error names the relay
+and version waited for.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import socket
+import time
+import weakref
+from typing import Any, Mapping, Optional, Sequence
+
+import numpy as np
+
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.manifest import Manifest, views
+from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
+
+
+class RelayClient:
+    """Pulls versions; ``addresses`` in preference order (local relay first)."""
+
+    def __init__(self, addresses: Sequence[str], store: Any = None, config: RelaySection = RelaySection(),
+                 holder: Optional[str] = None):
+        self.addresses, self.store, self.cfg = tuple(addresses), store, config
+        self.holder = holder or f"client-{socket.gethostname()}-{os.getpid()}"
+        self.last_source: Optional[str] = None  # where the last pull came from (relay address or store URL)
+        self.errors: list[str] = []  # relay errors met by the last call
+
+    # ---- public API
+    def pull(self, newer_than: int = -1, timeout: float = 60.0, shardings: Any = None,
+             like: Any = None, copy: bool = False) -> tuple[int, Any]:
+        """(version, params) for the newest version > newer_than, waiting up to ``timeout`` s.
+
+        params: flat {name: np.ndarray}. From a relay on this host these are read-only views of
+        the relay's memory (zero-copy; the relay keeps those bytes unchanged while they live),
+        or private copies with ``copy=True``. With ``shardings`` (a {name: Sharding} dict or a
+        pytree of Shardings): jax arrays placed by ``jax.device_put``, in the shardings'
+        structure. With ``like`` (a template pytree): rebuilt in that structure.
+        """
+        deadline = time.monotonic() + timeout
+        self.errors = []
+        waited = False
+        for addr in self.addresses:
+            wait = 0.0 if waited else max(0.0, deadline - time.monotonic())
+            try:
+                version, flat, owned = self._pull_relay(addr, newer_than, wait)
+            except RemoteError as e:
+                self.errors.append(str(e))
+                waited = waited or e.kind == "timeout"
+                continue
+            except (OSError, WireError) as e:
+                self.errors.append(f"relay {addr}: {e}")
+                continue
+            self.last_source = addr
+            return version, self._place(flat, owned or not copy, shardings, like)
+        got = self._pull_store(newer_than, deadline, poll=not waited)
+        if got is not None:
+            return got[0], self._place(got[1], True, shardings, like)
+        store = f" or store {self.store.url}" if self.store is not None else ""
+        raise TimeoutError(f"pull(newer_than={newer_than}): no newer version within {timeout}s from relays "
+                           f"{list(self.addresses)}{store}; errors: {self.errors}")
+
+    def latest_version(self, timeout: float = 5.0) -> Optional[int]:
+        """Newest complete version at the first reachable relay, else the store's LATEST."""
+        self.errors = []
+        for addr in self.addresses:
+            try:
+                peer = connect(addr, min(timeout, self.cfg.connect_timeout_s), timeout)
+                try:
+                    h, _ = peer.request({"op": "versions"}, "versions", "its version list")
+                finally:
+                    peer.close()
+                return max(h["complete"], default=None)
+            except (OSError, WireError, RemoteError) as e:
+                self.errors.append(f"relay {addr}: {e}")
+        return self.store.latest() if self.store is not None else None
+
+    def wait_for(self, version: int, timeout: float, address: Optional[str] = None) -> int:
+        """Block until ``address`` (default: the first relay) holds ``version`` or newer."""
+        addr = address or self.addresses[0]
+        peer = connect(addr, self.cfg.connect_timeout_s, timeout + self.cfg.io_timeout_s)
+        try:
+            h, _ = peer.request({"op": "wait", "version": version, "wait_s": timeout}, "ready",
+                                f"version {version} to be complete")
+        except RemoteError as e:
+            raise TimeoutError(f"relay {addr}: version {version} not complete within {timeout}s ({e})") from None
+        finally:
+            peer.close()
+        return int(h["version"])
+
+    # ---- relay paths
+    def _pull_relay(self, addr: str, newer_than: int, wait: float) -> tuple[int, dict, bool]:
+        for attempt in range(3):  # the version may be evicted between 'pull' and 'map'/'read'
+            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s + wait)
+            try:
+                h, _ = peer.request({"op": "pull", "newer_than": newer_than, "wait_s": wait}, "pulled",
+                                    f"a version newer than {newer_than}")
+                m = Manifest.from_dict(h["manifest"], f"manifest of version {h.get('version')} from relay {addr}")
+                peer.settimeout(self.cfg.io_timeout_s)
+                try:
+                    flat = None
+                    if self.cfg.local_transport == "memfd" and h.get("unix"):
+                        flat = self._map_local(addr, h["unix"], m)
+                    if flat is not None:
+                        return m.version, flat, False
+                    return m.version, self._read_tcp(peer, m), True
+                except RemoteError as e:
+                    if e.kind != "gone" or attempt == 2:
+                        raise
+            finally:
+                peer.close()
+        raise AssertionError("unreachable")
+
+    def _map_local(self, addr: str, unix_name: str, m: Manifest) -> Optional[dict]:
+        """Map the relay's memfd if it lives on this host; None if it does not."""
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(self.cfg.io_timeout_s)
+        try:
+            s.connect(unix_name)
+        except OSError:
+            s.close()
+            return None
+        peer = Peer(s, f"relay {addr} (unix)")
+        try:
+            h, _ = peer.request({"op": "map", "version": m.version}, "mapped", f"the memfd of version {m.version}")
+            _, fds, _, _ = socket.recv_fds(s, 1, 1)
+            if not fds:
+                raise WireError(f"{peer.name}: no file descriptor came with version {m.version}")
+            try:
+                mm = mmap.mmap(fds[0], max(1, m.total_bytes), flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                               prot=mmap.PROT_READ)
+            finally:
+                for fd in fds:
+                    os.close(fd)
+        except BaseException:
+            peer.close()
+            raise
+        # The relay pins these bytes until this connection closes: close it when the mapping dies.
+        weakref.finalize(mm, peer.close)
+        return views(mm, m)
+
+    def _read_tcp(self, peer: Peer, m: Manifest) -> dict:
+        buf = np.empty(m.total_bytes, np.uint8)
+        peer.send({"op": "read", "version": m.version, "offset": 0, "nbytes": m.total_bytes})
+        _, plen = peer.expect("data", f"bytes of version {m.version}")
+        if plen != m.total_bytes:
+            raise WireError(f"{peer.name}: sent {plen} bytes for version {m.version}, expected {m.total_bytes}")
+        peer.recv_into(memoryview(buf), f"{m.total_bytes} bytes of version {m.version}")
+        return views(buf, m)
+
+    # ---- store path
+    def _pull_store(self, newer_than: int, deadline: float, poll: bool) -> Optional[tuple[int, dict]]:
+        """Read the store's newest version if newer; keep polling until the deadline when ``poll``."""
+        if self.store is None:
+            return None
+        while True:
+            v = self.store.latest()
+            if v is not None and v > newer_than:
+                with self.store.lease(v, self.holder):
+                    flat = self.store.read(v)
+                self.last_source = self.store.url
+                return v, flat
+            left = deadline - time.monotonic()
+            if not poll or left <= 0:
+                return None
+            time.sleep(min(0.1, left))
+
+    # ---- placement
+    @staticmethod
+    def _place(flat: dict, owned: bool, shardings: Any, like: Any) -> Any:
+        from laminar_jax.relay.flat import is_flat, tree_items, unflatten_like
+
+        if shardings is None:
+            out = flat if owned else {k: np.array(a) for k, a in flat.items()}
+            return out if like is None else unflatten_like(out, like)
+        import jax
+
+        if isinstance(shardings, Mapping) and all(isinstance(k, str) for k in shardings) and (
+                set(shardings) & set(flat)):
+            names = list(shardings)
+            if set(names) != set(flat):
+                raise KeyError(f"pull: shardings name {len(names)} weights, the version has {len(flat)}; "
+                               f"missing e.g. {sorted(set(flat) - set(names))[:3]}")
+            placed = jax.device_put([flat[n] for n in names], [shardings[n] for n in names])
+            return dict(zip(names, placed))
+        items = tree_items(shardings)
+        missing = [n for n, _ in items if n not in flat]
+        if missing:
+            raise KeyError(f"pull: weights {missing[:3]} named by the shardings tree are not in the version")
+        placed = jax.device_put([flat[n] for n, _ in items], [s for _, s in items])
+        return unflatten_like(dict(zip([n for n, _ in items], placed)), shardings)

@@ -1,0 +1,82 @@
+"""Config section for the relay plane (weight store, publisher, relay workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from laminar_jax.configlib import expect
+
+
+@dataclasses.dataclass(frozen=True)
+class RelaySection:
+    """How published weights are stored, relayed and pulled.
+
+    Attributes:
+      store_url: Versioned weight store: a tensorstore kvstore URL (file://, gs://, s3://, memory://) or a local directory. None disables the store.
+      store_format: 'zarr3' writes one zarr3 array per weight; 'zarr3_ocdbt' packs each version's arrays into one OCDBT database (fewer objects on gs:// / s3://).
+      keep_last: Versions the store keeps (newest first); older ones are deleted by gc() unless a reader holds a lease.
+      lease_ttl_s: Default lifetime of a reader's lease on a stored version, in seconds (renew to extend).
+      verify_reads: Check every array's checksum from the manifest when reading from the store.
+      keep_in_memory: Complete versions each relay keeps in host memory (newest first).
+      spare_buffers: Evicted version buffers a relay keeps (already faulted in) for reuse by the next versions; 0 frees them at once.
+      chunk_bytes: Size of the fixed chunks a version is cut into on relay links (pipelining unit).
+      max_inflight_versions: Versions the publisher may hold queued (host copies) besides the one it is sending; a newer publish supersedes the oldest unsent one.
+      link_rate_bytes_per_s: Token-bucket limit on every outgoing relay link (publisher -> master and relay -> successor), bytes/s; 0 = unlimited.
+      link_burst_bytes: Token-bucket depth of that limiter, in bytes.
+      relay_addresses: Relay chain as 'host:port' strings, master first; the publisher pushes to the first live one.
+      connect_timeout_s: Timeout for opening a TCP connection to a relay.
+      io_timeout_s: Longest silence tolerated on an open relay connection (a read or write that makes no progress).
+      heartbeat_s: Interval of keep-alive pings on idle relay links; a dead successor is noticed within about this long plus a connect timeout.
+      dead_retry_s: How long a relay that failed is skipped before a sender tries it again.
+      max_chunk_retries: Rounds of re-sending chunks whose checksum failed before a link is declared bad.
+      host: Interface relay servers bind to.
+      base_port: TCP port of the relay server (0 = ephemeral, chosen by the OS).
+      local_transport: How a rollout pulls from a relay on its own host: 'memfd' maps the relay's memory (one copy), 'tcp' streams bytes over the socket.
+      gc_on_publish: Run the store's gc() after each version the publisher writes.
+    """
+
+    store_url: Optional[str] = None
+    store_format: Literal["zarr3", "zarr3_ocdbt"] = "zarr3"
+    keep_last: int = 3
+    lease_ttl_s: float = 120.0
+    verify_reads: bool = True
+    keep_in_memory: int = 2
+    spare_buffers: int = 1
+    chunk_bytes: int = 32 << 20
+    max_inflight_versions: int = 2
+    link_rate_bytes_per_s: int = 0
+    link_burst_bytes: int = 4 << 20
+    relay_addresses: tuple[str, ...] = ()
+    connect_timeout_s: float = 2.0
+    io_timeout_s: float = 30.0
+    heartbeat_s: float = 0.25
+    dead_retry_s: float = 5.0
+    max_chunk_retries: int = 3
+    host: str = "127.0.0.1"
+    base_port: int = 0
+    local_transport: Literal["memfd", "tcp"] = "memfd"
+    gc_on_publish: bool = True
+
+    def validate(self, prefix: str) -> None:
+        expect(self.keep_last >= 1, f"{prefix}.keep_last", self.keep_last, ">= 1")
+        expect(self.lease_ttl_s > 0, f"{prefix}.lease_ttl_s", self.lease_ttl_s, "> 0")
+        expect(self.keep_in_memory >= 1, f"{prefix}.keep_in_memory", self.keep_in_memory, ">= 1")
+        expect(self.spare_buffers >= 0, f"{prefix}.spare_buffers", self.spare_buffers, ">= 0")
+        expect(self.chunk_bytes >= 4096, f"{prefix}.chunk_bytes", self.chunk_bytes, ">= 4096")
+        expect(self.max_inflight_versions >= 1, f"{prefix}.max_inflight_versions",
+               self.max_inflight_versions, ">= 1")
+        expect(self.link_rate_bytes_per_s >= 0, f"{prefix}.link_rate_bytes_per_s",
+               self.link_rate_bytes_per_s, ">= 0 (0 = unlimited)")
+        expect(self.link_burst_bytes >= 4096, f"{prefix}.link_burst_bytes", self.link_burst_bytes, ">= 4096")
+        for i, a in enumerate(self.relay_addresses):
+            host, _, port = a.rpartition(":")
+            expect(bool(host) and port.isdigit(), f"{prefix}.relay_addresses[{i}]", a, "'host:port'")
+        for name in ("connect_timeout_s", "io_timeout_s", "heartbeat_s", "dead_retry_s"):
+            v = getattr(self, name)
+            expect(v > 0, f"{prefix}.{name}", v, "> 0 seconds")
+        expect(self.heartbeat_s < self.io_timeout_s, f"{prefix}.heartbeat_s", self.heartbeat_s,
+               f"< io_timeout_s ({self.io_timeout_s})")
+        expect(self.max_chunk_retries >= 1, f"{prefix}.max_chunk_retries", self.max_chunk_retries, ">= 1")
+        expect(0 <= self.base_port < 65536, f"{prefix}.base_port", self.base_port, "in [0, 65535]")
+        expect(bool(self.host), f"{prefix}.host", self.host, "a non-empty interface address")

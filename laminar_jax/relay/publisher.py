@@ -1,0 +1,195 @@
+"""Learner side: ``publish(version, params)`` takes a host copy and returns; the rest is background.
+
+The background worker writes the version to the store and pushes it to the master relay (the
+first live one of ``relay_addresses``) at the same time. Memory is bounded: at most
+``max_inflight_versions`` host copies wait; a newer publish supersedes the oldest waiting one,
+and the worker always takes the newest waiting version (older waiting ones are dropped).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import threading
+import time
+import traceback
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NamedTuple, Optional, Sequence
+
+import numpy as np
+
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.manifest import contiguous, plan_layout
+from laminar_jax.relay.push import ArraysSource, Downstream, NoRelayReachable
+from laminar_jax.relay.ratelimit import make_limiter
+
+
+class _Job(NamedTuple):
+    version: int
+    host: dict  # name -> host np.ndarray, owned by the job
+    t_publish: float  # perf_counter at publish() entry
+
+
+@dataclasses.dataclass(frozen=True)
+class PublisherStats:
+    """Counters and timings; ``timings[v]`` holds seconds after publish(v) was called."""
+
+    published: int
+    superseded: int
+    stored: int
+    relayed: int
+    relay_failures: tuple[str, ...]
+    last_stall_s: float
+    max_stall_s: float
+    timings: dict  # version -> {"stall": s, "store_visible": s, "relay_visible": s}
+
+
+class Publisher:
+    def __init__(self, config: RelaySection = RelaySection(), store: Any = None,
+                 relay_addresses: Optional[Sequence[str]] = None, copy_numpy: bool = True):
+        """``store``: a WeightStore (default: built from config.store_url, if set).
+        ``copy_numpy``: copy numpy leaves (the caller may mutate them after publish returns)."""
+        from laminar_jax.relay.store import WeightStore
+
+        config.validate("relay")
+        self.cfg, self.copy_numpy = config, copy_numpy
+        self.store = store if store is not None else (WeightStore.from_config(config) if config.store_url else None)
+        addrs = tuple(config.relay_addresses if relay_addresses is None else relay_addresses)
+        if self.store is None and not addrs:
+            raise ValueError("Publisher: neither a store (relay.store_url) nor relay.relay_addresses configured")
+        limiter = make_limiter(config.link_rate_bytes_per_s, config.link_burst_bytes)
+        self._down = Downstream(config, addrs, limiter, "publisher") if addrs else None
+        self._cond = threading.Condition()
+        self._pending: list[_Job] = []
+        self._busy: Optional[int] = None
+        self._closed = False
+        self._errors: list[str] = []
+        self._last_version = -1
+        self._counts = collections.Counter()
+        self._stalls: list[float] = []
+        self._relay_failures: list[str] = []
+        self._timings: dict[int, dict] = {}
+        self._io = ThreadPoolExecutor(1, thread_name_prefix="publisher-store")
+        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
+        self._thread.start()
+
+    # ---- learner-facing
+    def publish(self, version: int, params: Any) -> float:
+        """Take a host copy of ``params`` (pytree of jax or numpy arrays, or a flat dict) and
+        queue it as ``version``; returns the seconds this call blocked."""
+        from laminar_jax.relay.flat import start_host_copies, tree_items
+
+        t0 = time.perf_counter()
+        self.check()
+        if self._closed:
+            raise RuntimeError("Publisher.publish: publisher is closed")
+        if not isinstance(version, int) or isinstance(version, bool) or version <= self._last_version:
+            raise ValueError(f"Publisher.publish(version={version!r}): must be an int > last version "
+                             f"{self._last_version}")
+        items = tree_items(params)
+        start_host_copies([leaf for _, leaf in items])
+        host = {name: self._host_copy(name, leaf) for name, leaf in items}
+        with self._cond:
+            self._pending.append(_Job(version, host, t0))
+            while len(self._pending) > self.cfg.max_inflight_versions:
+                self._pending.pop(0)
+                self._counts["superseded"] += 1
+            self._last_version = version
+            self._counts["published"] += 1
+            self._cond.notify_all()
+        stall = time.perf_counter() - t0
+        self._stalls = (self._stalls + [stall])[-256:]
+        self._timings[version] = {"stall": stall}
+        for old in sorted(self._timings)[:-256]:  # bounded history
+            del self._timings[old]
+        return stall
+
+    def _host_copy(self, name: str, leaf: Any) -> np.ndarray:
+        if isinstance(leaf, np.ndarray):
+            return leaf.copy(order="C") if self.copy_numpy else contiguous(leaf)
+        a = np.asarray(leaf)  # jax.Array: waits for its copy_to_host_async; immutable on host
+        if a.dtype == object:
+            raise TypeError(f"Publisher.publish: leaf {name!r} of type {type(leaf).__name__} is not an array")
+        return contiguous(a)
+
+    def flush(self, timeout: float = 60.0) -> None:
+        """Wait until every queued version is written/pushed (or superseded); re-raise failures."""
+        with self._cond:
+            ok = self._cond.wait_for(lambda: not self._pending and self._busy is None, timeout)
+            left = [j.version for j in self._pending] + ([self._busy] if self._busy is not None else [])
+        self.check()
+        if not ok:
+            raise TimeoutError(f"Publisher.flush: versions {left} still in flight after {timeout}s")
+
+    def close(self, timeout: float = 60.0) -> None:
+        try:
+            if not self._closed:
+                self.flush(timeout)
+        finally:
+            with self._cond:
+                self._closed = True
+                self._cond.notify_all()
+            self._thread.join(timeout)
+            self._io.shutdown(wait=False)
+            if self._down:
+                self._down.close()
+
+    def __enter__(self) -> "Publisher":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def check(self) -> None:
+        """Re-raise the first background failure (store write, or a push with no store to fall back on)."""
+        if self._errors:
+            raise RuntimeError(f"Publisher background failure:\n{self._errors[0]}")
+
+    def stats(self) -> PublisherStats:
+        c = self._counts
+        return PublisherStats(c["published"], c["superseded"], c["stored"], c["relayed"],
+                              tuple(self._relay_failures[-10:]), self._stalls[-1] if self._stalls else 0.0,
+                              max(self._stalls, default=0.0), {k: dict(v) for k, v in self._timings.items()})
+
+    # ---- background
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._pending or self._closed)
+                if not self._pending:
+                    return
+                job = self._pending.pop()  # newest; older waiting versions are superseded
+                self._counts["superseded"] += len(self._pending)
+                self._pending.clear()
+                self._busy = job.version
+            try:
+                self._process(job)
+            except BaseException:  # noqa: BLE001 - recorded; check() re-raises in the learner
+                self._errors.append(traceback.format_exc())
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _process(self, job: _Job) -> None:
+        t = self._timings.setdefault(job.version, {})
+        stored = self._io.submit(self._write_store, job, t) if self.store is not None else None
+        if self._down is not None:
+            manifest = plan_layout(job.host, job.version)
+            try:
+                self._down.deliver(ArraysSource(manifest, job.host, self.cfg.chunk_bytes))
+                t["relay_visible"] = time.perf_counter() - job.t_publish
+                self._counts["relayed"] += 1
+            except NoRelayReachable as e:
+                self._relay_failures.append(str(e))
+                if stored is None:
+                    raise
+        if stored is not None:
+            stored.result()
+
+    def _write_store(self, job: _Job, t: dict) -> None:
+        self.store.write(job.version, job.host)
+        t["store_visible"] = time.perf_counter() - job.t_publish
+        self._counts["stored"] += 1
+        if self.cfg.gc_on_publish:
+            self.store.gc()

@@ -1,0 +1,186 @@
+"""Sending one version over a relay link, chunk by chunk, and keeping a link to the nearest live relay.
+
+Push protocol (sender -> receiver, one TCP connection, several versions one after another):
+
+    push {version, manifest, chunk_bytes}   -> have {chunks, complete, obsolete}
+    chunk {version, index, crc} + bytes     (no reply; bytes land straight in the receiver's buffer)
+    keepalive                               (no reply; sent while waiting for upstream chunks)
+    end {version}                           -> missing {chunks}   (checksum failures: resent, repeat)
+    abort {version}                         (no reply; the sender gave up on this version)
+
+Used by the publisher (to the master relay) and by every relay (to its successor).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional, Protocol, Sequence
+
+import numpy as np
+
+from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, num_chunks
+from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
+
+
+class NoRelayReachable(ConnectionError):
+    """No relay in the list accepted a connection; the message names each one's error."""
+
+
+class UpstreamStalled(TimeoutError):
+    """The sender itself waited too long for chunks from its own upstream."""
+
+
+class ChunkSource(Protocol):
+    manifest: Manifest
+    chunk_bytes: int
+
+    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]: ...
+
+    def chunk(self, index: int) -> tuple[list[Any], int]: ...
+
+    def superseded(self) -> bool: ...
+
+
+class ArraysSource:
+    """Chunks of a version held as separate host arrays (the publisher's side); always ready."""
+
+    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int):
+        self.manifest, self.chunk_bytes = manifest, chunk_bytes
+        self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
+        self.n = num_chunks(manifest.total_bytes, chunk_bytes)
+
+    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]:
+        return next((i for i in range(self.n) if i not in exclude), None)
+
+    def chunk(self, index: int) -> tuple[list[Any], int]:
+        start, stop = chunk_span(index, self.manifest.total_bytes, self.chunk_bytes)
+        segs = chunk_segments(self._pairs, start, stop)
+        crc = 0
+        for s in segs:
+            crc = crc32_of(s, crc)
+        return segs, crc
+
+    def superseded(self) -> bool:
+        return False
+
+
+def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float, io_timeout_s: float,
+                 max_retries: int) -> str:
+    """Deliver one version over ``peer``; returns 'delivered', 'skipped' or 'superseded'."""
+    m, v = src.manifest, src.manifest.version
+    n = num_chunks(m.total_bytes, src.chunk_bytes)
+    reply, _ = peer.request({"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes},
+                            "have", f"push handshake of version {v}")
+    if reply.get("complete") or reply.get("obsolete"):
+        return "skipped"
+    sent = set(int(i) for i in reply.get("chunks", ()))
+    last_progress = time.monotonic()
+    while len(sent) < n:
+        idx = src.next_ready(sent, heartbeat_s)
+        if idx is None:
+            if src.superseded():
+                peer.send({"op": "abort", "version": v})
+                return "superseded"
+            if time.monotonic() - last_progress > io_timeout_s:
+                raise UpstreamStalled(f"waited {io_timeout_s}s for chunks {sorted(set(range(n)) - sent)[:8]}"
+                                      f" of version {v} from upstream")
+            peer.send({"op": "keepalive"})
+            continue
+        _send_chunk(peer, src, v, idx, limiter)
+        sent.add(idx)
+        last_progress = time.monotonic()
+    for _ in range(max_retries + 1):
+        reply, _ = peer.request({"op": "end", "version": v}, "missing", f"end-of-push ack of version {v}")
+        missing = [int(i) for i in reply.get("chunks", ())]
+        if reply.get("obsolete") or not missing:
+            return "delivered"
+        for idx in missing:
+            _send_chunk(peer, src, v, idx, limiter)
+    raise WireError(f"{peer.name}: chunks {missing[:8]} of version {v} still fail their checksum "
+                    f"after {max_retries} resends")
+
+
+def _send_chunk(peer: Peer, src: ChunkSource, version: int, idx: int, limiter: Any) -> None:
+    segs, crc = src.chunk(idx)
+    peer.send({"op": "chunk", "version": version, "index": idx, "crc": crc}, segs, limiter)
+
+
+class Downstream:
+    """A link to the nearest live relay of an ordered list; dead ones are skipped for dead_retry_s."""
+
+    def __init__(self, cfg: Any, addresses: Sequence[str], limiter: Any, name: str):
+        self.cfg, self.limiter, self.name = cfg, limiter, name
+        self.addresses: tuple[str, ...] = tuple(addresses)
+        self._dead_until: dict[str, float] = {}
+        self._link: Optional[tuple[str, Peer]] = None
+        self.switches = 0  # times the link moved to another relay
+        self.errors: list[str] = []  # recent link errors, newest last
+
+    def set_addresses(self, addresses: Sequence[str]) -> None:
+        self.addresses = tuple(addresses)
+        if self._link and self._link[0] not in self.addresses:
+            self.close()
+
+    def close(self) -> None:
+        if self._link:
+            self._link[1].close()
+            self._link = None
+
+    def mark_dead(self, addr: str, err: BaseException) -> None:
+        self._dead_until[addr] = time.monotonic() + self.cfg.dead_retry_s
+        self.errors = (self.errors + [f"{addr}: {err}"])[-20:]
+        if self._link and self._link[0] == addr:
+            self.close()
+
+    def link(self) -> Optional[tuple[str, Peer]]:
+        """The nearest live relay, reconnecting (or moving back to a revived nearer one) as needed."""
+        now = time.monotonic()
+        for addr in self.addresses:
+            if self._link and self._link[0] == addr:
+                return self._link
+            if self._dead_until.get(addr, 0.0) > now:
+                continue
+            try:
+                peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s)
+                peer.request({"op": "ping"}, "pong", "ping after connect")
+            except (OSError, WireError, RemoteError) as e:
+                self.mark_dead(addr, e)
+                continue
+            if self._link:
+                self.switches += 1
+            self.close()
+            self._link = (addr, peer)
+            return self._link
+        return None
+
+    def ping(self) -> bool:
+        """Keep the idle link alive and notice a dead successor; False if it failed."""
+        if not self._link:
+            return False
+        addr, peer = self._link
+        try:
+            peer.settimeout(max(1.0, 4 * self.cfg.heartbeat_s))
+            peer.request({"op": "ping"}, "pong", "heartbeat")
+            peer.settimeout(self.cfg.io_timeout_s)
+            return True
+        except (OSError, WireError, RemoteError) as e:
+            self.mark_dead(addr, e)
+            return False
+
+    def deliver(self, src: ChunkSource) -> tuple[str, str]:
+        """Push ``src`` to the nearest live relay, failing over along the list; (address, outcome)."""
+        v = src.manifest.version
+        while True:
+            lk = self.link()
+            if lk is None:
+                raise NoRelayReachable(f"{self.name}: no relay reachable for version {v} among "
+                                       f"{list(self.addresses)}; recent errors: {self.errors[-4:]}")
+            addr, peer = lk
+            try:
+                return addr, push_version(peer, src, self.limiter, self.cfg.heartbeat_s,
+                                          self.cfg.io_timeout_s, self.cfg.max_chunk_retries)
+            except UpstreamStalled:
+                self.close()  # the link is mid-version; start clean next time
+                raise
+            except (OSError, WireError, RemoteError) as e:
+                self.mark_dead(addr, e)

@@ -1,0 +1,500 @@
+"""Relay server: one per rollout host. Holds the newest versions in host memory, forwards them
+chunk by chunk to the next live relay of its chain, and serves pulls.
+
+Requests (see wire.py for framing, push.py for the push sub-protocol):
+
+    hello                              -> hello {relay_id, pid, address, unix, complete}
+    ping                               -> pong
+    versions                           -> versions {complete, partial}
+    pull {newer_than, wait_s}          -> pulled {version, manifest, chunk_bytes, unix} | error timeout
+    wait {version, wait_s}             -> ready {version} | error timeout
+    read {version, offset, nbytes}     -> data + bytes
+    map {version}  (unix socket only)  -> mapped {version, total_bytes}, then the memfd over SCM_RIGHTS
+    set_successors {addresses}         -> ok
+    stop                               -> ok, then the server stops
+
+Version buffers are memfd-backed so a rollout on the same host maps them (one memcpy to pull).
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import socket
+import threading
+import time
+import traceback
+import uuid
+from typing import Any, Optional, Sequence
+
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc32_of, num_chunks
+from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
+from laminar_jax.relay.ratelimit import make_limiter
+from laminar_jax.relay.wire import Peer, PeerClosed, WireError, error_frame
+
+
+class VersionBuf:
+    """One version's packed bytes (memfd-backed when possible), filled chunk by chunk."""
+
+    def __init__(self, manifest: Manifest, chunk_bytes: int, backing: Optional[tuple[int, mmap.mmap]] = None):
+        self.manifest, self.version, self.chunk_bytes = manifest, manifest.version, chunk_bytes
+        self.total = manifest.total_bytes
+        self.n = num_chunks(self.total, chunk_bytes)
+        self.fd: Optional[int] = None
+        if backing is not None:  # a recycled buffer: its pages are already faulted in
+            self.fd, self.mm = backing
+        else:
+            size = max(1, self.total)
+            try:
+                self.fd = os.memfd_create(f"laminar-relay-v{self.version}", os.MFD_CLOEXEC)
+                os.ftruncate(self.fd, size)
+                self.mm = mmap.mmap(self.fd, size)
+            except (AttributeError, OSError):
+                self.fd, self.mm = None, mmap.mmap(-1, size)
+        self.have = [False] * self.n
+        self.crcs: list[Optional[int]] = [None] * self.n
+        self.nhave = 0
+        self.pins = 0  # users of the bytes: receivers, the forwarder, TCP reads, client mappings
+        self.evicted = False
+
+    @property
+    def complete(self) -> bool:
+        return self.nhave == self.n
+
+    def view(self, index: int) -> memoryview:
+        start, stop = chunk_span(index, self.total, self.chunk_bytes)
+        return memoryview(self.mm)[start:stop]
+
+    def take_backing(self) -> Optional[tuple[int, mmap.mmap]]:
+        """Hand the memfd and its mapping over for reuse (only when nothing uses the bytes)."""
+        if self.fd is None:
+            return None
+        backing, self.fd = (self.fd, self.mm), None
+        return backing
+
+    def __del__(self, _close=os.close) -> None:  # bound early: module globals may be gone at exit
+        if getattr(self, "fd", None) is not None:
+            _close(self.fd)
+
+
+class _BufSource:
+    """ChunkSource over a VersionBuf that may still be filling (used by the forwarder)."""
+
+    def __init__(self, server: "RelayServer", buf: VersionBuf):
+        self.server, self.buf = server, buf
+        self.manifest, self.chunk_bytes = buf.manifest, buf.chunk_bytes
+
+    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]:
+        def ready():
+            return next((i for i in range(self.buf.n) if self.buf.have[i] and i not in exclude), None)
+
+        with self.server._cond:
+            self.server._cond.wait_for(lambda: ready() is not None or self.superseded()
+                                       or self.server._stopping.is_set(), timeout)
+            return ready()
+
+    def chunk(self, index: int) -> tuple[list[Any], int]:
+        return [self.buf.view(index)], self.buf.crcs[index]
+
+    def superseded(self) -> bool:
+        """Evicted, or a newer version has started arriving (the forwarder always sends the newest)."""
+        with self.server._cond:
+            vs = self.server._versions
+            return (vs.get(self.buf.version) is not self.buf or max(vs) > self.buf.version
+                    or self.server._stopping.is_set())
+
+
+class RelayServer:
+    """See the module docstring. ``start()`` binds ``cfg.host:port`` (ephemeral when 0)."""
+
+    def __init__(self, config: RelaySection = RelaySection(), successors: Sequence[str] = (),
+                 port: Optional[int] = None):
+        config.validate("relay")
+        self.cfg = config
+        self.relay_id = uuid.uuid4().hex
+        self.unix_name = f"\0laminar-relay-{self.relay_id}"
+        self._port = config.base_port if port is None else port
+        self._versions: dict[int, VersionBuf] = {}
+        self._pool: list[tuple[int, mmap.mmap]] = []  # evicted, unpinned buffers kept warm for reuse
+        self._cond = threading.Condition()
+        self._stopping = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._conns: set[socket.socket] = set()
+        self._fatal: list[str] = []
+        self._conn_errors: collections.deque[str] = collections.deque(maxlen=20)
+        self._delivered: dict[str, int] = {}
+        self._down = Downstream(config, successors, make_limiter(config.link_rate_bytes_per_s,
+                                                                 config.link_burst_bytes), "relay forwarder")
+        self._tcp: Optional[socket.socket] = None
+        self._unix: Optional[socket.socket] = None
+        self.counters = collections.Counter()
+
+    # ---- lifecycle
+    @property
+    def address(self) -> str:
+        if self._tcp is None:
+            raise RuntimeError("RelayServer.address: call start() first")
+        host, port = self._tcp.getsockname()[:2]
+        return f"{host}:{port}"
+
+    def start(self) -> "RelayServer":
+        self._tcp = socket.create_server((self.cfg.host, self._port), backlog=64)
+        self._tcp.settimeout(0.2)
+        try:
+            self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self._unix.bind(self.unix_name)
+            self._unix.listen(64)
+            self._unix.settimeout(0.2)
+        except (AttributeError, OSError):
+            self._unix = None  # no abstract unix sockets here: local pulls use TCP
+        self._spawn(self._accept_loop, self._tcp, "tcp")
+        if self._unix is not None:
+            self._spawn(self._accept_loop, self._unix, "unix")
+        self._spawn(self._forward_loop)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        self._stopping.set()
+        with self._cond:
+            self._cond.notify_all()
+        for s in [self._tcp, self._unix, *list(self._conns)]:
+            if s is not None:
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                s.close()
+        self._down.close()
+        deadline = time.monotonic() + timeout
+        for t in self._threads:
+            if t is not threading.current_thread():
+                t.join(max(0.0, deadline - time.monotonic()))
+
+    @property
+    def stopped(self) -> bool:
+        return self._stopping.is_set()
+
+    def __enter__(self) -> "RelayServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def check(self) -> None:
+        """Re-raise the first failure of a server thread (accept loop or forwarder)."""
+        if self._fatal:
+            raise RuntimeError(f"relay {self.relay_id[:8]} background failure:\n{self._fatal[0]}")
+
+    def _spawn(self, fn, *args, daemon_name: str = "") -> threading.Thread:
+        def run():
+            try:
+                fn(*args)
+            except BaseException:  # noqa: BLE001 - recorded and re-raised by check()
+                if not self._stopping.is_set():
+                    self._fatal.append(traceback.format_exc())
+
+        t = threading.Thread(target=run, name=f"relay-{fn.__name__}", daemon=True)
+        t.start()
+        self._threads.append(t)
+        return t
+
+    # ---- state
+    def set_successors(self, addresses: Sequence[str]) -> None:
+        with self._cond:
+            self._down.set_addresses(addresses)
+            self._cond.notify_all()
+
+    def versions_held(self) -> list[int]:
+        """Complete versions in memory, ascending."""
+        with self._cond:
+            return sorted(v for v, b in self._versions.items() if b.complete)
+
+    def stats(self) -> dict:
+        with self._cond:
+            partial = {v: b.nhave for v, b in self._versions.items() if not b.complete}
+        return {"complete": self.versions_held(), "partial": partial, "successors": list(self._down.addresses),
+                "link_switches": self._down.switches, "link_errors": list(self._down.errors),
+                "conn_errors": list(self._conn_errors), **self.counters}
+
+    def _newest_complete(self) -> int:
+        return max((v for v, b in self._versions.items() if b.complete), default=-1)
+
+    def _evict_locked(self) -> None:
+        """Keep the newest keep_in_memory complete versions and partial ones newer than them."""
+        complete = sorted((v for v, b in self._versions.items() if b.complete), reverse=True)
+        keep = set(complete[:self.cfg.keep_in_memory])
+        floor = min(keep, default=-1)
+        for v in list(self._versions):
+            if v not in keep and (self._versions[v].complete or v < floor):
+                buf = self._versions.pop(v)
+                buf.evicted = True
+                self._recycle_locked(buf)
+                self.counters["evicted"] += 1
+
+    def _recycle_locked(self, buf: VersionBuf) -> None:
+        """Return an evicted buffer's memory to the pool once nobody uses its bytes.
+
+        Reuse matters: first-touch page faults, not copies, dominate a relay hop's CPU cost.
+        """
+        if buf.evicted and buf.pins == 0:
+            backing = buf.take_backing()
+            if backing is not None:
+                self._pool.append(backing)
+                while len(self._pool) > self.cfg.spare_buffers:
+                    os.close(self._pool.pop(0)[0])  # its mapping goes with the last reference
+
+    def _new_buf(self, m: Manifest, chunk_bytes: int) -> VersionBuf:
+        """A buffer for ``m``: a pooled one of the same size class when possible."""
+        for i, (fd, mm) in enumerate(self._pool):
+            if m.total_bytes <= len(mm) <= 2 * m.total_bytes + 4096:
+                self.counters["buffers_reused"] += 1
+                return VersionBuf(m, chunk_bytes, self._pool.pop(i))
+        return VersionBuf(m, chunk_bytes)
+
+    def _pin(self, buf: VersionBuf) -> None:
+        with self._cond:
+            buf.pins += 1
+
+    def _unpin(self, buf: VersionBuf) -> None:
+        with self._cond:
+            buf.pins -= 1
+            self._recycle_locked(buf)
+
+    # ---- accepting and dispatch
+    def _accept_loop(self, lsock: socket.socket, kind: str) -> None:
+        while not self._stopping.is_set():
+            try:
+                sock, addr = lsock.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                if self._stopping.is_set():
+                    return
+                raise
+            if kind == "tcp":
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.cfg.io_timeout_s)
+            name = f"{kind} peer {addr[0]}:{addr[1]}" if kind == "tcp" else "unix peer"
+            self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(Peer(sock, name), kind), daemon=True,
+                             name="relay-conn").start()
+
+    def _serve(self, peer: Peer, kind: str) -> None:
+        try:
+            while not self._stopping.is_set():
+                try:
+                    header, plen = peer.recv("a request")
+                except PeerClosed:
+                    return  # clean close between requests
+                handler = getattr(self, f"_op_{header['op']}", None)
+                if handler is None or (header["op"] == "map" and kind != "unix"):
+                    peer.discard(plen, f"payload of unknown op {header['op']!r}")
+                    peer.send(error_frame("bad_request", f"unknown op {header['op']!r} on a {kind} connection"))
+                    continue
+                if handler(peer, header, plen) is True:
+                    return
+        except (OSError, WireError, ManifestError, ValueError, KeyError, TypeError) as e:
+            if not self._stopping.is_set():
+                self._conn_errors.append(f"{peer.name}: {type(e).__name__}: {e}")
+        finally:
+            self._conns.discard(peer.sock)
+            peer.close()
+
+    # ---- simple ops
+    def _op_hello(self, peer: Peer, h: dict, plen: int) -> None:
+        peer.send({"op": "hello", "relay_id": self.relay_id, "pid": os.getpid(), "address": self.address,
+                   "unix": self.unix_name if self._unix else None, "complete": self.versions_held()})
+
+    def _op_ping(self, peer: Peer, h: dict, plen: int) -> None:
+        peer.send({"op": "pong"})
+
+    def _op_versions(self, peer: Peer, h: dict, plen: int) -> None:
+        s = self.stats()
+        peer.send({"op": "versions", "complete": s["complete"], "partial": {str(k): v for k, v in s["partial"].items()}})
+
+    def _op_set_successors(self, peer: Peer, h: dict, plen: int) -> None:
+        addrs = h.get("addresses")
+        if not isinstance(addrs, list) or not all(isinstance(a, str) for a in addrs):
+            peer.send(error_frame("bad_request", f"set_successors.addresses={addrs!r}: must be a list of 'host:port'"))
+            return
+        self.set_successors(addrs)
+        peer.send({"op": "ok"})
+
+    def _op_stop(self, peer: Peer, h: dict, plen: int) -> None:
+        peer.send({"op": "ok"})
+        threading.Thread(target=self.stop, daemon=True).start()
+
+    # ---- serving pulls
+    def _wait_for(self, pred, wait_s: float) -> bool:
+        with self._cond:
+            return self._cond.wait_for(lambda: pred() or self._stopping.is_set(), max(0.0, wait_s)) and pred()
+
+    def _op_pull(self, peer: Peer, h: dict, plen: int) -> None:
+        newer, wait_s = int(h.get("newer_than", -1)), float(h.get("wait_s", 0.0))
+        if not self._wait_for(lambda: self._newest_complete() > newer, wait_s):
+            peer.send(error_frame("timeout", f"no version newer than {newer} within {wait_s:.3g}s "
+                                             f"(holding {self.versions_held()})"))
+            return
+        with self._cond:
+            buf = self._versions[self._newest_complete()]
+        self.counters["pulls"] += 1
+        peer.send({"op": "pulled", "version": buf.version, "manifest": buf.manifest.to_dict(),
+                   "chunk_bytes": buf.chunk_bytes, "unix": self.unix_name if self._unix else None,
+                   "relay_id": self.relay_id})
+
+    def _op_wait(self, peer: Peer, h: dict, plen: int) -> None:
+        v, wait_s = int(h["version"]), float(h.get("wait_s", 0.0))
+        if self._wait_for(lambda: self._newest_complete() >= v, wait_s):
+            peer.send({"op": "ready", "version": self._newest_complete()})
+        else:
+            peer.send(error_frame("timeout", f"version {v} not complete within {wait_s:.3g}s "
+                                             f"(holding {self.versions_held()})"))
+
+    def _pinned_complete(self, version: int) -> Optional[VersionBuf]:
+        """The complete buffer of ``version``, pinned (caller unpins), or None."""
+        with self._cond:
+            buf = self._versions.get(version)
+            if buf is None or not buf.complete:
+                return None
+            buf.pins += 1
+            return buf
+
+    def _op_read(self, peer: Peer, h: dict, plen: int) -> None:
+        v, off, n = int(h["version"]), int(h.get("offset", 0)), h.get("nbytes")
+        buf = self._pinned_complete(v)
+        if buf is None:
+            peer.send(error_frame("gone", f"version {v} not held (holding {self.versions_held()})"))
+            return
+        try:
+            n = buf.total - off if n is None else int(n)
+            if off < 0 or n < 0 or off + n > buf.total:
+                peer.send(error_frame("bad_request", f"read range [{off}, {off + n}) outside version {v} "
+                                                     f"of {buf.total} bytes"))
+                return
+            peer.send({"op": "data", "version": v}, [memoryview(buf.mm)[off:off + n]])
+        finally:
+            self._unpin(buf)
+
+    def _op_map(self, peer: Peer, h: dict, plen: int) -> Optional[bool]:
+        """Pass the memfd; the pin lasts until the client unmaps (it closes this connection then)."""
+        v = int(h["version"])
+        buf = self._pinned_complete(v)
+        if buf is None:
+            peer.send(error_frame("gone", f"version {v} not held (holding {self.versions_held()})"))
+            return None
+        try:
+            if buf.fd is None:
+                peer.send(error_frame("gone", f"version {v} is not memfd-backed on this host"))
+                return None
+            peer.send({"op": "mapped", "version": v, "total_bytes": buf.total})
+            socket.send_fds(peer.sock, [b"F"], [buf.fd])
+            self.counters["maps"] += 1
+            peer.settimeout(None)
+            while peer.sock.recv(64):
+                pass
+        finally:
+            self._unpin(buf)
+        return True
+
+    # ---- receiving pushes
+    def _op_push(self, peer: Peer, h: dict, plen: int) -> None:
+        v = int(h["version"])
+        m = Manifest.from_dict(h["manifest"], f"push of version {v} from {peer.name}")
+        chunk_bytes = int(h["chunk_bytes"])
+        with self._cond:
+            buf = self._versions.get(v)
+            complete = sorted((x for x, b in self._versions.items() if b.complete), reverse=True)
+            obsolete = buf is None and len(complete) >= self.cfg.keep_in_memory and v < complete[-1]
+            if buf is None and not obsolete:
+                buf = self._versions[v] = self._new_buf(m, chunk_bytes)
+                self._cond.notify_all()
+            if buf is not None:
+                buf.pins += 1
+        if obsolete:
+            peer.send({"op": "have", "complete": False, "obsolete": True, "chunks": []})
+            return
+        try:
+            if buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes:
+                peer.send(error_frame("conflict", f"version {v}: held with {buf.total} bytes / {buf.chunk_bytes}-"
+                                                  f"byte chunks, pushed with {m.total_bytes} / {chunk_bytes}"))
+                return
+            if buf.complete:
+                peer.send({"op": "have", "complete": True, "obsolete": False, "chunks": []})
+                return
+            peer.send({"op": "have", "complete": False, "obsolete": False,
+                       "chunks": [i for i in range(buf.n) if buf.have[i]]})
+            self._receive_chunks(peer, buf)
+        finally:
+            self._unpin(buf)
+
+    def _receive_chunks(self, peer: Peer, buf: VersionBuf) -> None:
+        while True:
+            h, plen = peer.recv(f"chunks of version {buf.version}")
+            op = h["op"]
+            if op == "keepalive":
+                continue
+            if op == "abort":
+                return
+            if op == "end":
+                with self._cond:
+                    missing = [i for i in range(buf.n) if not buf.have[i]]
+                peer.send({"op": "missing", "chunks": missing})
+                if not missing:
+                    return
+                continue
+            if op != "chunk":
+                raise WireError(f"{peer.name}: unexpected {op!r} inside push of version {buf.version}")
+            self._receive_chunk(peer, buf, int(h["index"]), int(h["crc"]), plen)
+
+    def _receive_chunk(self, peer: Peer, buf: VersionBuf, idx: int, crc: int, plen: int) -> None:
+        what = f"chunk {idx} of version {buf.version}"
+        start, stop = chunk_span(idx, buf.total, buf.chunk_bytes) if 0 <= idx < buf.n else (0, -1)
+        if plen != stop - start:
+            raise WireError(f"{peer.name}: {what} has {plen} bytes, expected {stop - start}")
+        if buf.have[idx]:  # duplicate (second upstream): never overwrite verified bytes
+            peer.discard(plen, what)
+            return
+        mv = buf.view(idx)
+        peer.recv_into(mv, what)
+        if crc32_of(mv) != crc:
+            self.counters["bad_chunks"] += 1
+            return  # left missing: the sender resends it after 'end'
+        with self._cond:
+            if not buf.have[idx]:
+                buf.have[idx], buf.crcs[idx] = True, crc
+                buf.nhave += 1
+                self.counters["chunks_in"] += 1
+                if buf.complete:
+                    self.counters["versions_in"] += 1
+                    self._evict_locked()
+            self._cond.notify_all()
+
+    # ---- forwarding
+    def _forward_loop(self) -> None:
+        last_ping = time.monotonic()
+        while not self._stopping.is_set():
+            with self._cond:  # pick and pin together: an unpinned evicted buffer may be recycled
+                buf = self._versions[max(self._versions)] if self._versions else None
+                if buf is not None:
+                    buf.pins += 1
+            try:
+                lk = self._down.link() if self._down.addresses else None
+                if lk is None or buf is None or self._delivered.get(lk[0], -1) >= buf.version:
+                    if lk is not None and time.monotonic() - last_ping > self.cfg.heartbeat_s:
+                        self._down.ping()
+                        last_ping = time.monotonic()
+                    with self._cond:
+                        self._cond.wait(self.cfg.heartbeat_s)
+                    continue
+                addr, outcome = self._down.deliver(_BufSource(self, buf))
+                if outcome != "superseded":
+                    self._delivered[addr] = buf.version
+                self.counters[f"forward_{outcome}"] += 1
+            except (UpstreamStalled, NoRelayReachable) as e:
+                self._conn_errors.append(f"forwarder: {e}")
+                self._stopping.wait(self.cfg.heartbeat_s)
+            finally:
+                if buf is not None:
+                    self._unpin(buf)

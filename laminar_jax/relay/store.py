@@ -1,0 +1,313 @@
+"""Versioned weight store on tensorstore (zarr3 arrays, optionally inside one OCDBT database).
+
+Key layout under the store root (any tensorstore kvstore: file://, gs://, s3://, memory://):
+
+    data/v{V:012d}-{nonce}/a{i:05d}/...   zarr3 array i of version V (written first)
+    manifests/v{V:012d}.json              the commit point: a version exists iff this key exists
+    LATEST                                {"version": V}, moved forward after the manifest
+    leases/v{V:012d}/{holder}.json        {"expires_at": unix time}; gc() spares leased versions
+
+Atomicity: a single-key write is atomic on every kvstore, and the manifest is written only after
+every array write has completed (tensorstore's file driver fsyncs). A writer killed mid-version
+leaves an unreferenced ``data/`` prefix that no reader can reach; gc() removes it.
+Single writer per store (the learner); any number of readers and gc callers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Mapping, NamedTuple, Optional
+
+import numpy as np
+
+from laminar_jax.relay.manifest import (Manifest, ManifestError, check_flat, contiguous, crc32_of,
+                                        dtype_from_name, plan_layout)
+
+CHUNK_TARGET = 64 << 20  # bytes per zarr chunk: big enough for throughput, small enough to parallelise
+_HOLDER = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
+
+
+class VersionNotFound(KeyError):
+    """The version has no manifest in the store (never committed, or garbage-collected)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class GcReport(NamedTuple):
+    deleted: tuple[int, ...]  # versions removed
+    kept_leased: tuple[int, ...]  # versions past keep_last spared because a lease is live
+    orphans: tuple[str, ...]  # data prefixes of uncommitted versions removed
+
+
+def normalize_url(url_or_path: str) -> str:
+    """Local paths become file:// URLs; the result always ends with '/'."""
+    if "://" not in url_or_path:
+        url_or_path = "file://" + os.path.abspath(url_or_path)
+    return url_or_path if url_or_path.endswith("/") else url_or_path + "/"
+
+
+def _vkey(version: int) -> str:
+    return f"v{version:012d}"
+
+
+def _prefix_range(prefix: str):
+    import tensorstore as ts
+
+    return ts.KvStore.KeyRange(inclusive_min=prefix, exclusive_max=prefix[:-1] + chr(ord(prefix[-1]) + 1))
+
+
+def _zarr_chunks(shape: tuple[int, ...], itemsize: int) -> list[int]:
+    """Chunk along axis 0 so one chunk holds about CHUNK_TARGET bytes."""
+    if not shape:
+        return []
+    row = max(1, int(np.prod(shape[1:], dtype=np.int64)) * itemsize)
+    return [max(1, min(shape[0], CHUNK_TARGET // row))] + [max(1, s) for s in shape[1:]]
+
+
+class Lease:
+    """A reader's pin on a stored version; use as a context manager or call release()."""
+
+    def __init__(self, store: "WeightStore", version: int, holder: str, ttl_s: float):
+        self.store, self.version, self.holder, self.ttl_s = store, version, holder, ttl_s
+        self.key = f"leases/{_vkey(version)}/{holder}.json"
+        self.released = False
+
+    def renew(self, ttl_s: Optional[float] = None) -> None:
+        self.ttl_s = ttl_s or self.ttl_s
+        self.store._kv.write(self.key, json.dumps({"expires_at": time.time() + self.ttl_s}).encode()).result()
+
+    def release(self) -> None:
+        if not self.released:
+            self.store._kv.delete_range(_prefix_range(self.key)).result()
+            self.released = True
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+
+class WeightStore:
+    """Versions of a flat weight dict, each written atomically; see the module docstring."""
+
+    def __init__(self, url_or_path: str, keep_last: int = 3, format: str = "zarr3",
+                 verify: bool = True, lease_ttl_s: float = 120.0, io_threads: int = 4):
+        import tensorstore as ts
+
+        if keep_last < 1:
+            raise ValueError(f"WeightStore.keep_last={keep_last}: must be >= 1")
+        if format not in ("zarr3", "zarr3_ocdbt"):
+            raise ValueError(f"WeightStore.format={format!r}: must be 'zarr3' or 'zarr3_ocdbt'")
+        self.url = normalize_url(url_or_path)
+        self.keep_last, self.format, self.verify, self.lease_ttl_s = keep_last, format, verify, lease_ttl_s
+        self._kv = ts.KvStore.open(self.url).result()
+        self._base = self._kv.spec().to_json()
+        self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="weightstore")
+
+    @classmethod
+    def from_config(cls, cfg: Any) -> "WeightStore":
+        if cfg.store_url is None:
+            raise ValueError("relay.store_url is None: no store configured")
+        return cls(cfg.store_url, keep_last=cfg.keep_last, format=cfg.store_format,
+                   verify=cfg.verify_reads, lease_ttl_s=cfg.lease_ttl_s)
+
+    def __repr__(self) -> str:
+        return f"WeightStore({self.url!r})"
+
+    # ---- keys and specs
+    def _sub(self, path: str) -> dict:
+        return dict(self._base, path=self._base.get("path", "") + path)
+
+    def _array_spec(self, data: str, key: str) -> dict:
+        if self.format == "zarr3_ocdbt":
+            kv = {"driver": "ocdbt", "base": self._sub(data), "path": key + "/"}
+        else:
+            kv = self._sub(data + key + "/")
+        return {"driver": "zarr3", "kvstore": kv}
+
+    def _local_dir(self, sub: str) -> Optional[str]:
+        """Filesystem path of ``sub`` for a file:// store, else None."""
+        if self._base.get("driver") != "file":
+            return None
+        return os.path.join(self._base["path"], sub)
+
+    def _list(self, prefix: str) -> list[str]:
+        return sorted(k.decode() for k in self._kv.list(_prefix_range(prefix)).result())
+
+    # ---- reading
+    def versions(self) -> list[int]:
+        """Committed versions, ascending."""
+        out = []
+        for k in self._list("manifests/"):
+            m = re.fullmatch(r"manifests/v(\d{12})\.json", k)
+            if m:
+                out.append(int(m.group(1)))
+        return out
+
+    def latest(self) -> Optional[int]:
+        """The version LATEST points to (None for an empty store)."""
+        r = self._kv.read("LATEST").result()
+        if r.state != "value":
+            return None
+        try:
+            return int(json.loads(r.value)["version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"{self.url}LATEST: malformed ({e}): {bytes(r.value)[:100]!r}") from None
+
+    def manifest(self, version: int) -> Manifest:
+        key = f"manifests/{_vkey(version)}.json"
+        r = self._kv.read(key).result()
+        if r.state != "value":
+            raise VersionNotFound(f"{self.url}: version {version} not found (no {key}; have {self.versions()})")
+        return Manifest.from_json(bytes(r.value), f"{self.url}{key}")
+
+    def read(self, version: int, names: Optional[list[str]] = None) -> dict[str, np.ndarray]:
+        """The version's arrays (all, or ``names``), checksums verified when ``verify``."""
+        import tensorstore as ts
+
+        m = self.manifest(version)
+        entries = [e for e in m.entries if names is None or e.name in names]
+        if names is not None and len(entries) != len(set(names)):
+            missing = sorted(set(names) - {e.name for e in entries})
+            raise KeyError(f"{self.url}: version {version} has no arrays {missing[:5]}")
+        ctx = ts.Context()
+        futs = [ts.open(self._array_spec(m.data, e.key), open=True, read=True, context=ctx) for e in entries]
+        stores = [f.result() for f in futs]
+        reads = [s.read() for s in stores]
+        out = {}
+        for e, r in zip(entries, reads):
+            a = np.asarray(r.result())
+            if a.dtype != dtype_from_name(e.dtype) or a.shape != e.shape:
+                raise ManifestError(f"{self.url}: version {version} array {e.name!r} is {a.dtype}{a.shape}, "
+                                    f"manifest says {e.dtype}{e.shape}")
+            out[e.name] = a
+        if self.verify:
+            sums = list(self._pool.map(lambda e: (e, crc32_of(out[e.name])), entries))
+            for e, crc in sums:
+                if crc != e.checksum:
+                    raise ManifestError(f"{self.url}: version {version} array {e.name!r} checksum "
+                                        f"{crc:#010x} != manifest {e.checksum or 0:#010x}")
+        return out
+
+    # ---- writing
+    def write(self, version: int, flat: Mapping[str, np.ndarray]) -> Manifest:
+        """Write a whole version, then commit it (manifest, then LATEST). Atomic for readers."""
+        import tensorstore as ts
+
+        check_flat(flat, f"WeightStore.write(version={version})")
+        have = self.versions()
+        if have and version <= have[-1]:
+            raise ValueError(f"{self.url}: version {version} must be > newest committed version {have[-1]}")
+        flat = {k: contiguous(v) for k, v in flat.items()}
+        data = f"data/{_vkey(version)}-{uuid.uuid4().hex[:8]}/"
+        keys = {name: f"a{i:05d}" for i, name in enumerate(flat)}
+        sums = dict(zip(flat, self._pool.map(crc32_of, flat.values())))
+        ctx = ts.Context()
+        opens = []
+        for name, a in flat.items():
+            spec = self._array_spec(data, keys[name])
+            spec["metadata"] = {"codecs": [{"name": "bytes", "configuration": {"endian": "little"}}],
+                                "chunk_grid": {"name": "regular", "configuration": {
+                                    "chunk_shape": _zarr_chunks(a.shape, a.dtype.itemsize)}}}
+            spec["store_data_equal_to_fill_value"] = True
+            opens.append(ts.open(spec, create=True, dtype=ts.dtype(a.dtype.name), shape=a.shape, context=ctx))
+        writes = [f.result().write(a) for f, a in zip(opens, flat.values())]
+        for w in writes:
+            w.result()
+        m = plan_layout(flat, version, checksums=sums, keys=keys, data=data)
+        self._kv.write(f"manifests/{_vkey(version)}.json", m.to_json()).result()
+        self._move_latest(version)
+        return m
+
+    def _move_latest(self, version: int) -> None:
+        cur = self.latest()
+        if cur is None or version > cur:
+            self._kv.write("LATEST", json.dumps({"version": version}).encode()).result()
+
+    # ---- leases and gc
+    def lease(self, version: int, holder: str, ttl_s: Optional[float] = None) -> Lease:
+        """Pin ``version`` against gc for ``ttl_s`` seconds (renewable); raises VersionNotFound."""
+        if not _HOLDER.match(holder):
+            raise ValueError(f"lease holder {holder!r}: must match {_HOLDER.pattern}")
+        lease = Lease(self, version, holder, ttl_s or self.lease_ttl_s)
+        lease.renew()
+        try:
+            self.manifest(version)  # after the lease is written: gc re-checks leases before deleting
+        except VersionNotFound:
+            lease.release()
+            raise
+        return lease
+
+    def _live_leases(self, version: int, now: float) -> list[str]:
+        live = []
+        for k in self._list(f"leases/{_vkey(version)}/"):
+            r = self._kv.read(k).result()
+            try:
+                expires = float(json.loads(r.value)["expires_at"]) if r.state == "value" else 0.0
+            except (ValueError, KeyError, TypeError):
+                expires = 0.0
+            if expires > now:
+                live.append(k)
+            else:
+                self._kv.delete_range(_prefix_range(k)).result()
+        return live
+
+    def gc(self) -> GcReport:
+        """Delete versions beyond the newest keep_last that no live lease pins, and orphaned data.
+
+        Order per version: delete the manifest (invisible), re-check leases (a reader may have
+        leased it meanwhile: then restore the manifest), then delete the data.
+        """
+        versions = self.versions()
+        latest = self.latest()
+        doomed = [v for v in versions[:-self.keep_last] if v != latest]
+        deleted, spared = [], []
+        now = time.time()
+        for v in doomed:
+            if self._live_leases(v, now):
+                spared.append(v)
+                continue
+            key = f"manifests/{_vkey(v)}.json"
+            raw = self._kv.read(key).result()
+            self._kv.delete_range(_prefix_range(key)).result()
+            if self._live_leases(v, time.time()):
+                self._kv.write(key, raw.value).result()
+                spared.append(v)
+                continue
+            self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
+            deleted.append(v)
+        orphans = self._gc_orphans(set(self.versions()), max(versions, default=-1))
+        return GcReport(tuple(deleted), tuple(spared), tuple(orphans))
+
+    def _gc_orphans(self, committed: set[int], newest: int) -> list[str]:
+        """Data prefixes no manifest references, of versions <= the newest committed one.
+
+        Newer uncommitted prefixes may belong to a write in progress and are left alone.
+        """
+        prefixes = {k.split("/")[1] for k in self._list("data/") if k.count("/") >= 2}
+        local = self._local_dir("data/")
+        if local is not None and os.path.isdir(local):  # lock files of a killed writer are not listed
+            prefixes |= set(os.listdir(local))
+        referenced = set()
+        for v in committed:
+            try:
+                referenced.add(self.manifest(v).data.split("/")[1])
+            except VersionNotFound:
+                pass
+        removed = []
+        for p in sorted(prefixes - referenced):
+            m = re.fullmatch(r"v(\d{12})-[0-9a-f]+", p)
+            if m and int(m.group(1)) <= newest:
+                self._kv.delete_range(_prefix_range(f"data/{p}/")).result()
+                if local is not None:
+                    shutil.rmtree(os.path.join(local, p), ignore_errors=True)
+                removed.append(f"data/{p}/")
+        return removed

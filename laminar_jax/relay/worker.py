@@ -1,0 +1,57 @@
+"""Relay worker process: ``python -m laminar_jax.relay.worker [--port P] [--config-json J] [--successors a,b]``.
+
+Prints one JSON line ``{"address": "host:port", "pid": ...}`` on stdout once listening, then
+serves until SIGTERM/SIGINT or a ``stop`` request. A background failure is printed to stderr
+and ends the process with status 1. Imports no jax (fast start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import signal
+import sys
+import threading
+
+from laminar_jax.configlib import from_config_dict
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.server import RelayServer
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="laminar_jax.relay.worker", description=__doc__)
+    p.add_argument("--port", type=int, default=None, help="TCP port (default: config base_port; 0 = ephemeral)")
+    p.add_argument("--config-json", default="{}", help="RelaySection fields as a JSON object")
+    p.add_argument("--successors", default="", help="comma-separated host:port of the next relays, nearest first")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    cfg = from_config_dict(RelaySection, json.loads(args.config_json), "relay")
+    successors = [a for a in args.successors.split(",") if a]
+    server = RelayServer(cfg, successors=successors, port=args.port).start()
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    print(json.dumps({"address": server.address, "pid": __import__("os").getpid(),
+                      "relay_id": server.relay_id}), flush=True)
+    try:
+        while not done.wait(0.2) and not server.stopped:
+            server.check()
+    except RuntimeError as e:
+        print(f"relay worker {server.address}: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        server.stop()
+    return 0
+
+
+def config_json(cfg: RelaySection) -> str:
+    """The --config-json argument for ``cfg``."""
+    return json.dumps(dataclasses.asdict(cfg))
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

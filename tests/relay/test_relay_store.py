@@ -1,0 +1,175 @@
+"""WeightStore: bit-exact round trips, atomic publish under SIGKILL, leases and gc."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import ml_dtypes
+import numpy as np
+import pytest
+
+from laminar_jax.relay.manifest import ManifestError
+from laminar_jax.relay.store import VersionNotFound, WeightStore
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _weights(seed: int) -> dict:
+    rng = np.random.default_rng(seed)
+    bits = rng.integers(0, 2**16, size=(33, 17), dtype=np.uint16)
+    return {
+        "['embed']": rng.standard_normal((64, 48), dtype=np.float32),
+        "['layers'][0]['w']": bits.view(ml_dtypes.bfloat16),  # every bf16 bit pattern incl. NaNs
+        "['layers'][0]['b']": np.full(48, -0.0, np.float32),  # equals the zarr fill value up to sign
+        "['step']": np.array(seed, np.int64),
+        "['empty']": np.zeros((0, 5), np.float16),
+    }
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+@pytest.mark.parametrize("fmt", ["zarr3", "zarr3_ocdbt"])
+def test_roundtrip_is_bit_identical(tmp_path, fmt):
+    store = WeightStore(str(tmp_path / "s"), format=fmt)
+    assert store.latest() is None and store.versions() == []
+    w1, w2 = _weights(1), _weights(2)
+    store.write(1, w1)
+    store.write(2, w2)
+    assert store.versions() == [1, 2] and store.latest() == 2
+    for v, w in ((1, w1), (2, w2)):
+        got = store.read(v)
+        assert list(got) == list(w)
+        assert all(_same_bits(got[k], w[k]) for k in w)
+    part = store.read(2, names=["['step']"])
+    assert list(part) == ["['step']"] and int(part["['step']"]) == 2
+
+
+def test_write_rejects_stale_version_and_bad_input(tmp_path):
+    store = WeightStore(str(tmp_path / "s"))
+    store.write(5, _weights(5))
+    with pytest.raises(ValueError, match="version 5 must be > newest committed version 5"):
+        store.write(5, _weights(5))
+    with pytest.raises(ManifestError, match=r"\['x'\].*np.ndarray"):
+        store.write(6, {"['x']": [1.0, 2.0]})
+    with pytest.raises(VersionNotFound, match="version 4 not found"):
+        store.read(4)
+
+
+def test_checksum_catches_corrupted_data(tmp_path):
+    store = WeightStore(str(tmp_path / "s"))
+    m = store.write(1, _weights(1))
+    entry = next(e for e in m.entries if e.name == "['embed']")
+    chunk_dir = tmp_path / "s" / m.data / entry.key / "c"
+    chunk = next(p for p in chunk_dir.rglob("*") if p.is_file())
+    raw = bytearray(chunk.read_bytes())
+    raw[100] ^= 0xFF
+    chunk.write_bytes(bytes(raw))
+    with pytest.raises(ManifestError, match=r"\['embed'\]\" checksum 0x[0-9a-f]+ != manifest 0x"):
+        store.read(1)
+
+
+_WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from laminar_jax.relay.store import WeightStore
+    store = WeightStore(sys.argv[1], keep_last=1000)
+    v = (store.latest() or 0) + 1
+    while True:
+        store.write(v, {f"w{i:02d}": np.full((1 << 18,), v, np.float32) for i in range(48)})  # 48 MB
+        print(v, flush=True)
+        v += 1
+""")
+
+
+def _reader(store: WeightStore, stop: threading.Event, seen: list, errors: list) -> None:
+    while not stop.is_set():
+        try:
+            v = store.latest()
+            if v is None:
+                continue
+            flat = store.read(v)
+            if len(flat) != 48 or any(not np.all(a == v) for a in flat.values()):
+                errors.append(f"version {v} read back wrong")
+            seen.append(v)
+        except Exception as e:  # noqa: BLE001 - any failure is a test failure
+            errors.append(repr(e))
+
+
+def test_sigkill_mid_publish_never_exposes_a_partial_version(tmp_path):
+    url = str(tmp_path / "store")
+    store = WeightStore(url, keep_last=1000)
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, url], stdout=subprocess.PIPE, text=True,
+                              env=dict(os.environ, PYTHONPATH=ROOT))
+    stop, seen, errors = threading.Event(), [], []
+    reader = threading.Thread(target=_reader, args=(store, stop, seen, errors), daemon=True)
+    reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while (store.latest() or 0) < 2:  # a few versions committed first
+            assert time.monotonic() < deadline and writer.poll() is None, "writer made no progress"
+            time.sleep(0.01)
+        # Kill as soon as the next version's data exists but its manifest does not.
+        while True:
+            assert time.monotonic() < deadline, "never caught the writer mid-version"
+            committed = set(store.versions())
+            inflight = [d for d in os.listdir(tmp_path / "store" / "data")
+                        if int(d[1:13]) not in committed and os.listdir(tmp_path / "store" / "data" / d)]
+            if inflight:
+                writer.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.001)
+        writer.wait(10)
+        time.sleep(0.2)
+    finally:
+        stop.set()
+        reader.join(30)
+        if writer.poll() is None:
+            writer.kill()
+        writer.stdout.close()
+    partial = int(inflight[0][1:13])
+    assert errors == [], errors[:3]
+    assert seen, "the reader never read a version"
+    assert partial not in store.versions()
+    assert store.latest() == max(store.versions()) == partial - 1
+    with pytest.raises(VersionNotFound):
+        store.read(partial)
+    # A restarted writer republishes that version; gc then removes the dead writer's data.
+    store.write(partial, {"w": np.zeros(3, np.float32)})
+    report = store.gc()
+    assert report.orphans == (f"data/{inflight[0]}/",)
+    assert store.read(partial)["w"].shape == (3,)
+
+
+def test_leases_pin_versions_against_gc(tmp_path):
+    store = WeightStore(str(tmp_path / "s"), keep_last=2)
+    for v in range(1, 4):
+        store.write(v, _weights(v))
+    lease = store.lease(1, "rollout-0", ttl_s=60)
+    for v in range(4, 6):
+        store.write(v, _weights(v))
+    report = store.gc()
+    assert report.deleted == (2, 3) and report.kept_leased == (1,)
+    assert store.versions() == [1, 4, 5]
+    assert _same_bits(store.read(1)["['embed']"], _weights(1)["['embed']"])  # pinned reader still reads
+    lease.release()
+    assert store.gc().deleted == (1,)
+    assert store.versions() == [4, 5]
+    with pytest.raises(VersionNotFound):
+        store.lease(1, "late-reader")
+
+
+def test_expired_lease_no_longer_pins(tmp_path):
+    store = WeightStore(str(tmp_path / "s"), keep_last=1)
+    store.write(1, _weights(1))
+    store.write(2, _weights(2))
+    with store.lease(1, "slow", ttl_s=0.2):
+        assert store.gc().kept_leased == (1,)
+        time.sleep(0.3)
+        assert store.gc().deleted == (1,)
+    with pytest.raises(ValueError, match="holder"):
+        store.lease(2, "bad holder/name")
