@@ -11,6 +11,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from absl import app  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:variant].",
@@ -19,8 +20,9 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.p
 
 def main(argv):
     del argv
-    logging.basicConfig(level=os.environ.get("LAMINAR_LOG", "WARNING"),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    level = os.environ.get("LAMINAR_LOG", "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(level.lower())  # orbax logs every checkpoint at INFO otherwise
     from laminar_jax.config import ConfigError, finalize
     from laminar_jax.runtime import run
 

@@ -68,6 +68,27 @@ class ExperienceStore:
             self._write(self._uid_row[uid], field, value)
             self._cv.notify_all()
 
+    def put_many(self, uid: str, fields: dict[str, Any]) -> None:
+        """Mark several fields of an existing row ready at once (one notification)."""
+        with self._cv:
+            if uid not in self._uid_row:
+                raise KeyError(f"experience store: no row with uid {uid!r}")
+            row = self._uid_row[uid]
+            for k, v in fields.items():
+                self._write(row, k, v)
+            self._cv.notify_all()
+
+    def row(self, uid: str) -> dict[str, Any]:
+        """A copy of one row's ready fields."""
+        with self._cv:
+            if uid not in self._uid_row:
+                raise KeyError(f"experience store: no row with uid {uid!r}")
+            return dict(self._rows[self._uid_row[uid]])
+
+    def groups(self) -> set[str]:
+        with self._cv:
+            return set(self._groups)
+
     def _write(self, row: int, field: str, value: Any) -> None:
         self._rows[row][field] = value
         self._field_seq[row][field] = self._bump()
@@ -98,6 +119,15 @@ class ExperienceStore:
         with self._cv:
             return {g for g, rows in self._groups.items()
                     if len(rows) >= self.group_size and all(f in self._rows[r] for r in rows for f in fields)}
+
+    def samples_missing(self, group: str, fields: Sequence[str], group_size: int) -> list[int]:
+        """Sample indices (uid suffix '/i') of `group` that lack any of `fields` or have no row."""
+        with self._cv:
+            have = {}
+            for r in self._groups.get(group, []):
+                idx = int(self._rows[r]["uid"].rsplit("/", 1)[1])
+                have[idx] = all(f in self._rows[r] for f in fields)
+            return [i for i in range(group_size) if not have.get(i, False)]
 
     def discard_group(self, group: str) -> None:
         """Forget a group's rows (e.g. dropped prompt)."""

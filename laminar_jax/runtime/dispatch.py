@@ -114,7 +114,9 @@ class Dispatcher:
         for i in samples if samples is not None else range(self.samples_per_prompt):
             uid = f"{record['uid']}/{i}"
             self.store.add_row(uid, record["uid"], {"prompt_ids": np.asarray(record["prompt_ids"], np.int32),
-                                                    "prompt_uid": record["uid"], "sample_index": i})
+                                                    "prompt_uid": record["uid"], "sample_index": i,
+                                                    "data_source": record["data_source"],
+                                                    "extra_info": record["extra_info"]})
             items.append(WorkItem(uid, record["uid"], i, tuple(record["prompt_ids"]),
                                   _sample_seed(self.seed, record["uid"], i), record["data_source"],
                                   record["ground_truth"], record["extra_info"]))
@@ -142,12 +144,12 @@ class Dispatcher:
             self.store.load_state_dict(state["store"])
             self.dispatched = int(state["dispatched"])
             redo = 0
-            complete = self.store.complete_group_keys(required_fields)
             for uid, record in self.ledger.in_flight():
-                if uid in complete:
-                    continue
+                missing = self.store.samples_missing(uid, required_fields, self.samples_per_prompt)
+                if not missing:
+                    continue  # complete: trained on first
                 self.ledger.dispatch(uid, record)  # counted as a re-dispatch
-                self._enqueue(record, front=True)
+                self._enqueue(record, samples=missing, front=True)
                 redo += 1
             return redo
 

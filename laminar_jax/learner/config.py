@@ -1,0 +1,175 @@
+"""Config sections for the learner plane: the algorithm/optimiser (`LearnerSection`) and the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from laminar_jax.configlib import expect
+
+AdvEstimator = Literal["gae", "grpo", "rloo"]
+LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+OffPolicy = Literal["none", "tis", "decoupled"]
+
+
+@dataclasses.dataclass(frozen=True)
+class LearnerSection:
+    """Algorithm, optimiser, batching and checkpointing of the learner.
+
+    Log-prob names used below: *behaviour* = per-token log-probs the rollout recorded while
+    sampling; *proximal* (= *old*) = learner params at the start of a `Learner.step`, computed once
+    before the update loop; *current* = the params being differentiated.
+
+    Attributes:
+      lr: Peak learning rate of AdamW.
+      warmup_steps: Linear warm-up from 0 to `lr` over this many optimizer updates.
+      lr_schedule: 'constant' (after warm-up) or 'cosine' (decay to lr*min_lr_ratio at total_steps).
+      total_steps: Optimizer updates over which the cosine schedule decays.
+      min_lr_ratio: Final learning rate of the cosine schedule as a fraction of `lr`.
+      weight_decay: AdamW decoupled weight decay.
+      grad_clip: Global-norm gradient clip; None disables clipping.
+      b1: AdamW beta1.
+      b2: AdamW beta2.
+      adam_eps: AdamW epsilon.
+      adv_estimator: 'gae' (token-level GAE, needs a critic), 'grpo' (group-normalised) or 'rloo' (leave-one-out).
+      norm_adv_by_std: GRPO: divide by the group std (False gives Dr.GRPO's mean-centred advantages).
+      whiten_advantages: GAE: normalise advantages to zero mean / unit std over the batch's response tokens.
+      adv_eps: Epsilon added to standard deviations when normalising advantages.
+      gamma: GAE discount per token.
+      lam: GAE lambda.
+      clip_eps_low: PPO ratio lower bound is 1 - clip_eps_low.
+      clip_eps_high: PPO ratio upper bound is 1 + clip_eps_high (> clip_eps_low gives clip-higher / DAPO).
+      dual_clip_c: Dual-clip constant c > 1 bounding the loss of negative-advantage tokens at -c*A; None = off.
+      vf_coef: Weight of the value loss (critic != 'none').
+      value_clip: Clip the new value to old_value +- value_clip in the clipped value loss; None = unclipped.
+      entropy_coef: Weight of the entropy bonus (subtracted from the loss).
+      kl_coef: Weight of the KL to the reference policy.
+      kl_estimator: 'k1' (log r), 'k2' (0.5 log^2 r) or 'k3' (r - 1 - log r, r = pi_ref/pi), per token.
+      kl_mode: 'loss' (KL term in the loss), 'reward' (-kl_coef*KL folded into per-token rewards) or 'none'.
+      off_policy: 'none' (behaviour log-probs act as the old policy), 'tis' (proximal as old policy, loss times min(pi_prox/pi_behav, tis_cap)) or 'decoupled' (proximal for clipping, weight pi_prox/pi_behav, tokens with weight > tis_cap dropped).
+      tis_cap: Cap of the behaviour importance weight ('tis' truncates at it, 'decoupled' masks tokens above it).
+      temperature: Sampling temperature the rollout used; log-probs are computed from logits / temperature.
+      loss_agg: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' over a mini-batch.
+      micro_batches: Gradient-accumulation micro-batches per optimizer update (lax.scan).
+      mini_batches: Optimizer updates per epoch over one `Learner.step` batch.
+      ppo_epochs: Passes over one `Learner.step` batch.
+      critic: 'none', 'shared' (value head on the actor trunk) or 'separate' (its own model).
+      ref_path: HF directory of a separate reference model; None = frozen copy of the initial actor params.
+      max_consecutive_skips: This many consecutive non-finite (skipped) updates raise an error.
+      checkpoint_dir: Orbax checkpoint directory; None disables checkpointing.
+      checkpoint_every: run_learner saves every this many steps (0 = never).
+      keep_checkpoints: Number of checkpoints kept on disk.
+      async_checkpoint: Write checkpoints in the background (orbax async).
+      seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.
+      pad_token_id: Token id used for padding.
+      publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
+      seed: Seed of the learner RNG and of the mini-batch shuffles.
+    """
+
+    lr: float = 1e-6
+    warmup_steps: int = 0
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    total_steps: int = 1000
+    min_lr_ratio: float = 0.0
+    weight_decay: float = 0.0
+    grad_clip: Optional[float] = 1.0
+    b1: float = 0.9
+    b2: float = 0.999
+    adam_eps: float = 1e-8
+    adv_estimator: AdvEstimator = "grpo"
+    norm_adv_by_std: bool = True
+    whiten_advantages: bool = True
+    adv_eps: float = 1e-6
+    gamma: float = 1.0
+    lam: float = 1.0
+    clip_eps_low: float = 0.2
+    clip_eps_high: float = 0.2
+    dual_clip_c: Optional[float] = None
+    vf_coef: float = 0.5
+    value_clip: Optional[float] = 0.2
+    entropy_coef: float = 0.0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    kl_mode: Literal["loss", "reward", "none"] = "none"
+    off_policy: OffPolicy = "none"
+    tis_cap: float = 2.0
+    temperature: float = 1.0
+    loss_agg: LossAgg = "token-mean"
+    micro_batches: int = 1
+    mini_batches: int = 1
+    ppo_epochs: int = 1
+    critic: Literal["none", "shared", "separate"] = "none"
+    ref_path: Optional[str] = None
+    max_consecutive_skips: int = 3
+    checkpoint_dir: Optional[str] = None
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 3
+    async_checkpoint: bool = True
+    seq_len_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+    pad_token_id: int = 0
+    publish_timeout_s: float = 300.0
+    seed: int = 0
+
+    @property
+    def use_kl(self) -> bool:
+        return self.kl_mode != "none" and self.kl_coef != 0.0
+
+    def validate(self, prefix: str) -> None:
+        expect(self.lr > 0, f"{prefix}.lr", self.lr, "> 0")
+        expect(self.warmup_steps >= 0, f"{prefix}.warmup_steps", self.warmup_steps, ">= 0")
+        expect(self.total_steps > 0, f"{prefix}.total_steps", self.total_steps, "> 0")
+        expect(0.0 <= self.min_lr_ratio <= 1.0, f"{prefix}.min_lr_ratio", self.min_lr_ratio, "in [0, 1]")
+        expect(self.grad_clip is None or self.grad_clip > 0, f"{prefix}.grad_clip", self.grad_clip, "> 0 or None")
+        expect(0.0 <= self.b1 < 1.0, f"{prefix}.b1", self.b1, "in [0, 1)")
+        expect(0.0 <= self.b2 < 1.0, f"{prefix}.b2", self.b2, "in [0, 1)")
+        expect(self.adv_estimator != "gae" or self.critic != "none", f"{prefix}.adv_estimator",
+               self.adv_estimator, "'grpo' or 'rloo' when critic='none' (GAE needs a value model)")
+        expect(0.0 <= self.gamma <= 1.0, f"{prefix}.gamma", self.gamma, "in [0, 1]")
+        expect(0.0 <= self.lam <= 1.0, f"{prefix}.lam", self.lam, "in [0, 1]")
+        expect(0.0 <= self.clip_eps_low < 1.0, f"{prefix}.clip_eps_low", self.clip_eps_low, "in [0, 1)")
+        expect(self.clip_eps_high >= 0.0, f"{prefix}.clip_eps_high", self.clip_eps_high, ">= 0")
+        expect(self.dual_clip_c is None or self.dual_clip_c > 1.0, f"{prefix}.dual_clip_c",
+               self.dual_clip_c, "> 1 or None")
+        expect(self.value_clip is None or self.value_clip > 0, f"{prefix}.value_clip", self.value_clip, "> 0 or None")
+        expect(self.kl_coef >= 0.0, f"{prefix}.kl_coef", self.kl_coef, ">= 0")
+        expect(self.tis_cap >= 1.0, f"{prefix}.tis_cap", self.tis_cap, ">= 1")
+        expect(self.temperature > 0, f"{prefix}.temperature", self.temperature, "> 0")
+        for name in ("micro_batches", "mini_batches", "ppo_epochs", "max_consecutive_skips", "keep_checkpoints"):
+            v = getattr(self, name)
+            expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
+        expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
+        b = self.seq_len_buckets
+        expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
+               b, "a non-empty strictly increasing list of lengths > 1")
+        expect(self.publish_timeout_s > 0, f"{prefix}.publish_timeout_s", self.publish_timeout_s, "> 0")
+
+
+DEFAULT_RULES: tuple[str, ...] = (
+    "vocab=tensor", "embed=fsdp", "heads=tensor", "kv_heads=tensor", "mlp=tensor", "norm=", "head_dim=")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshSection:
+    """Device mesh of the learner, axes ('data', 'fsdp', 'tensor').
+
+    Attributes:
+      data: Size of the pure data-parallel axis (-1 = fill with the remaining devices).
+      fsdp: Size of the fully-sharded data-parallel axis (params sharded, batch split) (-1 = fill).
+      tensor: Size of the tensor-parallel axis (-1 = fill).
+      rules: Logical-axis rules 'logical=mesh_axis' ('logical=' replicates); a logical name without a rule is replicated.
+    """
+
+    data: int = 1
+    fsdp: int = -1
+    tensor: int = 1
+    rules: tuple[str, ...] = DEFAULT_RULES
+
+    def validate(self, prefix: str) -> None:
+        sizes = (self.data, self.fsdp, self.tensor)
+        for name, v in zip(("data", "fsdp", "tensor"), sizes):
+            expect(v == -1 or v >= 1, f"{prefix}.{name}", v, ">= 1 or -1 (fill)")
+        expect(sum(v == -1 for v in sizes) <= 1, f"{prefix}.fsdp", sizes, "at most one axis set to -1")
+        for i, r in enumerate(self.rules):
+            name, sep, axis = r.partition("=")
+            expect(bool(sep) and name.strip() != "" and axis.strip() in ("", "data", "fsdp", "tensor"),
+                   f"{prefix}.rules[{i}]", r, "'logical=data|fsdp|tensor' or 'logical='")

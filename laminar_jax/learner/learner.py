@@ -1,0 +1,226 @@
+"""The stateful learner shell: owns the TrainState, runs PPO epochs x mini-batches, checkpoints, publishes.
+
+Version semantics: `learner.version` counts completed `Learner.step` calls (0 = the initial
+weights). Each step publishes its resulting weights as the new version; staleness of a trajectory
+is `learner.version - trajectory.version` measured when the step starts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from laminar_jax.learner.batch import TrainBatch, collate, staleness
+from laminar_jax.learner.checkpoint import Checkpointer
+from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
+from laminar_jax.learner.mesh import (
+    batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
+from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
+from laminar_jax.learner.step import (
+    Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
+from laminar_jax.types import Trajectory
+
+
+class SkippedUpdatesError(RuntimeError):
+    """Too many consecutive non-finite updates."""
+
+
+def _split_params(model: nnx.Module, what: str) -> tuple[Any, nnx.State]:
+    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    if jax.tree.leaves(rest):
+        raise ValueError(f"{what}: model has non-Param state {list(rest.keys())}; the learner trains Params only")
+    return graphdef, params
+
+
+def _host(tree: Any) -> Any:
+    return jax.tree.map(lambda x: np.array(x), tree)
+
+
+class _Models(NamedTuple):
+    graphs: Graphs
+    params: dict  # {'actor': nnx.State (+ 'critic')} of host arrays: the trainable params
+    ref: Optional[nnx.State]  # host reference params (None without a KL term)
+
+
+def _collect_models(section: LearnerSection, model: nnx.Module, critic_model: Optional[nnx.Module],
+                    ref_model: Optional[nnx.Module]) -> _Models:
+    """Split the actor / critic / reference models into graphdefs and host param copies."""
+    actor_g, actor_p = _split_params(model, "model")
+    if section.critic == "shared" and not getattr(model, "has_value_head", False):
+        raise ValueError("learner.critic='shared' needs the actor built with value_head=True")
+    params = {"actor": _host(actor_p)}
+    critic_g = None
+    if section.critic == "separate":
+        if critic_model is None or not getattr(critic_model, "has_value_head", False):
+            raise ValueError("learner.critic='separate' needs critic_model built with value_head=True")
+        critic_g, critic_p = _split_params(critic_model, "critic_model")
+        params["critic"] = _host(critic_p)
+    ref_g, ref = None, None
+    if section.use_kl:
+        if ref_model is None and section.ref_path:
+            from laminar_jax.model import from_pretrained
+            ref_model = from_pretrained(section.ref_path)
+        if ref_model is None:  # frozen copy of the initial actor (its own buffers: the actor's get donated)
+            ref_g, ref = actor_g, params["actor"]
+        else:
+            ref_g, ref_p = _split_params(ref_model, "ref_model")
+            ref = _host(ref_p)
+    return _Models(Graphs(actor_g, critic_g, ref_g), params, ref)
+
+
+class Learner:
+    """Learner(section, model, mesh=...) -> .step(trajectories) -> metrics dict.
+
+    model: the actor (an nnx Transformer; needs a value head when section.critic == 'shared').
+    mesh: a jax Mesh with axes ('data','fsdp','tensor'), a MeshSection, or None (all devices on fsdp).
+    critic_model: the value model when section.critic == 'separate' (built with value_head=True).
+    ref_model: reference policy for the KL term; default: a frozen copy of the initial actor params
+      (or section.ref_path). On resume the reference is rebuilt the same way, so construct the
+      Learner from the same initial model before calling restore_latest().
+    """
+
+    def __init__(self, section: LearnerSection, model: nnx.Module, mesh: Mesh | MeshSection | None = None, *,
+                 critic_model: Optional[nnx.Module] = None, ref_model: Optional[nnx.Module] = None,
+                 rules: Optional[Sequence[str]] = None, publisher: Optional[Publisher] = None):
+        section.validate("learner")
+        self.section = section
+        if mesh is None or isinstance(mesh, MeshSection):
+            ms = mesh or MeshSection()
+            ms.validate("mesh")
+            rules = ms.rules if rules is None else rules
+            mesh = build_mesh(ms)
+        self.mesh = mesh
+        self.rules = tuple(DEFAULT_RULES if rules is None else rules)
+        self.publisher = publisher
+        self.version = 0
+        self._pending: Optional[HostCopy] = None
+        self._ckpt = Checkpointer(section.checkpoint_dir, section.keep_checkpoints, section.async_checkpoint) \
+            if section.checkpoint_dir else None
+
+        models = _collect_models(section, model, critic_model, ref_model)
+        self.graphs = models.graphs
+        p_shard = {k: param_shardings(v, mesh, self.rules) for k, v in models.params.items()}
+        params = place(models.params, p_shard)
+        self.ref_params = None if models.ref is None else place(
+            models.ref, param_shardings(models.ref, mesh, self.rules))
+        self.optimizer = make_optimizer(section)
+        rep = replicated(mesh)
+        abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, section.seed), params)
+        self.state_shardings = state_shardings_like(abstract, params, p_shard, mesh)._replace(params=p_shard)
+        init = jax.jit(lambda p: init_train_state(p, self.optimizer, section.seed), in_shardings=(p_shard,),
+                       out_shardings=self.state_shardings)
+        self.state = init(params)
+        bs = batch_sharding(mesh)
+        self.batch_shardings = TrainBatch(*([bs] * len(TrainBatch._fields)))
+        ref_shard = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
+        self._prepare = jax.jit(make_prepare_fn(section, self.graphs),
+                                in_shardings=(p_shard, ref_shard, self.batch_shardings),
+                                out_shardings=self.batch_shardings)
+        self._train_step = jax.jit(make_train_step(section, self.graphs, self.optimizer, mesh),
+                                   in_shardings=(self.state_shardings, self.batch_shardings),
+                                   out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
+        self._select = jax.jit(lambda b, idx: jax.tree.map(lambda x: x[idx], b),
+                               in_shardings=(self.batch_shardings, rep), out_shardings=self.batch_shardings)
+        shape = dict(mesh.shape)
+        self.row_multiple = shape["data"] * shape["fsdp"] * section.micro_batches * section.mini_batches
+
+    # ----------------------------------------------------------------------------------- step
+    def collate(self, trajectories: Sequence[Trajectory]) -> TrainBatch:
+        s = self.section
+        return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple)
+
+    def step(self, trajectories: Sequence[Trajectory], publisher: Optional[Publisher] = None) -> dict:
+        """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
+        advantages) once, then ppo_epochs x mini_batches optimizer updates, then publish version+1."""
+        t0 = time.perf_counter()
+        s = self.section
+        if self._pending is not None:
+            self._pending.check()
+        host = self.collate(trajectories)
+        stale = staleness(host.versions, self.version)
+        batch = place(host, self.batch_shardings)
+        prepared = self._prepare(self.state.params, self.ref_params, batch)
+        b = host.tokens.shape[0]
+        rows = b // s.mini_batches
+        rng = np.random.default_rng([s.seed, self.version])
+        if self._pending is not None:  # donation below would free buffers the host copy still reads
+            self._pending.wait_copied(s.publish_timeout_s)
+        per_update = []
+        for _ in range(s.ppo_epochs):
+            perm = rng.permutation(b) if s.mini_batches > 1 or s.ppo_epochs > 1 else None
+            for j in range(s.mini_batches):
+                mb = prepared if perm is None else self._select(
+                    prepared, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
+                self.state, m = self._train_step(self.state, mb)
+                per_update.append(m)
+        metrics = {k: float(np.mean([_scalar(m[k]) for m in per_update])) for k in per_update[0]}
+        metrics["skipped"] = float(sum(_scalar(m["skipped"]) for m in per_update))
+        consecutive = int(_scalar(per_update[-1]["consecutive_skips"]))
+        if consecutive >= s.max_consecutive_skips:
+            raise SkippedUpdatesError(
+                f"learner step {self.version + 1} (optimizer step {int(_scalar(self.state.step))}): "
+                f"{consecutive} consecutive updates skipped for a non-finite loss or gradient "
+                f"(max_consecutive_skips={s.max_consecutive_skips})")
+        self.version += 1
+        self._start_publish(publisher or self.publisher)
+        n = len(trajectories)
+        metrics.update(
+            version=self.version, staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
+            num_tokens=int(host.segment_ids[:n].sum()), response_tokens=int(host.loss_mask.sum()),
+            seq_len=int(host.tokens.shape[1]), reward_mean=float(host.rewards[:n].mean()),
+            updates=len(per_update), step_s=time.perf_counter() - t0)
+        return metrics
+
+    # ------------------------------------------------------------------------------ publishing
+    def _start_publish(self, publisher: Optional[Publisher]) -> None:
+        if publisher is None:
+            self._pending = None
+            return
+        flat = flatten_params(self.state.params["actor"])
+        self._pending = HostCopy(self.version, flat, publisher)
+
+    def policy_params(self) -> dict[str, np.ndarray]:
+        """Host copy of the current policy weights (blocking), flat as published."""
+        return {k: np.asarray(v) for k, v in flatten_params(self.state.params["actor"]).items()}
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        """Wait for the last publish (and checkpoint save) to finish; re-raise their errors."""
+        if self._pending is not None:
+            self._pending.wait_done(timeout or self.section.publish_timeout_s)
+        if self._ckpt is not None:
+            self._ckpt.wait()
+
+    # ----------------------------------------------------------------------------- checkpoint
+    def save(self, step: int, extra: Optional[dict] = None) -> None:
+        """Async orbax save of the TrainState, version and caller JSON `extra` under `step`."""
+        if self._ckpt is None:
+            raise ValueError("learner.checkpoint_dir is None: checkpointing is disabled")
+        self._ckpt.save(step, self.state, {"version": self.version, "extra": extra or {}})
+
+    def restore_latest(self) -> Optional[dict]:
+        """Restore the newest checkpoint, if any; returns its `extra` (None when there is none)."""
+        if self._ckpt is None:
+            return None
+        step = self._ckpt.latest_step()
+        if step is None:
+            return None
+        self.state, meta = self._ckpt.restore(step, self.state)
+        self.version = int(meta["version"])
+        return meta["extra"]
+
+    def close(self) -> None:
+        self.flush()
+        if self._ckpt is not None:
+            self._ckpt.close()
+
+
+def _scalar(x: Any) -> float:
+    """Replicated scalar -> float (works for arrays that span processes)."""
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
+        x = x.addressable_data(0)
+    return float(np.asarray(x))

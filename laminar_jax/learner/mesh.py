@@ -1,0 +1,119 @@
+"""Device mesh ('data', 'fsdp', 'tensor'), logical-axis rules -> shardings, and host->device placement."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from laminar_jax.learner.config import MeshSection
+
+AXES = ("data", "fsdp", "tensor")
+BATCH_AXES = ("data", "fsdp")
+
+
+def resolve_mesh_shape(section: MeshSection, n_devices: int) -> tuple[int, int, int]:
+    """Fill the (at most one) -1 axis with the remaining devices; the product must equal n_devices."""
+    sizes = [section.data, section.fsdp, section.tensor]
+    known = int(np.prod([s for s in sizes if s != -1]))
+    if -1 in sizes:
+        if n_devices % known:
+            raise ValueError(f"mesh: {n_devices} devices do not divide by the fixed axes product {known} ({sizes})")
+        sizes[sizes.index(-1)] = n_devices // known
+    if int(np.prod(sizes)) != n_devices:
+        raise ValueError(f"mesh: data*fsdp*tensor = {sizes} uses {int(np.prod(sizes))} devices, have {n_devices}")
+    return tuple(sizes)  # type: ignore[return-value]
+
+
+def build_mesh(section: MeshSection, devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
+    devices = list(jax.devices() if devices is None else devices)
+    shape = resolve_mesh_shape(section, len(devices))
+    return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES)
+
+
+def parse_rules(rules: Sequence[str]) -> dict[str, Optional[str]]:
+    """('embed=fsdp', 'norm=') -> {'embed': 'fsdp', 'norm': None}."""
+    out: dict[str, Optional[str]] = {}
+    for r in rules:
+        name, _, axis = r.partition("=")
+        out[name.strip()] = axis.strip() or None
+    return out
+
+
+def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], rules: dict[str, Optional[str]],
+                    mesh: Mesh) -> P:
+    """Map one parameter's logical axes to a PartitionSpec.
+
+    A dimension stays replicated when it has no rule, when it does not divide by the mesh axis
+    size, or when the mesh axis is already used by an earlier dimension.
+    """
+    used: set[str] = set()
+    out = []
+    for name, dim in zip(logical, shape):
+        axis = rules.get(name) if name is not None else None
+        if axis is None or axis in used or dim % mesh.shape[axis] or mesh.shape[axis] == 1:
+            out.append(None)
+        else:
+            out.append(axis)
+            used.add(axis)
+    return P(*out)
+
+
+def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[str]) -> Any:
+    """Pytree of NamedSharding matching `params` (an nnx.State of Params with logical axis metadata)."""
+    table = parse_rules(rules)
+
+    def one(var):
+        shape = var.get_value().shape
+        logical = getattr(var, "out_sharding", None) or (None,) * len(shape)
+        return var.replace(NamedSharding(mesh, logical_to_spec(logical, shape, table, mesh)))
+
+    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def state_shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) -> Any:
+    """Shardings for a tree that embeds params-shaped subtrees (optimizer state: mu, nu, ...).
+
+    A leaf whose key path ends with a parameter's full key path (and has its shape) gets that
+    parameter's sharding; every other leaf (step counts, scalars) is replicated.
+    """
+    by_path = {}
+    for (path, leaf), sh in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(params_shardings)):
+        by_path[tuple(path)] = (np.shape(leaf), sh)
+    rep = replicated(mesh)
+
+    def one(path, leaf):
+        path = tuple(path)
+        for i in range(len(path)):
+            hit = by_path.get(path[i:])
+            if hit is not None and hit[0] == np.shape(leaf):
+                return hit[1]
+        return rep
+
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def batch_sharding(mesh: Mesh) -> NamedSharding:
+    """Leading (row) dimension split over ('data', 'fsdp'); everything else replicated."""
+    return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())
+
+
+def place(tree: Any, shardings: Any) -> Any:
+    """Host (numpy / jax) pytree -> global jax.Arrays with the given shardings.
+
+    Every process passes the same full value; each takes the shards it owns
+    (make_array_from_callback), so this works single- and multi-process alike.
+    """
+
+    def one(x, s):
+        x = np.asarray(x)
+        return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
+
+    return jax.tree.map(one, tree, shardings)

@@ -1,0 +1,123 @@
+"""Weight publishing: the Publisher protocol, an in-memory LocalPublisher, and the async host copy.
+
+After a step the learner starts device-to-host copies of the policy weights
+(`jax.Array.copy_to_host_async`) and a worker thread turns them into numpy and calls
+`publisher.publish(version, flat_params)`. The learner's only wait is `HostCopy.wait_copied()`
+right before the next *donating* train_step (the prepare pass, collation and placement of the
+next batch overlap with the copy); the publish call itself never blocks the learner.
+"""
+
+from __future__ import annotations
+
+import threading
+import traceback
+from typing import Any, Optional, Protocol, runtime_checkable
+
+import jax
+import numpy as np
+
+
+@runtime_checkable
+class Publisher(Protocol):
+    """Receives host copies of the policy weights. Implemented by the relay plane."""
+
+    def publish(self, version: int, params: dict[str, np.ndarray]) -> None:
+        """params: flat {'layers.0.self_attn.q_proj.kernel': np.ndarray, ...}; version strictly increasing."""
+        ...
+
+
+class LocalPublisher:
+    """In-memory publisher for tests and the single-process loop: keeps the newest `keep` versions."""
+
+    def __init__(self, keep: int = 2):
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._versions: dict[int, dict[str, np.ndarray]] = {}
+
+    def publish(self, version: int, params: dict[str, np.ndarray]) -> None:
+        with self._lock:
+            if self._versions and version <= max(self._versions):
+                raise ValueError(f"publish: version {version} is not newer than {max(self._versions)}")
+            self._versions[version] = params
+            for v in sorted(self._versions)[:-self.keep]:
+                del self._versions[v]
+
+    def latest(self) -> tuple[int, dict[str, np.ndarray]] | None:
+        with self._lock:
+            if not self._versions:
+                return None
+            v = max(self._versions)
+            return v, self._versions[v]
+
+    @property
+    def versions(self) -> list[int]:
+        with self._lock:
+            return sorted(self._versions)
+
+
+def flatten_params(state: Any, drop: tuple[str, ...] = ("value_head",)) -> dict[str, Any]:
+    """nnx.State -> {'a.b.c': leaf}, skipping subtrees whose first key is in `drop`."""
+    out = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
+        names = []
+        for k in path:
+            if isinstance(k, jax.tree_util.DictKey):
+                names.append(str(k.key))
+            elif isinstance(k, jax.tree_util.SequenceKey):
+                names.append(str(k.idx))
+            elif isinstance(k, jax.tree_util.GetAttrKey) and k.name != "value":
+                names.append(k.name)
+        if names and names[0] in drop:
+            continue
+        out[".".join(names)] = leaf
+    return out
+
+
+class HostCopy:
+    """One in-flight publish: D2H copies started now, numpy + publish on a worker thread."""
+
+    def __init__(self, version: int, flat: dict[str, jax.Array], publisher: Optional[Publisher]):
+        self.version = version
+        self._copied = threading.Event()
+        self._done = threading.Event()
+        self._error: Optional[str] = None
+        self.host: Optional[dict[str, np.ndarray]] = None
+        if all(x.is_fully_addressable for x in flat.values()):
+            for x in flat.values():
+                x.copy_to_host_async()
+            self._thread = threading.Thread(target=self._run, args=(flat, publisher), daemon=True,
+                                            name=f"publish-v{version}")
+            self._thread.start()
+        else:  # multi-process: gather the global value (blocking; see report)
+            from jax.experimental import multihost_utils
+            host = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
+            self._thread = threading.Thread(target=self._run, args=(host, publisher), daemon=True,
+                                            name=f"publish-v{version}")
+            self._thread.start()
+
+    def _run(self, flat: dict[str, Any], publisher: Optional[Publisher]) -> None:
+        try:
+            self.host = {k: np.asarray(v) for k, v in flat.items()}
+            self._copied.set()
+            if publisher is not None:
+                publisher.publish(self.version, self.host)
+        except BaseException:  # recorded; the owner re-raises it in check()
+            self._error = traceback.format_exc()
+        finally:
+            self._copied.set()
+            self._done.set()
+
+    def wait_copied(self, timeout: float) -> None:
+        """Block until the host copy exists (device buffers may then be donated)."""
+        if not self._copied.wait(timeout):
+            raise TimeoutError(f"weight version {self.version}: device-to-host copy not done after {timeout}s")
+        self.check()
+
+    def wait_done(self, timeout: float) -> None:
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"weight version {self.version}: publisher.publish did not return after {timeout}s")
+        self.check()
+
+    def check(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"publishing weight version {self.version} failed:\n{self._error}")

@@ -1,0 +1,239 @@
+"""The pure learner step: TrainState, optimizer, the per-batch prepare pass and `train_step`.
+
+prepare(params, ref_params, batch) -> batch      once per Learner.step, before the update loop:
+    proximal / reference log-probs, old values, token rewards, advantages (whole batch, so
+    GRPO/RLOO groups are never split).
+train_step(state, batch) -> (state, metrics)     one optimizer update on a (mini-)batch with
+    gradient accumulation over `micro_batches` (lax.scan); a non-finite loss or gradient leaves
+    params/opt_state unchanged and is counted.
+Both are built by closures over static configuration (graphdefs, the LearnerSection) and are
+jitted with shardings by `compile_step_fns`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from laminar_jax.learner.advantages import AdvantageInputs, AdvantageParams, compute_advantages, terminal_token_rewards
+from laminar_jax.learner.batch import TrainBatch
+from laminar_jax.learner.config import LearnerSection
+from laminar_jax.learner.losses import (
+    AggNorm, aggregate, agg_norm, entropy_from_logits, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
+from laminar_jax.learner.mesh import BATCH_AXES
+from laminar_jax.model.build import token_logprobs
+
+
+class TrainState(NamedTuple):
+    params: dict  # {'actor': nnx.State} (+ 'critic': nnx.State when critic == 'separate')
+    opt_state: Any  # optax state over `params`
+    step: jax.Array  # i32[] train_step calls so far (applied or skipped)
+    rng: jax.Array  # u32[2] raw key data, split once per step
+    consecutive_skips: jax.Array  # i32[] non-finite updates in a row
+    total_skips: jax.Array  # i32[]
+
+
+class Graphs(NamedTuple):
+    """Static halves of nnx.split for the models the step uses (None when absent)."""
+
+    actor: Any
+    critic: Any
+    ref: Any
+
+
+class ForwardOut(NamedTuple):
+    logp: jax.Array  # f32[B, T] log-prob of targets
+    entropy: jax.Array  # f32[B, T]
+    values: Optional[jax.Array]  # f32[B, T] or None
+
+
+def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, temperature: float) -> ForwardOut:
+    """Merge the model inside the trace and score the batch's targets."""
+    model = nnx.merge(graphdef, params)
+    out = model.forward(batch.tokens, batch.positions, batch.segment_ids)
+    logits = out.logits.astype(jnp.float32) / temperature
+    return ForwardOut(token_logprobs(logits, batch.targets), entropy_from_logits(logits), out.values)
+
+
+def make_optimizer(section: LearnerSection) -> optax.GradientTransformation:
+    """AdamW with linear warm-up then constant or cosine decay, after global-norm clipping."""
+    if section.lr_schedule == "cosine":
+        sched = optax.warmup_cosine_decay_schedule(
+            0.0, section.lr, section.warmup_steps, max(section.total_steps, section.warmup_steps + 1),
+            end_value=section.lr * section.min_lr_ratio)
+    elif section.warmup_steps > 0:
+        sched = optax.linear_schedule(0.0, section.lr, section.warmup_steps)
+    else:
+        sched = optax.constant_schedule(section.lr)
+    parts = [] if section.grad_clip is None else [optax.clip_by_global_norm(section.grad_clip)]
+    parts.append(optax.adamw(sched, section.b1, section.b2, section.adam_eps, weight_decay=section.weight_decay))
+    return optax.chain(*parts)
+
+
+def _values(section: LearnerSection, graphs: Graphs, params: dict, batch: TrainBatch,
+            actor_out: Optional[ForwardOut]) -> Optional[jax.Array]:
+    if section.critic == "shared":
+        return actor_out.values
+    if section.critic == "separate":
+        return forward(graphs.critic, params["critic"], batch, section.temperature).values
+    return None
+
+
+def make_prepare_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, Any, TrainBatch], TrainBatch]:
+    """prepare(params, ref_params, batch) -> batch with the once-per-batch fields filled.
+
+    proximal log-probs come from the actor params at batch start (only computed when off_policy
+    needs them; with off_policy='none' they equal the behaviour log-probs). Token rewards are the
+    terminal reward at the last response target, minus kl_coef * KL(old || ref) per token when
+    kl_mode == 'reward'.
+    """
+
+    def prepare(params: dict, ref_params: Any, batch: TrainBatch) -> TrainBatch:
+        mask = batch.loss_mask
+        need_actor = section.off_policy != "none" or section.critic == "shared"
+        actor_out = forward(graphs.actor, params["actor"], batch, section.temperature) if need_actor else None
+        prox = actor_out.logp if section.off_policy != "none" else batch.behaviour_logprobs
+        old = off_policy_correction(section.off_policy, prox, batch.behaviour_logprobs, section.tis_cap).logp_old
+        values = _values(section, graphs, params, batch, actor_out)
+        ref = jnp.zeros_like(mask)
+        if section.use_kl:
+            ref = forward(graphs.ref, ref_params, batch, section.temperature).logp
+        token_rewards = terminal_token_rewards(batch.rewards, mask)
+        if section.kl_mode == "reward" and section.kl_coef != 0.0:
+            token_rewards = token_rewards - section.kl_coef * kl_penalty(section.kl_estimator, old, ref) * mask
+        hp = AdvantageParams(section.gamma, section.lam, section.norm_adv_by_std, section.whiten_advantages,
+                             section.adv_eps)
+        adv = compute_advantages(section.adv_estimator,
+                                 AdvantageInputs(batch.rewards, batch.group_ids, token_rewards, values, mask), hp)
+        return batch._replace(
+            old_logprobs=old * mask, prox_logprobs=prox * mask, ref_logprobs=ref * mask,
+            old_values=(jnp.zeros_like(mask) if values is None else values * mask),
+            advantages=adv.advantages, returns=adv.returns)
+
+    return prepare
+
+
+def make_loss_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
+    """loss(params, micro_batch, norm) -> (scalar, metrics); norm spans the whole mini-batch."""
+    agg = section.loss_agg
+
+    def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm):
+        mask = mb.loss_mask
+        out = forward(graphs.actor, params["actor"], mb, section.temperature)
+        corr = off_policy_correction(section.off_policy, mb.prox_logprobs, mb.behaviour_logprobs, section.tis_cap)
+        pg = ppo_clip_loss(out.logp, mb.old_logprobs, mb.advantages, section.clip_eps_low, section.clip_eps_high,
+                           section.dual_clip_c)
+        tok_mean = lambda x: aggregate(x, mask, "token-mean", norm)
+        pg_loss = aggregate(pg.loss * corr.weight, mask, agg, norm)
+        ent = aggregate(out.entropy, mask, agg, norm)
+        total = pg_loss - section.entropy_coef * ent
+        metrics = {"pg_loss": pg_loss, "entropy": tok_mean(out.entropy), "clipfrac": tok_mean(pg.clipped),
+                   "dual_clipfrac": tok_mean(pg.dual_clipped), "ratio_mean": tok_mean(pg.ratio),
+                   "is_weight_mean": tok_mean(corr.weight),
+                   "approx_kl_old": tok_mean(jax.lax.stop_gradient(kl_penalty("k3", out.logp, mb.old_logprobs)))}
+        if section.use_kl:
+            kl = kl_penalty(section.kl_estimator, out.logp, mb.ref_logprobs)
+            metrics["kl_ref"] = tok_mean(kl)
+            if section.kl_mode == "loss":
+                total = total + section.kl_coef * aggregate(kl, mask, agg, norm)
+        values = _values(section, graphs, params, mb, out)
+        if values is not None:
+            vl, vclip = value_loss(values, mb.old_values, mb.returns, section.value_clip)
+            vf = aggregate(vl, mask, agg, norm)
+            total = total + section.vf_coef * vf
+            metrics.update(vf_loss=vf, vf_clipfrac=tok_mean(vclip), value_mean=tok_mean(values))
+        metrics["loss"] = total
+        return total, metrics
+
+    return loss_fn
+
+
+def _tree_norm(tree: Any) -> jax.Array:
+    """Global L2 norm (optax.tree.norm where available, optax.global_norm on older optax)."""
+    tree_mod = getattr(optax, "tree", None)
+    return tree_mod.norm(tree) if tree_mod is not None and hasattr(tree_mod, "norm") else optax.global_norm(tree)
+
+
+class _Accum(NamedTuple):
+    grads: Any
+    metrics: dict
+
+
+def split_micro(batch: TrainBatch, m: int, mesh: Optional[Mesh]) -> TrainBatch:
+    """[B, ...] -> [m, B/m, ...] with micro-batch j = rows j, j+m, j+2m, ... (interleaved, so each
+    device's contiguous row block feeds every micro-batch evenly)."""
+
+    def one(x):
+        y = x.reshape((x.shape[0] // m, m) + x.shape[1:]).swapaxes(0, 1)
+        if mesh is not None:
+            y = jax.lax.with_sharding_constraint(y, NamedSharding(mesh, P(None, BATCH_AXES)))
+        return y
+
+    return jax.tree.map(one, batch)
+
+
+def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] = None):
+    """grads(params, batch) -> (grads, metrics): summed over micro-batches (lax.scan); with the
+    mini-batch-wide AggNorm the sum equals the gradient of the mini-batch loss."""
+    loss_fn = make_loss_fn(section, graphs)
+    m = section.micro_batches
+
+    def grads(params: dict, batch: TrainBatch):
+        if batch.tokens.shape[0] % m:
+            raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into micro_batches={m}")
+        norm = agg_norm(batch.loss_mask)
+        vg = jax.value_and_grad(loss_fn, has_aux=True)
+        if m == 1:
+            (_, metrics), g = vg(params, batch, norm)
+            return g, metrics
+        micro = split_micro(batch, m, mesh)
+        first = jax.tree.map(lambda x: x[0], micro)
+        zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
+                                    jax.eval_shape(loss_fn, params, first, norm)[1])
+        init = _Accum(jax.tree.map(jnp.zeros_like, params), zero_metrics)
+
+        def body(acc: _Accum, mb: TrainBatch):
+            (_, metrics), g = vg(params, mb, norm)
+            return _Accum(jax.tree.map(jnp.add, acc.grads, g), jax.tree.map(jnp.add, acc.metrics, metrics)), None
+
+        acc, _ = jax.lax.scan(body, init, micro)
+        return acc.grads, acc.metrics
+
+    return grads
+
+
+def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.GradientTransformation,
+                    mesh: Optional[Mesh] = None) -> Callable[[TrainState, TrainBatch], tuple[TrainState, dict]]:
+    grad_fn = make_grad_fn(section, graphs, mesh)
+
+    def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
+        grads, metrics = grad_fn(state.params, batch)
+        grad_norm = _tree_norm(grads)
+        finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
+        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
+        new_params = optax.apply_updates(state.params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        skipped = jnp.logical_not(finite).astype(jnp.int32)
+        key = jax.random.wrap_key_data(state.rng)
+        new_state = TrainState(
+            params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+            step=state.step + 1, rng=jax.random.key_data(jax.random.split(key)[0]),
+            consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
+            total_skips=state.total_skips + skipped)
+        metrics = dict(metrics, grad_norm=grad_norm, skipped=skipped,
+                       consecutive_skips=new_state.consecutive_skips)
+        return new_state, metrics
+
+    return train_step
+
+
+def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
+    """Unjitted constructor (call under jit with shardings for placement)."""
+    return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
+                      rng=jax.random.key_data(jax.random.key(seed)),
+                      consecutive_skips=jnp.zeros((), jnp.int32), total_skips=jnp.zeros((), jnp.int32))

@@ -1,0 +1,16 @@
+"""Runtime: wires the planes. `run(cfg)` starts the configured runtime (`local` or `ray`)."""
+
+from __future__ import annotations
+
+
+def run(cfg) -> dict:
+    """Train according to `cfg` (a finalized laminar_jax.config.Config); returns the summary dict."""
+    if cfg.runtime.kind == "local":
+        from laminar_jax.runtime.local import run_local
+
+        return run_local(cfg)
+    if cfg.runtime.kind == "ray":
+        from laminar_jax.runtime.ray_runtime import run_ray
+
+        return run_ray(cfg)
+    raise ValueError(f"runtime.kind={cfg.runtime.kind!r}: must be 'local' or 'ray'")

@@ -1,0 +1,287 @@
+"""The `local` runtime: learner, relay, rollout servers, buffer and scheduler as threads in one process.
+
+The embedded default (one machine, one GPU, Colab, CI). The learner runs in the calling thread;
+every other role is a supervised worker thread whose failure stops the run with its traceback.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import os
+import signal
+import threading
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, ExperienceStore, PromptLedger, select_fifo
+from laminar_jax.config import Config, resolve_run_dir, save_config
+from laminar_jax.runtime.dispatch import Dispatcher, WorkItem, WorkQueue
+from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.runtime.rollout_worker import Board, RolloutWorker, unflatten_params
+from laminar_jax.runtime.threads import Supervisor
+from laminar_jax.runtime.timeline import Timeline
+from laminar_jax.scheduler.modes import get_policy
+from laminar_jax.types import Trajectory
+
+REQUIRED = ("response_ids", "behaviour_logprobs", "version", "reward")
+
+
+def _rows_to_trajectories(rows: list[dict]) -> list[Trajectory]:
+    return [Trajectory(uid=r["uid"], prompt_uid=r["prompt_uid"], sample_index=int(r["sample_index"]),
+                       prompt_ids=np.asarray(r["prompt_ids"], np.int32),
+                       response_ids=np.asarray(r["response_ids"], np.int32),
+                       behaviour_logprobs=np.asarray(r["behaviour_logprobs"], np.float32),
+                       version=int(r["version"]), finish_reason=r.get("finish_reason", "eos"),
+                       reward=float(r["reward"])) for r in rows]
+
+
+class LocalRun:
+    """Builds every plane from the config; `run()` trains and returns the summary dict."""
+
+    def __init__(self, cfg: Config, run_dir: str, stop: Optional[threading.Event] = None):
+        from laminar_jax.data import RewardPool, build_prompt_source
+        from laminar_jax.learner.learner import Learner
+        from laminar_jax.model import build_model, load_tokenizer
+
+        self.cfg, self.run_dir = cfg, run_dir
+        rt = cfg.runtime
+        self.sup = Supervisor()
+        if stop is not None:
+            self.sup.stop = stop
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = build_model(cfg.model)
+        self.source = build_prompt_source(cfg.data, self.tokenizer)
+        self.sft_losses: list[float] = []
+        ckpt_dir = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+        resuming = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
+        if rt.sft_warmup_steps and not resuming:
+            self._sft_warmup()
+        lsec = dataclasses.replace(cfg.learner, checkpoint_dir=ckpt_dir, total_steps=rt.total_steps)
+        self.learner = Learner(lsec, self.model, cfg.mesh)
+        self.extra = self.learner.restore_latest()
+        self.ledger, self.store = PromptLedger(), ExperienceStore(group_size=rt.samples_per_prompt)
+        self.queue = WorkQueue()
+        self.dispatcher = Dispatcher(self.source, self.ledger, self.store, self.queue, self.policy,
+                                     rt.prompts_per_step, rt.samples_per_prompt, rt.max_staleness,
+                                     cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers))
+        self.redispatched = 0
+        if self.extra:
+            self.redispatched = self.dispatcher.restore(self.extra["runtime"], REQUIRED)
+        self.rewards = RewardPool(cfg.data.reward_workers, cfg.data.reward_timeout_s, cfg.data.reward_registry,
+                                  mode=cfg.data.reward_mode)
+        self.t0 = time.time()
+        self.timeline = Timeline(self.t0)
+        self._build_weights_plane()
+        self._build_servers()
+        self.monitor = Monitor(cfg, run_dir, self)
+
+    # ---------------------------------------------------------------------------- construction
+    def _sft_warmup(self) -> None:
+        from laminar_jax.data.synthetic_skew import sft_examples
+        from laminar_jax.runtime.sft import sft_warmup
+
+        if self.cfg.data.source != "synthetic_skew":
+            raise ValueError("runtime.sft_warmup_steps > 0 needs data.source='synthetic_skew' "
+                             f"(got {self.cfg.data.source!r}); warm-start other tasks offline")
+        tok = self.tokenizer
+        pairs = []
+        for prompt, response in sft_examples(2048, seed=self.cfg.seed + 1):
+            p = ([tok.bos_id] if tok.bos_id is not None and self.cfg.data.add_bos else []) + tok.encode(prompt)
+            pairs.append((p, tok.encode(response) + [tok.eos_id]))
+        self.sft_losses = sft_warmup(self.model, pairs, self.cfg.runtime.sft_warmup_steps, self.cfg.runtime.sft_lr,
+                                     seed=self.cfg.seed)
+
+    def _build_weights_plane(self) -> None:
+        from laminar_jax.relay import Publisher, RelayServer, WeightStore
+
+        rcfg = self.cfg.relay
+        store_url = rcfg.store_url or os.path.join(self.run_dir, "weights")
+        self.weight_store = WeightStore(store_url, keep_last=rcfg.keep_last)
+        self.relay = RelayServer(rcfg)
+        self.relay.start()
+        self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=[self.relay.address])
+        self.publisher.publish(self.learner.version, self.learner.policy_params())
+        self.learner.publisher = self.publisher
+        self.publish_times = [(time.time(), self.learner.version)]
+
+    def _build_servers(self) -> None:
+        from flax import nnx
+
+        from laminar_jax.learner.publish import flatten_params
+        from laminar_jax.relay import RelayClient
+        from laminar_jax.rollout.records import Request
+        from laminar_jax.rollout.server import RolloutServer
+
+        rt = self.cfg.runtime
+        v0 = self.learner.version
+        # The servers start from the learner's (possibly restored) weights, as published.
+        _, template = nnx.split(self.model)
+        params0 = unflatten_params(self.learner.policy_params(), template, flatten_params)
+        self.board = Board(rt.num_servers, v0)
+        self.workers: list[RolloutWorker] = []
+        to_flat = functools.partial(unflatten_params, template=template, flatten=flatten_params)
+        for i in range(rt.num_servers):
+            section = dataclasses.replace(self.cfg.rollout, server_id=f"rollout-{i}", seed=self.cfg.seed + 17 * i)
+            server = RolloutServer.from_model(self.model, section, version=v0)
+            server._params = params0  # noqa: SLF001 - same weights as the published version v0
+            client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay)
+            make_request = lambda it: Request(uid=it.uid, prompt_ids=np.asarray(it.prompt_ids, np.int32),
+                                              prompt_uid=it.prompt_uid, sample_index=it.sample_index,
+                                              seed=it.seed, data_source=it.data_source,
+                                              ground_truth=it.ground_truth)
+            self.workers.append(RolloutWorker(
+                i, server, client, self.queue, self.policy, self.board, self._on_complete, make_request,
+                lambda flat: to_flat(flat), timeline=self.timeline,
+                pull_timeout_s=min(rt.wait_timeout_s, 120.0)))
+        self._items: dict[str, WorkItem] = {}
+
+    # ------------------------------------------------------------------------------ data flow
+    def _on_complete(self, traj: Trajectory) -> None:
+        """A server finished a trajectory: store its fields now, score it off the critical path."""
+        self.store.put_many(traj.uid, {"response_ids": traj.response_ids,
+                                       "behaviour_logprobs": traj.behaviour_logprobs,
+                                       "finish_reason": traj.finish_reason})
+        text = self.tokenizer.decode([t for t in traj.response_ids.tolist() if t != self.tokenizer.eos_id])
+        row = self.store.row(traj.uid)
+        fut = self.rewards.submit(traj.data_source or row.get("data_source", ""), text, traj.ground_truth,
+                                  row.get("extra_info"))
+        uid, version = traj.uid, traj.version
+        # 'version' is written last with the reward, so a row is never ready before it is scored.
+        fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
+
+    def _select(self, dropped: list):
+        b = self.cfg.buffer
+
+        def select(groups, n):
+            sel = select_fifo(groups, n, self.learner.version, b.max_staleness, b.on_stale)
+            dropped.extend(sel.drop)
+            return sel
+
+        return select
+
+    def _next_batch(self) -> list[dict]:
+        """Block (bounded) for the next batch, re-checking every worker's health while waiting."""
+        rt = self.cfg.runtime
+        deadline = time.monotonic() + rt.wait_timeout_s
+        while True:
+            self.sup.check()
+            self.rewards.check()
+            if self.sup.stop.is_set():
+                raise InterruptedError("stop requested")
+            dropped: list = []
+            try:
+                rows = self.store.get("learner", rt.prompts_per_step, REQUIRED, timeout=0.5,
+                                      select=self._select(dropped))
+            except BufferTimeout:
+                rows = None
+            for g in dropped:
+                self.ledger.drop(g.group)
+            if rows is not None:
+                return rows
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"learner waited runtime.wait_timeout_s={rt.wait_timeout_s}s for {rt.prompts_per_step} "
+                    f"complete groups; ready={self.store.ready_groups('learner', REQUIRED)}, "
+                    f"queued={len(self.queue)}, servers={[w.server.stats() for w in self.workers]}")
+
+    # ----------------------------------------------------------------------------------- loops
+    def _dispatch_loop(self) -> None:
+        while not self.sup.stop.is_set():
+            self.dispatcher.pump(self.board.learner_version)
+            time.sleep(0.01)
+
+    def run(self) -> dict:
+        rt = self.cfg.runtime
+        for w in self.workers:
+            self.sup.spawn(f"rollout-{w.index}", functools.partial(w.run, self.sup.stop))
+        self.sup.spawn("dispatcher", self._dispatch_loop)
+        if self.policy.repack:
+            from laminar_jax.runtime.repack import RepackLoop
+
+            self.repacker = RepackLoop(self.workers, self.cfg.scheduler, self.board)
+            self.sup.spawn("scheduler", functools.partial(self.repacker.run, self.sup.stop))
+        else:
+            self.repacker = None
+        self.t_rl = time.time()
+        stopped_early = False
+        try:
+            while self.learner.version < rt.total_steps:
+                try:
+                    rows = self._next_batch()
+                except InterruptedError:
+                    stopped_early = True
+                    break
+                self._train_on(rows)
+        finally:
+            self._shutdown(stopped_early)
+        return self.monitor.summary(stopped_early)
+
+    def _train_on(self, rows: list[dict]) -> None:
+        trajs = _rows_to_trajectories(rows)
+        for uid in sorted({t.prompt_uid for t in trajs}):
+            try:
+                self.ledger.consume(uid)
+            except DuplicatePrompt:
+                self.monitor.duplicates += 1
+        metrics = self.learner.step(trajs)
+        # Servers learn of the new version from here (the relay delivers it; pulls wait for it),
+        # and only then may dispatch run ahead: no prompt is admitted under a version the mode
+        # says is already superseded.
+        self.board.set_newest(self.learner.version)
+        self.board.learner_version = self.learner.version
+        self.publish_times.append((time.time(), self.learner.version))
+        self.timeline.publish(time.time(), self.learner.version)
+        if self.repacker is not None:
+            self.repacker.poke()
+        self.store.evict_consumed(["learner"])
+        self.monitor.on_step(metrics, trajs)
+        every = self.cfg.runtime.checkpoint_every
+        if every and self.learner.version % every == 0:
+            self._checkpoint()
+
+    def _checkpoint(self) -> None:
+        self.learner.save(self.learner.version, extra={"runtime": self.dispatcher.snapshot()})
+
+    def _shutdown(self, stopped_early: bool) -> None:
+        failed = None
+        try:
+            self.sup.check()
+        except Exception as e:  # noqa: BLE001 - re-raised below after cleanup
+            failed = e
+        self.sup.stop.set()
+        stuck = self.sup.join(timeout=30)
+        if failed is None:
+            self._checkpoint()
+        try:
+            self.learner.flush(timeout=120)
+        finally:
+            self.publisher.close()
+            self.relay.stop()
+            self.rewards.close()
+            self.learner.close()
+            self.monitor.close()
+        if failed is not None:
+            raise failed
+        if stuck:
+            raise RuntimeError(f"workers did not stop within 30s: {stuck}")
+
+
+def run_local(cfg: Config) -> dict:
+    run_dir = resolve_run_dir(cfg)
+    save_config(cfg, run_dir)
+    stop = threading.Event()
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM: finish the current step, checkpoint, exit; a later run resumes from there.
+        signal.signal(signal.SIGTERM, lambda *_: stop.set())
+        signal.signal(signal.SIGINT, lambda *_: stop.set())
+    run = LocalRun(cfg, run_dir, stop)
+    summary = run.run()
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    return summary

@@ -1,0 +1,50 @@
+"""Placement planner: best learner/rollout split per mode, by simulation.
+
+  python launch/plan.py --model qwen2.5-7b --gpus 256 --gpu h800 --mode laminar
+  python launch/plan.py --config=configs/sim_x.py   (get_config() -> ConfigDict of laminar_jax.sim.SimSection)
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from laminar_jax.sim import default_sim_config, finalize_sim  # noqa: E402
+from laminar_jax.sim.planner import ALL_MODES, format_table, plan  # noqa: E402
+
+
+def load_config(path):
+    spec = importlib.util.spec_from_file_location("sim_config", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config()
+
+
+def main(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", help="python file with get_config() returning a sim ConfigDict")
+    ap.add_argument("--model"), ap.add_argument("--gpus", type=int), ap.add_argument("--gpu")
+    ap.add_argument("--workload"), ap.add_argument("--calibration")
+    ap.add_argument("--mode", action="append", choices=ALL_MODES, help="repeatable; default: every mode")
+    ap.add_argument("--points", type=int, default=5, help="coarse grid points per TP")
+    ap.add_argument("--duration", type=float, default=1800.0, help="simulated seconds per candidate")
+    ap.add_argument("--no-tp-search", action="store_true")
+    args = ap.parse_args(argv)
+    cd = load_config(args.config) if args.config else default_sim_config()
+    for key in ("model", "gpus", "gpu", "workload", "calibration"):
+        if getattr(args, key) is not None:
+            cd[key] = getattr(args, key)
+    if not args.config:
+        cd.duration_s, cd.warmup_s, cd.min_steps = args.duration, min(300.0, args.duration / 4), 3
+    base = finalize_sim(cd)
+    rows = plan(base, args.mode or ALL_MODES, points=args.points, search_tp=not args.no_tp_search,
+                progress=lambda s: print("  " + s, flush=True))
+    print(f"\n{base.model} on {base.gpus} x {base.gpu}, workload {base.workload}:")
+    print(format_table(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
