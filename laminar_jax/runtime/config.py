@@ -23,6 +23,7 @@ class RuntimeSection:
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
       max_staleness: Staleness bound for 'stream' admission control (AReaL capacity rule); None = unbounded.
+      max_inflight_batches: Back-pressure for 'laminar': at most this many batches of prompts dispatched and not yet trained on.
       sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
       sft_lr: Learning rate of the warm-start.
       checkpoint_every: Learner steps between checkpoints (0 = only at the end).
@@ -40,6 +41,7 @@ class RuntimeSection:
     samples_per_prompt: int = 4
     total_steps: int = 20
     max_staleness: Optional[int] = 2
+    max_inflight_batches: int = 2
     sft_warmup_steps: int = 0
     sft_lr: float = 3e-3
     checkpoint_every: int = 0
@@ -49,7 +51,7 @@ class RuntimeSection:
     address: Optional[str] = None
 
     def validate(self, prefix: str) -> None:
-        for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps"):
+        for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):
             v = getattr(self, name)
             expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
         expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")

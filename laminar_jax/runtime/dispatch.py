@@ -76,7 +76,8 @@ def _sample_seed(base_seed: int, prompt_uid: str, sample_index: int) -> int:
 class Dispatcher:
     def __init__(self, source, ledger: PromptLedger, store: ExperienceStore, queue: WorkQueue,
                  policy: ModePolicy, prompts_per_step: int, samples_per_prompt: int,
-                 max_staleness: Optional[int], seed: int, max_queued_prompts: int):
+                 max_staleness: Optional[int], seed: int, max_queued_prompts: int,
+                 max_inflight_batches: Optional[int] = None):
         self.source, self.ledger, self.store, self.queue = source, ledger, store, queue
         self.policy = policy
         self.prompts_per_step = prompts_per_step
@@ -84,6 +85,7 @@ class Dispatcher:
         self.max_staleness = max_staleness
         self.seed = seed
         self.max_queued_prompts = max_queued_prompts
+        self.max_inflight_batches = max_inflight_batches
         self.lock = threading.RLock()
         self.dispatched = 0  # prompts ever dispatched (new ones, not re-dispatches)
         self.exhausted = False
@@ -91,8 +93,11 @@ class Dispatcher:
     def pump(self, learner_version: int) -> int:
         """Dispatch as many new prompts as the mode and the queue's capacity allow."""
         with self.lock:
-            allowance = dispatch_allowance(self.policy, learner_version, self.dispatched,
-                                           self.prompts_per_step, self.max_staleness)
+            # Dropped (over-stale) prompts free their place: they will never be trained on.
+            effective = self.dispatched - self.ledger.counters["dropped"]
+            allowance = dispatch_allowance(self.policy, learner_version, effective,
+                                           self.prompts_per_step, self.max_staleness,
+                                           self.max_inflight_batches)
             room = self.max_queued_prompts - len(self.queue) // self.samples_per_prompt
             n = room if allowance is None else min(room, allowance)
             count = 0

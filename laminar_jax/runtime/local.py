@@ -68,7 +68,8 @@ class LocalRun:
         self.queue = WorkQueue()
         self.dispatcher = Dispatcher(self.source, self.ledger, self.store, self.queue, self.policy,
                                      rt.prompts_per_step, rt.samples_per_prompt, rt.max_staleness,
-                                     cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers))
+                                     cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers),
+                                     max_inflight_batches=rt.max_inflight_batches)
         self.redispatched = 0
         if self.extra:
             self.redispatched = self.dispatcher.restore(self.extra["runtime"], REQUIRED)

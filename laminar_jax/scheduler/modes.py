@@ -50,20 +50,26 @@ def get_policy(mode: str, repack: bool = True) -> ModePolicy:
 
 
 def dispatch_allowance(p: ModePolicy, learner_version: int, dispatched: int, prompts_per_step: int,
-                       max_staleness: Optional[int]) -> Optional[int]:
-    """How many more prompts may be dispatched now; None = no mode limit (capacity still applies).
+                       max_staleness: Optional[int], max_inflight_batches: Optional[int] = None) -> Optional[int]:
+    """How many more prompts may be dispatched now; None = no limit (queue capacity still applies).
 
     learner_version counts completed learner steps; dispatched counts prompts ever dispatched.
       sync/one_step: prompts of batch k may go out once learner_version >= k - batches_ahead,
                      so allowance = (learner_version + 1 + batches_ahead) * B - dispatched.
-      stream:        AReaL: (max_staleness + learner_version + 1) * B - dispatched.
-      laminar:       unbounded unless max_staleness is set, then as stream.
+      stream:        AReaL capacity: (max_staleness + learner_version + 1) * B - dispatched.
+      laminar:       no staleness bound unless max_staleness is set (then as stream); only
+                     back-pressure: at most max_inflight_batches * B prompts dispatched and not
+                     yet trained on, (max_inflight_batches + learner_version) * B - dispatched.
+                     Without it, a learner slower than generation lets the buffer (and
+                     staleness) grow without end.
     """
     if p.batches_ahead is not None:
         return max(0, (learner_version + 1 + p.batches_ahead) * prompts_per_step - dispatched)
     if p.bounded_staleness or max_staleness is not None:
         eta = 0 if max_staleness is None else max_staleness
         return max(0, (eta + learner_version + 1) * prompts_per_step - dispatched)
+    if max_inflight_batches is not None:
+        return max(0, (max_inflight_batches + learner_version) * prompts_per_step - dispatched)
     return None
 
 

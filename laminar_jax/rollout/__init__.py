@@ -1,0 +1,26 @@
+"""Rollout plane: paged-KV engine (JetStream-shaped API), sampling, and the continuous-batching server.
+
+Public API:
+  RolloutSection                         -- config section (laminar_jax.rollout.config)
+  Engine, make_engine                    -- prefill / insert / generate / free_resource over a paged KV cache
+  SamplingParams, sample_tokens          -- greedy / temperature / top-k / top-p, keyed fold_in(key_s, t)
+  RolloutServer, Request, ServerStats    -- step-driven continuous batching, weight swaps, stats
+  SequenceState                          -- a live sequence as plain data (export / import, to_bytes)
+  generate, Completion                   -- offline generation through the real engine
+"""
+
+from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.rollout.engine import Engine, make_engine
+from laminar_jax.rollout.offline import Completion, generate
+from laminar_jax.rollout.paged import DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput
+from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
+                                         SequenceState, ServerStats, VersionMismatchError)
+from laminar_jax.rollout.sampling import SamplingParams, sample_tokens
+from laminar_jax.rollout.server import RolloutServer
+
+__all__ = [
+    "RolloutSection", "Engine", "make_engine", "Completion", "generate", "DecodeState", "OutOfPages",
+    "PageAllocator", "Prefix", "SlotInit", "StepOutput", "NoFreeSlotError", "OverlongPromptError",
+    "QueueFullError", "Request", "SequenceState", "ServerStats", "VersionMismatchError", "SamplingParams",
+    "sample_tokens", "RolloutServer",
+]

@@ -1,0 +1,102 @@
+"""Config section for the rollout plane (paged-KV engine + server loop)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+from laminar_jax.configlib import expect
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSection:
+    """One rollout server: KV-cache geometry, prompt/response limits, default sampling, loop knobs.
+
+    Attributes:
+      num_slots: Concurrent sequences (decode batch size).
+      page_size: Tokens per KV page.
+      num_pages: KV pages in the pool, page 0 (the null page) included.
+      prefill_buckets: Padded prompt lengths that prefill compiles for; () means powers of two from 16 up to max_prompt_len.
+      max_prompt_len: Longest accepted prompt, in tokens.
+      max_new_tokens: Default cap on generated tokens per request.
+      max_total_len: Cap on prompt + response tokens; sets the page-table width.
+      temperature: Default sampling temperature; 0 means greedy (argmax).
+      top_k: Default top-k truncation; 0 disables it.
+      top_p: Default nucleus mass in (0, 1]; 1 disables it.
+      stop_token_ids: Default stop ids; None means the model's eos ids.
+      overlong_prompt: 'error' rejects prompts longer than max_prompt_len, 'truncate' keeps their last max_prompt_len tokens.
+      queue_capacity: Bound of the request queue; submit() blocks (with a timeout) when it is full.
+      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS).
+      decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
+      batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
+      seed: Base seed for requests that carry neither a seed nor a key.
+      server_id: Name reported in stats and stamped into trajectories' extra.
+    """
+
+    num_slots: int = 8
+    page_size: int = 16
+    num_pages: int = 257
+    prefill_buckets: tuple[int, ...] = ()
+    max_prompt_len: int = 256
+    max_new_tokens: int = 256
+    max_total_len: int = 512
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    stop_token_ids: Optional[tuple[int, ...]] = None
+    overlong_prompt: Literal["error", "truncate"] = "error"
+    queue_capacity: int = 1024
+    attention_impl: str = "gather_dense"
+    decode_steps_per_call: int = 1
+    batching: Literal["continuous", "static"] = "continuous"
+    seed: int = 0
+    server_id: str = "rollout-0"
+
+    def validate(self, prefix: str = "rollout") -> None:
+        from laminar_jax.rollout.attention import BACKENDS
+
+        expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
+        expect(self.page_size >= 1, f"{prefix}.page_size", self.page_size, ">= 1")
+        expect(self.max_prompt_len >= 1, f"{prefix}.max_prompt_len", self.max_prompt_len, ">= 1")
+        expect(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", self.max_new_tokens, ">= 1")
+        expect(self.max_total_len > self.max_prompt_len, f"{prefix}.max_total_len", self.max_total_len,
+               f"> max_prompt_len={self.max_prompt_len}")
+        one_seq = -(-self.max_total_len // self.page_size)
+        expect(self.num_pages >= one_seq + 1, f"{prefix}.num_pages", self.num_pages,
+               f">= {one_seq + 1} (one full-length sequence of max_total_len={self.max_total_len} "
+               f"at page_size={self.page_size}, plus the null page)")
+        for i, b in enumerate(self.prefill_buckets):
+            expect(b >= 1, f"{prefix}.prefill_buckets[{i}]", b, ">= 1")
+        if self.prefill_buckets:
+            expect(list(self.prefill_buckets) == sorted(set(self.prefill_buckets)), f"{prefix}.prefill_buckets",
+                   self.prefill_buckets, "strictly increasing")
+            expect(self.prefill_buckets[-1] >= self.max_prompt_len, f"{prefix}.prefill_buckets",
+                   self.prefill_buckets, f"to end at >= max_prompt_len={self.max_prompt_len}")
+        validate_sampling(prefix, self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+        expect(self.queue_capacity >= 1, f"{prefix}.queue_capacity", self.queue_capacity, ">= 1")
+        expect(self.attention_impl in BACKENDS, f"{prefix}.attention_impl", self.attention_impl,
+               f"one of {sorted(BACKENDS)}")
+        expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
+
+    def buckets(self) -> tuple[int, ...]:
+        """The prefill buckets in use (explicit, or powers of two 16, 32, ... >= max_prompt_len)."""
+        if self.prefill_buckets:
+            return tuple(self.prefill_buckets)
+        out, b = [], 16
+        while True:
+            out.append(b)
+            if b >= self.max_prompt_len:
+                return tuple(out)
+            b *= 2
+
+    @property
+    def pages_per_seq(self) -> int:
+        return -(-self.max_total_len // self.page_size)
+
+
+def validate_sampling(prefix: str, temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
+    """Shared checks for the config defaults and for per-request SamplingParams."""
+    expect(temperature >= 0.0, f"{prefix}.temperature", temperature, ">= 0 (0 = greedy)")
+    expect(top_k >= 0, f"{prefix}.top_k", top_k, ">= 0 (0 = off)")
+    expect(0.0 < top_p <= 1.0, f"{prefix}.top_p", top_p, "in (0, 1]")
+    expect(max_new_tokens >= 1, f"{prefix}.max_new_tokens", max_new_tokens, ">= 1")

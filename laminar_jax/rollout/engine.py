@@ -1,0 +1,304 @@
+"""The engine: JetStream-shaped ``prefill / insert / generate / free_resource`` over a paged KV cache.
+
+Weights are always passed in (``params`` = the nnx.State from ``nnx.split(model)``); only the
+graphdef is fixed at construction, so a new weight version is just a different pytree of the same
+shapes and needs no recompilation. Device state is a :class:`DecodeState` pytree, donated and
+returned by every mutating call. The engine's only host state is the page allocator and which
+pages each slot owns.
+
+Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate, plus the
+export/import page copies. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
+by the first generate step, so every sampled token (including the first) goes through the one
+sampling path in generate().
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.rollout.attention import BACKENDS, DecodeMeta, prefill_dense
+from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.rollout.paged import (DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput,
+                                       pages_needed)
+from laminar_jax.rollout.sampling import sample_tokens
+
+MAX_STOP_IDS = 8
+
+
+class Engine:
+    """Paged-KV decode engine for one model graph. Not thread-safe: one owner calls it."""
+
+    def __init__(self, graphdef: Any, model_cfg: TransformerConfig, section: RolloutSection,
+                 kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None):
+        section.validate("rollout")
+        backends = {**BACKENDS, **(attention_backends or {})}
+        self.graphdef = graphdef
+        self.model_cfg = model_cfg
+        self.section = section
+        self.kv_dtype = kv_dtype
+        self.num_slots = section.num_slots
+        self.page_size = section.page_size
+        self.pages_per_seq = section.pages_per_seq
+        self.buckets = section.buckets()
+        self.allocator = PageAllocator(section.num_pages)
+        self.slot_pages: dict[int, list[int]] = {}
+        self._attend = backends[section.attention_impl]
+        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
+        self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
+                           section.decode_steps_per_call, jnp.dtype(kv_dtype))
+        self._params_cache: tuple = (None, None, None)  # (params, leaves, programs) of the last params seen
+
+    def _bind(self, params) -> tuple[list, "_Programs"]:
+        """Flattened params and the programs for their tree structure.
+
+        Flattening an nnx.State (and hashing the graphdef for a jit cache lookup) costs
+        milliseconds, so it happens once per params object, not once per call.
+        """
+        if self._params_cache[0] is not params:
+            leaves, treedef = jax.tree.flatten(params)
+            self._params_cache = (params, leaves, _programs(self._spec, treedef))
+        return self._params_cache[1], self._params_cache[2]
+
+    # ---------------------------------------------------------------- state
+
+    def init_decode_state(self) -> DecodeState:
+        c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
+        shape = (self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
+        zeros = lambda: tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(c.num_layers))  # noqa: E731
+        return DecodeState(
+            k_pages=zeros(), v_pages=zeros(),
+            page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
+            last_token=jnp.zeros((s,), jnp.int32), num_generated=jnp.zeros((s,), jnp.int32),
+            max_new=jnp.zeros((s,), jnp.int32), active=jnp.zeros((s,), bool),
+            keys=jnp.zeros((s, *self._key_shape), jnp.uint32), temperature=jnp.zeros((s,), jnp.float32),
+            top_k=jnp.zeros((s,), jnp.int32), top_p=jnp.ones((s,), jnp.float32),
+            stop_ids=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32))
+
+    def bucket_for(self, n: int) -> int:
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"prompt of {n} tokens exceeds the largest prefill bucket {self.buckets[-1]}")
+
+    def pad_prompt(self, prompt_ids) -> tuple[np.ndarray, int]:
+        """i32[1, bucket] right-padded with 0, and the true length."""
+        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+        out = np.zeros((1, self.bucket_for(len(ids))), np.int32)
+        out[0, :len(ids)] = ids
+        return out, len(ids)
+
+    def reserve_pages(self, prompt_len: int, max_new: int) -> int:
+        """Pages a sequence needs for its whole life: KV of prompt + max_new - 1 tokens (the last sampled token is never fed)."""
+        return pages_needed(prompt_len + max_new - 1, self.page_size)
+
+    # ---------------------------------------------------------------- JetStream API
+
+    def prefill(self, params: Any, padded_tokens: np.ndarray, true_length: int) -> Prefix:
+        """KV of ``padded_tokens[0, :true_length-1]``. padded_tokens: i32[1, bucket]."""
+        if not 1 <= true_length <= padded_tokens.shape[-1]:
+            raise ValueError(f"true_length={true_length}: must be in [1, {padded_tokens.shape[-1]}]")
+        leaves, progs = self._bind(params)
+        k, v, last = progs.prefill(leaves, np.asarray(padded_tokens, np.int32).reshape(1, -1), np.int32(true_length))
+        return Prefix(k, v, np.int32(true_length), last)
+
+    def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, init: SlotInit) -> DecodeState:
+        """Allocate the slot's pages (for its whole life), page in the prefix KV, activate the slot.
+
+        Raises OutOfPages (state untouched) when the pool cannot hold the sequence.
+        """
+        if slot in self.slot_pages:
+            raise ValueError(f"slot {slot} is occupied; free_resource({slot}) first")
+        prompt_len = int(prefix.true_length)
+        pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
+        self.slot_pages[slot] = pages
+        return _insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
+                           prefix.last_token, np.int32(slot), self._page_row(pages), *self._init_arrays(init))
+
+    def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
+        """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
+        leaves, progs = self._bind(params)
+        return progs.generate(leaves, decode_state)
+
+    def free_resource(self, slot: int) -> None:
+        """Return the slot's pages to the pool. The device must already have it inactive (finished, or deactivate())."""
+        self.allocator.free(self.slot_pages.pop(slot))
+
+    def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
+        """Stop a live slot on the device (before export or abort)."""
+        return _deactivate_jit(decode_state, np.int32(slot))
+
+    # ---------------------------------------------------------------- export / import
+
+    def read_slot(self, decode_state: DecodeState, slot: int, num_cached: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
+        n = pages_needed(num_cached, self.page_size)
+        row = self._page_row(self.slot_pages[slot])
+        k, v = jax.device_get(_read_pages_jit(decode_state, row))
+        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+
+    def write_slot(self, decode_state: DecodeState, slot: int, k: np.ndarray, v: np.ndarray, num_cached: int,
+                   last_token: int, prompt_len: int, init: SlotInit) -> DecodeState:
+        """Import: allocate the slot's pages, copy in k/v (f[L, n, page, Hkv, D]), activate it."""
+        if slot in self.slot_pages:
+            raise ValueError(f"slot {slot} is occupied")
+        n = k.shape[1]
+        if n != pages_needed(num_cached, self.page_size):
+            raise ValueError(f"got {n} KV pages for {num_cached} cached tokens at page_size={self.page_size}")
+        pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
+        self.slot_pages[slot] = pages
+        pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
+        row = self._page_row(pages)
+        dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
+        return _write_slot_jit(decode_state, jnp.asarray(np.pad(k, pad)).astype(self.kv_dtype),
+                               jnp.asarray(np.pad(v, pad)).astype(self.kv_dtype), dst, np.int32(slot), row,
+                               np.int32(num_cached), np.int32(last_token), *self._init_arrays(init))
+
+    # ---------------------------------------------------------------- helpers
+
+    def _page_row(self, pages: list[int]) -> np.ndarray:
+        row = np.zeros((self.pages_per_seq,), np.int32)
+        row[:len(pages)] = pages
+        return row
+
+    def _init_arrays(self, init: SlotInit) -> tuple:
+        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
+        ids = np.asarray(init.stop_ids, np.int32).reshape(-1)
+        if len(ids) > MAX_STOP_IDS:
+            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_IDS} supported")
+        stop[:len(ids)] = ids
+        key = np.asarray(init.key_data, np.uint32).reshape(self._key_shape)
+        # numpy, not jnp: jit takes host values without a dispatch each.
+        return (key, np.float32(init.temperature), np.int32(init.top_k), np.float32(init.top_p),
+                np.int32(init.max_new), stop, np.int32(init.num_generated))
+
+
+class _Spec(NamedTuple):
+    """Static (hashable) description of the compiled programs."""
+
+    graphdef: Any
+    num_layers: int
+    page_size: int
+    attend: Callable
+    steps_per_call: int
+    kv_dtype: Any
+
+
+def _prefill_impl(spec: _Spec, params, tokens, true_length):
+    model = nnx.merge(spec.graphdef, params)
+    t = tokens.shape[1]
+    positions = jnp.arange(t, dtype=jnp.int32)[None]
+    backend = functools.partial(prefill_dense, valid_len=true_length - 1)
+    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend)
+    k = tuple(c[0].astype(spec.kv_dtype) for c in cache)
+    v = tuple(c[1].astype(spec.kv_dtype) for c in cache)
+    return k, v, tokens[0, true_length - 1]
+
+
+def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
+              key, temperature, top_k, top_p, max_new, stop_ids, num_generated) -> DecodeState:
+    return state._replace(
+        page_table=state.page_table.at[slot].set(page_row),
+        lengths=state.lengths.at[slot].set(num_cached),
+        last_token=state.last_token.at[slot].set(last_token),
+        num_generated=state.num_generated.at[slot].set(num_generated),
+        max_new=state.max_new.at[slot].set(max_new),
+        active=state.active.at[slot].set(True),
+        keys=state.keys.at[slot].set(key),
+        temperature=state.temperature.at[slot].set(temperature),
+        top_k=state.top_k.at[slot].set(top_k),
+        top_p=state.top_p.at[slot].set(top_p),
+        stop_ids=state.stop_ids.at[slot].set(stop_ids))
+
+
+def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
+    t = k[0].shape[0]
+    pos = jnp.arange(t)
+    # Padding positions (and the last prompt token, fed by generate) go to the null page.
+    page = jnp.where(pos < prompt_len - 1, page_row[pos // page_size], 0)
+    off = pos % page_size
+    kp = tuple(p.at[page, off].set(x) for p, x in zip(state.k_pages, k))
+    vp = tuple(p.at[page, off].set(x) for p, x in zip(state.v_pages, v))
+    state = state._replace(k_pages=kp, v_pages=vp)
+    return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
+
+
+def _deactivate_impl(state, slot):
+    return state._replace(active=state.active.at[slot].set(False))
+
+
+def _read_pages_impl(state, page_row):
+    return jnp.stack([p[page_row] for p in state.k_pages]), jnp.stack([p[page_row] for p in state.v_pages])
+
+
+def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
+    kp = tuple(p.at[dst].set(x) for p, x in zip(state.k_pages, k))
+    vp = tuple(p.at[dst].set(x) for p, x in zip(state.v_pages, v))
+    state = state._replace(k_pages=kp, v_pages=vp)
+    return _set_slot(state, slot, page_row, num_cached, last_token, *init)
+
+
+def _step(spec: _Spec, model, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+    """One token for every active slot: feed last_token at position lengths, sample, retire finished slots."""
+    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size)
+    backend = functools.partial(spec.attend, meta=meta)
+    cache = list(zip(state.k_pages, state.v_pages))
+    logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
+    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.keys), state.num_generated)
+    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
+    emitted = state.active
+    stopped = emitted & jnp.any(tok[:, None] == state.stop_ids, axis=-1)
+    n_gen = state.num_generated + emitted.astype(jnp.int32)
+    done = emitted & (stopped | (n_gen >= state.max_new))
+    state = state._replace(
+        k_pages=tuple(c[0] for c in new_cache), v_pages=tuple(c[1] for c in new_cache),
+        lengths=state.lengths + emitted.astype(jnp.int32),
+        last_token=jnp.where(emitted, tok, state.last_token),
+        num_generated=n_gen, active=state.active & ~done)
+    return state, StepOutput(tok, lp, emitted, done, stopped)
+
+
+def _generate_impl(spec: _Spec, params, state):
+    model = nnx.merge(spec.graphdef, params)
+    if spec.steps_per_call == 1:
+        state, out = _step(spec, model, state)
+        return state, jax.tree.map(lambda x: x[None], out)
+    return jax.lax.scan(lambda s, _: _step(spec, model, s), state, None, length=spec.steps_per_call)
+
+
+class _Programs(NamedTuple):
+    prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
+    generate: Callable  # (param leaves, state) -> (state, StepOutput); state donated
+
+
+@functools.lru_cache(maxsize=32)
+def _programs(spec: _Spec, params_treedef) -> _Programs:
+    """Jitted programs for one (model graph, engine geometry, params structure); shared by equal engines."""
+    def unflatten(leaves):
+        return jax.tree.unflatten(params_treedef, leaves)
+
+    return _Programs(
+        prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
+        generate=jax.jit(lambda leaves, state: _generate_impl(spec, unflatten(leaves), state), donate_argnums=(1,)))
+
+
+_insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
+_deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
+_read_pages_jit = jax.jit(_read_pages_impl)
+_write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
+
+
+def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:
+    """(engine, params) for a Transformer; params is the pytree every engine call takes."""
+    graphdef, params = nnx.split(model)
+    return Engine(graphdef, model.cfg, section, kv_dtype=getattr(model, "dtype", jnp.float32), **kwargs), params
+
+
+__all__ = ["Engine", "make_engine", "OutOfPages", "MAX_STOP_IDS"]

@@ -1,0 +1,108 @@
+"""Token sampling: greedy, temperature, top-k, top-p, per slot, keyed per token.
+
+Key schedule: token ``t`` (0-based index among the sequence's generated tokens) of a sequence
+with key ``key_s`` is drawn with ``jax.random.fold_in(key_s, t)``. The draw depends on nothing
+else (not the slot, not the batch), so a sequence moved to another engine samples identically.
+
+Behaviour log-prob (what the learner's importance ratio divides by). We return the log-prob of
+the token under the distribution *actually sampled from*:
+
+    lp = token_logprobs(where(keep, logits, -inf), token, T)
+       = log softmax(logits_kept / T)[token]
+
+where ``keep`` is the top-k / top-p support (renormalised over the kept tokens). With top_k=0
+and top_p=1 nothing is masked and ``lp == token_logprobs(logits, token, T)`` exactly, which is
+what the learner recomputes (log softmax(logits / T)). With truncation, the learner's full-vocab
+log-prob is <= ours (the kept mass is < 1); a learner that wants the exact ratio must apply the
+same truncation. Greedy (T = 0) returns ``token_logprobs(logits, token, 1.0)`` (the untempered
+model log-prob of the argmax token), since a point mass has no useful log-prob.
+
+Top-k keeps logits >= the k-th largest (ties at the threshold are all kept). Top-p keeps the
+smallest prefix of the (top-k-restricted, tempered) sorted distribution whose mass reaches p.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from laminar_jax.model import token_logprobs
+from laminar_jax.rollout.config import validate_sampling
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling.
+
+    Attributes:
+      temperature: 0 = greedy; otherwise logits are divided by it before softmax.
+      top_k: Keep the k most likely tokens; 0 = off.
+      top_p: Keep the smallest set with mass >= top_p; 1 = off.
+      max_new_tokens: Stop after this many generated tokens (also capped by max_total_len).
+      stop_token_ids: Generation ends after emitting one of these (the stop token is kept).
+    """
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    max_new_tokens: int = 256
+    stop_token_ids: tuple[int, ...] = ()
+
+    def validate(self, prefix: str = "sampling") -> None:
+        validate_sampling(prefix, self.temperature, self.top_k, self.top_p, self.max_new_tokens)
+
+    def to_json(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["stop_token_ids"] = list(self.stop_token_ids)
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict) -> "SamplingParams":
+        return cls(temperature=float(d["temperature"]), top_k=int(d["top_k"]), top_p=float(d["top_p"]),
+                   max_new_tokens=int(d["max_new_tokens"]), stop_token_ids=tuple(int(x) for x in d["stop_token_ids"]))
+
+
+def default_sampling(section, eos_ids: tuple[int, ...], max_new_tokens: Optional[int] = None) -> SamplingParams:
+    """SamplingParams from a RolloutSection's defaults (stop ids default to the model's eos ids)."""
+    stop = eos_ids if section.stop_token_ids is None else section.stop_token_ids
+    return SamplingParams(section.temperature, section.top_k, section.top_p,
+                          max_new_tokens or section.max_new_tokens, tuple(stop))
+
+
+def _truncation_mask(logits: jax.Array, temperature: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """bool[B, V]: the top-k / top-p support. logits f32[B, V]; temperature f32[B] (> 0); top_k i32[B]; top_p f32[B]."""
+    v = logits.shape[-1]
+    srt = -jnp.sort(-logits, axis=-1)  # f32[B, V] descending
+    rank = jnp.arange(v)[None, :]
+    in_k = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    probs = jax.nn.softmax(jnp.where(in_k, srt / temperature[:, None], -jnp.inf), axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    # rank 0 is always kept (mass_before = 0 < p); p >= 1 keeps all (cumsum may round past 1).
+    kept = in_k & ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1.0))
+    n_kept = jnp.sum(kept, axis=-1)
+    threshold = jnp.take_along_axis(srt, (n_kept - 1)[:, None], axis=-1)  # f32[B, 1]
+    return logits >= threshold
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
+                  top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Sample one token per row.
+
+    logits f32[B, V]; keys: typed PRNG keys [B] (already folded with the token index);
+    temperature f32[B] (0 = greedy); top_k i32[B]; top_p f32[B].
+    Returns (tokens i32[B], behaviour log-probs f32[B]); see the module docstring for the log-prob.
+    """
+    logits = logits.astype(jnp.float32)
+    greedy = temperature <= 0.0
+    temp = jnp.where(greedy, 1.0, temperature)
+    truncate = jnp.any(((top_k > 0) | (top_p < 1.0)) & ~greedy)
+    keep = jax.lax.cond(truncate, lambda: _truncation_mask(logits, temp, top_k, top_p),
+                        lambda: jnp.ones(logits.shape, bool))
+    kept = jnp.where(keep, logits, -jnp.inf)
+    drawn = jax.vmap(jax.random.categorical)(keys, kept / temp[:, None]).astype(jnp.int32)
+    tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    lp = token_logprobs(jnp.where(greedy[:, None], logits, kept), tokens, temp[:, None])
+    return tokens, lp

@@ -1,0 +1,378 @@
+"""RolloutServer: continuous batching over the engine's slots, weight swaps, live-sequence moves.
+
+Step-driven: ``step()`` = (maybe swap weights) + admission + one generate() dispatch, and returns
+the Trajectories that finished. Generation is pipelined: step n dispatches generate call n and
+then reads the tokens of call n-1, so the host bookkeeping overlaps the device's work. This is
+safe because the device itself retires finished slots (stop id / max_new, see Engine._step): a
+slot is only reused after the host has read its ``done`` flag, and an inactive slot writes only
+to the null page.
+
+Admission policy: a request is admitted only when its pages for prompt + max_new_tokens can be
+reserved up front (no preemption). If the pool is short, the request waits at the head of the
+queue (FIFO) until finished sequences return pages; any request that fits in an empty pool is
+accepted by submit(), so running out of pages means waiting, never a crash or deadlock.
+
+Weight versions: ``set_params(v, params)`` records a pending version; admission stops; when no
+live sequence of the old version remains the swap happens and admission resumes. ``force=True``
+swaps at the next step, aborting live old-version sequences (finish_reason='aborted', tokens so
+far, stamped with the old version) so no trajectory ever mixes versions.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import queue
+import threading
+import time
+import traceback
+import zlib
+from typing import Any, Optional
+
+import jax
+import numpy as np
+
+from laminar_jax.rollout.engine import MAX_STOP_IDS, Engine
+from laminar_jax.rollout.paged import SlotInit
+from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
+                                         SequenceState, ServerStats, VersionMismatchError)
+from laminar_jax.rollout.sampling import SamplingParams, default_sampling
+from laminar_jax.types import Trajectory
+
+_RATE_WINDOW_S = 5.0
+
+
+@dataclasses.dataclass
+class _Live:
+    """Host bookkeeping of one live sequence (mutable; owned by the server)."""
+
+    request: Request
+    prompt: np.ndarray  # i32[P] (after truncation)
+    sampling: SamplingParams  # max_new_tokens capped by max_total_len
+    key_data: np.ndarray
+    version: int
+    tokens: list
+    logprobs: list
+    moves: int = 0
+
+
+@dataclasses.dataclass
+class _Admission:
+    request: Request
+    prompt: np.ndarray
+    sampling: SamplingParams
+    key_data: np.ndarray
+
+
+class RolloutServer:
+    """Continuous-batching server over one Engine. Call step() yourself, or run_in_thread()."""
+
+    def __init__(self, engine: Engine, params: Any, version: int = 0):
+        self.engine = engine
+        self.section = engine.section
+        self._params = params
+        self._version = int(version)
+        self._state = engine.init_decode_state()
+        self._slots: list[Optional[_Live]] = [None] * engine.num_slots
+        self._queue: queue.Queue = queue.Queue(maxsize=self.section.queue_capacity)
+        self._head: Optional[_Admission] = None  # popped from the queue, waiting for pages/slots
+        self._pending: Optional[tuple[int, Any, bool]] = None  # (version, params, force)
+        self._inflight = None  # StepOutput of the last dispatched generate(), not yet read
+        self._finished: list[Trajectory] = []  # produced outside step() (drains, aborts)
+        self._lock = threading.RLock()
+        self._rate: collections.deque = collections.deque()
+        self._counts = collections.Counter()
+        self._default = default_sampling(self.section, tuple(engine.model_cfg.eos_token_id))
+        self._thread: Optional[threading.Thread] = None
+        self._stop_event = threading.Event()
+        self._error: Optional[BaseException] = None
+        self._error_tb = ""
+        self._out: queue.Queue = queue.Queue()
+
+    @classmethod
+    def from_model(cls, model, section, version: int = 0, **engine_kwargs) -> "RolloutServer":
+        from laminar_jax.rollout.engine import make_engine
+
+        engine, params = make_engine(model, section, **engine_kwargs)
+        return cls(engine, params, version)
+
+    # ---------------------------------------------------------------- requests
+
+    def submit(self, request: Request, timeout: Optional[float] = None) -> None:
+        """Validate and enqueue. Blocks up to ``timeout`` s for queue space (None = forever)."""
+        self.check()
+        adm = self._prepare(request)
+        try:
+            self._queue.put(adm, timeout=timeout)
+        except queue.Full:
+            raise QueueFullError(f"server {self.section.server_id}: request queue full "
+                                 f"(rollout.queue_capacity={self.section.queue_capacity}) after waiting "
+                                 f"{timeout}s to submit {request.uid!r}") from None
+
+    def _prepare(self, req: Request) -> _Admission:
+        s = self.section
+        prompt = np.asarray(req.prompt_ids, np.int32).reshape(-1)
+        if len(prompt) == 0:
+            raise ValueError(f"request {req.uid!r}: empty prompt")
+        if len(prompt) > s.max_prompt_len:
+            if s.overlong_prompt == "error":
+                self._counts["rejected_overlong"] += 1
+                raise OverlongPromptError(f"request {req.uid!r}: prompt has {len(prompt)} tokens > "
+                                          f"rollout.max_prompt_len={s.max_prompt_len} "
+                                          f"(set rollout.overlong_prompt='truncate' to keep the last tokens)")
+            self._counts["truncated_overlong"] += 1
+            prompt = prompt[-s.max_prompt_len:]
+        sp = req.sampling or self._default
+        sp.validate(f"request[{req.uid}].sampling" if req.sampling else "rollout")
+        if len(sp.stop_token_ids) > MAX_STOP_IDS:
+            raise ValueError(f"request {req.uid!r}: {len(sp.stop_token_ids)} stop ids; at most {MAX_STOP_IDS}")
+        sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, s.max_total_len - len(prompt)))
+        return _Admission(req, prompt, sp, self._key_data(req))
+
+    def _key_data(self, req: Request) -> np.ndarray:
+        if req.key is not None:
+            return np.asarray(req.key, np.uint32)
+        if req.seed is not None:
+            key = jax.random.key(req.seed)
+        else:
+            key = jax.random.fold_in(jax.random.key(self.section.seed), zlib.crc32(req.uid.encode()) & 0x7FFFFFFF)
+        return np.asarray(jax.random.key_data(key), np.uint32)
+
+    # ---------------------------------------------------------------- the loop
+
+    def step(self) -> list[Trajectory]:
+        """One admission pass + one generate() dispatch; returns the trajectories that finished."""
+        with self._lock:
+            self._maybe_swap()
+            self._admit()
+            prev, self._inflight = self._inflight, None
+            if self.num_live:
+                self._state, self._inflight = self.engine.generate(self._params, self._state)
+            if prev is not None:
+                self._consume(prev)
+            done, self._finished = self._finished, []
+            return done
+
+    @property
+    def num_live(self) -> int:
+        return sum(x is not None for x in self._slots)
+
+    def idle(self) -> bool:
+        """Nothing live, nothing queued, nothing in flight."""
+        return (self.num_live == 0 and self._head is None and self._queue.empty() and self._inflight is None)
+
+    def _admit(self) -> None:
+        if self._pending is not None:
+            return  # drain the old version first (contract 1)
+        if self.section.batching == "static" and self.num_live:
+            return  # static baseline: the next batch starts when the whole batch has finished
+        free = [i for i, x in enumerate(self._slots) if x is None]
+        for slot in free:
+            adm = self._head
+            if adm is None:
+                try:
+                    adm = self._queue.get_nowait()
+                except queue.Empty:
+                    return
+            need = self.engine.reserve_pages(len(adm.prompt), adm.sampling.max_new_tokens)
+            if need > self.engine.allocator.num_free:
+                self._head = adm  # wait (FIFO) for finished sequences to return pages
+                return
+            self._head = None
+            self._start(slot, adm)
+
+    def _start(self, slot: int, adm: _Admission) -> None:
+        padded, n = self.engine.pad_prompt(adm.prompt)
+        prefix = self.engine.prefill(self._params, padded, n)
+        sp = adm.sampling
+        init = SlotInit(adm.key_data, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
+                        np.asarray(sp.stop_token_ids, np.int32))
+        self._state = self.engine.insert(prefix, self._state, slot, init)
+        self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [])
+
+    def _consume(self, out) -> None:
+        """Read one generate() output (blocks on the device) and retire finished sequences."""
+        out = jax.device_get(out)
+        n_tokens = 0
+        for i in range(out.tokens.shape[0]):
+            for slot in np.flatnonzero(out.emitted[i]):
+                live = self._slots[slot]
+                live.tokens.append(int(out.tokens[i, slot]))
+                live.logprobs.append(float(out.logprobs[i, slot]))
+                n_tokens += 1
+                if out.done[i, slot]:
+                    self._retire(slot, "eos" if out.stopped[i, slot] else "length")
+        now = time.monotonic()
+        self._rate.append((now, n_tokens))
+        while self._rate and self._rate[0][0] < now - _RATE_WINDOW_S:
+            self._rate.popleft()
+
+    def _retire(self, slot: int, reason: str) -> None:
+        live = self._slots[slot]
+        self._slots[slot] = None
+        self.engine.free_resource(slot)
+        self._counts["aborted" if reason == "aborted" else "completed"] += 1
+        r = live.request
+        self._finished.append(Trajectory(
+            uid=r.uid, prompt_uid=r.prompt_uid, sample_index=r.sample_index, prompt_ids=live.prompt.copy(),
+            response_ids=np.asarray(live.tokens, np.int32), behaviour_logprobs=np.asarray(live.logprobs, np.float32),
+            version=live.version, finish_reason=reason, data_source=r.data_source, ground_truth=r.ground_truth,
+            extra={"server_id": self.section.server_id, "moves": live.moves}))
+
+    def _drain(self) -> None:
+        """Read the in-flight output so host bookkeeping matches the device exactly."""
+        if self._inflight is not None:
+            prev, self._inflight = self._inflight, None
+            self._consume(prev)
+
+    # ---------------------------------------------------------------- weights
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    def set_params(self, version: int, params: Any, force: bool = False) -> None:
+        """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced)."""
+        with self._lock:
+            if version <= self._version:
+                raise ValueError(f"set_params(version={version}): must be > current version {self._version}")
+            self._pending = (int(version), params, force)
+
+    def _maybe_swap(self) -> None:
+        if self._pending is None:
+            return
+        version, params, force = self._pending
+        if force:
+            self._drain()
+            for slot, live in enumerate(self._slots):
+                if live is not None:
+                    self._state = self.engine.deactivate(self._state, slot)
+                    self._retire(slot, "aborted")
+        if self.num_live == 0:
+            self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
+            self._params, self._version, self._pending = params, version, None
+
+    # ---------------------------------------------------------------- moving live sequences
+
+    def live_slots(self) -> dict[int, str]:
+        with self._lock:
+            return {i: x.request.uid for i, x in enumerate(self._slots) if x is not None}
+
+    def export_sequence(self, slot: int) -> SequenceState:
+        """Take a live sequence out (frees its slot and pages); continue it with import_sequence()."""
+        with self._lock:
+            self._drain()
+            live = self._slots[slot]
+            if live is None:
+                raise KeyError(f"server {self.section.server_id}: slot {slot} holds no live sequence "
+                               "(it may have just finished; its trajectory comes out of the next step())")
+            self._state = self.engine.deactivate(self._state, slot)
+            num_cached = len(live.prompt) + len(live.tokens) - 1
+            k, v = self.engine.read_slot(self._state, slot, num_cached)
+            self._slots[slot] = None
+            self.engine.free_resource(slot)
+            r = live.request
+            return SequenceState(
+                uid=r.uid, prompt_uid=r.prompt_uid, sample_index=r.sample_index, data_source=r.data_source,
+                ground_truth=r.ground_truth, version=live.version, prompt_ids=live.prompt.copy(),
+                generated_ids=np.asarray(live.tokens, np.int32), logprobs=np.asarray(live.logprobs, np.float32),
+                key_data=live.key_data.copy(), num_cached=num_cached, sampling=live.sampling,
+                page_size=self.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1)
+
+    def import_sequence(self, seq: SequenceState) -> int:
+        """Continue an exported sequence here; returns its slot.
+
+        Raises VersionMismatchError (different weights), NoFreeSlotError, OutOfPages: the caller
+        keeps the SequenceState and retries or tries another server.
+        """
+        with self._lock:
+            if seq.version != self._version:
+                raise VersionMismatchError(f"server {self.section.server_id} runs version {self._version}; "
+                                           f"sequence {seq.uid!r} was generated by version {seq.version}")
+            if seq.page_size != self.engine.page_size:
+                raise ValueError(f"sequence {seq.uid!r}: page_size={seq.page_size}, "
+                                 f"this server uses {self.engine.page_size}")
+            free = [i for i, x in enumerate(self._slots) if x is None]
+            if not free:
+                raise NoFreeSlotError(f"server {self.section.server_id}: all {len(self._slots)} slots busy")
+            slot = free[0]
+            sp = seq.sampling
+            n_gen = len(seq.generated_ids)
+            if n_gen >= sp.max_new_tokens:
+                raise ValueError(f"sequence {seq.uid!r} already has {n_gen} >= max_new_tokens tokens")
+            init = SlotInit(seq.key_data, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
+                            np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
+            self._state = self.engine.write_slot(self._state, slot, seq.k_pages, seq.v_pages, seq.num_cached,
+                                                 seq.last_token, len(seq.prompt_ids), init)
+            req = Request(uid=seq.uid, prompt_ids=seq.prompt_ids, prompt_uid=seq.prompt_uid,
+                          sample_index=seq.sample_index, sampling=sp, data_source=seq.data_source,
+                          ground_truth=seq.ground_truth)
+            self._slots[slot] = _Live(req, np.asarray(seq.prompt_ids, np.int32), sp, seq.key_data, seq.version,
+                                      [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
+                                      moves=seq.moves)
+            return slot
+
+    # ---------------------------------------------------------------- stats
+
+    def stats(self) -> ServerStats:
+        with self._lock:
+            per_version = collections.Counter(x.version for x in self._slots if x is not None)
+            span = (self._rate[-1][0] - self._rate[0][0]) if len(self._rate) > 1 else 0.0
+            rate = sum(n for _, n in list(self._rate)[1:]) / span if span > 0 else 0.0
+            alloc = self.engine.allocator
+            return ServerStats(
+                server_id=self.section.server_id, version=self._version, slots_used=self.num_live,
+                slots_total=len(self._slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,
+                live_per_version=dict(per_version), tokens_per_s=rate,
+                queue_length=self._queue.qsize() + (self._head is not None),
+                pending_version=None if self._pending is None else self._pending[0],
+                completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
+                truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"])
+
+    # ---------------------------------------------------------------- background thread
+
+    def run_in_thread(self, idle_sleep_s: float = 0.001) -> None:
+        """Run step() in a daemon thread; finished trajectories go to get_completed()."""
+        if self._thread is not None:
+            raise RuntimeError("server thread already running")
+        self._stop_event.clear()
+        self._thread = threading.Thread(target=self._loop, args=(idle_sleep_s,), daemon=True,
+                                        name=f"rollout-{self.section.server_id}")
+        self._thread.start()
+
+    def _loop(self, idle_sleep_s: float) -> None:
+        try:
+            while not self._stop_event.is_set():
+                for traj in self.step():
+                    self._out.put(traj)
+                if self.idle():
+                    time.sleep(idle_sleep_s)
+        except BaseException as e:  # recorded and re-raised by check(): no silent death
+            self._error, self._error_tb = e, traceback.format_exc()
+
+    def check(self) -> None:
+        """Re-raise an exception that killed the server thread."""
+        if self._error is not None:
+            raise RuntimeError(f"rollout server {self.section.server_id} thread died:\n{self._error_tb}") from self._error
+
+    def get_completed(self, timeout: float) -> Trajectory:
+        """Next finished trajectory from the thread; raises TimeoutError naming what it waited for."""
+        deadline = time.monotonic() + timeout
+        while True:
+            self.check()
+            try:
+                return self._out.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
+            except queue.Empty:
+                if time.monotonic() >= deadline:
+                    raise TimeoutError(f"server {self.section.server_id}: no trajectory finished within "
+                                       f"{timeout}s ({self.stats()})") from None
+
+    def stop(self, timeout: float = 30.0) -> None:
+        if self._thread is None:
+            return
+        self._stop_event.set()
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise TimeoutError(f"server {self.section.server_id}: thread did not stop within {timeout}s")
+        self._thread = None
+        self.check()
