@@ -258,6 +258,12 @@ class RolloutServer:
         with self._lock:
             return {i: x.request.uid for i, x in enumerate(self._slots) if x is not None}
 
+    def live_sequences(self) -> list[tuple[int, str, int]]:
+        """[(slot, uid, KV pages reserved)] of live sequences: what the repack planner weighs."""
+        with self._lock:
+            return [(i, x.request.uid, self.engine.reserve_pages(len(x.prompt), x.sampling.max_new_tokens))
+                    for i, x in enumerate(self._slots) if x is not None]
+
     def export_sequence(self, slot: int) -> SequenceState:
         """Take a live sequence out (frees its slot and pages); continue it with import_sequence()."""
         with self._lock:

@@ -29,6 +29,7 @@ class RuntimeSection:
       checkpoint_every: Learner steps between checkpoints (0 = only at the end).
       progress: Show the live progress display.
       timeline: Write the slot-occupancy timeline PNG at the end.
+      max_wall_s: Stop (checkpointed, resumable) after this many seconds of RL; None = run total_steps.
       wait_timeout_s: Upper bound on any single wait inside the runtime; exceeded waits fail the run naming what they waited for.
       address: Ray cluster address for kind='ray' (None starts a local cluster).
     """
@@ -47,6 +48,7 @@ class RuntimeSection:
     checkpoint_every: int = 0
     progress: bool = True
     timeline: bool = True
+    max_wall_s: Optional[float] = None
     wait_timeout_s: float = 600.0
     address: Optional[str] = None
 

@@ -212,6 +212,9 @@ class LocalRun:
         stopped_early = False
         try:
             while self.learner.version < rt.total_steps:
+                if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
+                    stopped_early = True
+                    break
                 try:
                     rows = self._next_batch()
                 except InterruptedError:

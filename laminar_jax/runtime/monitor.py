@@ -89,6 +89,9 @@ class Monitor:
             "lost_prompts": self.lost_prompts(),
             "duplicated_prompts": self.duplicates + self.duplicate_trajectories,
             "redispatched_prompts": self.run.redispatched,
+            "consumed_prompts": self.run.ledger.summary()["consumed"],
+            "dropped_prompts": self.run.ledger.summary()["dropped"],
+            "in_flight_prompts": self.run.ledger.summary()["in_flight"],
             "slot_util": round(self.run.timeline.slot_utilization(), 4),
             "sft_loss": [round(self.run.sft_losses[0], 4), round(self.run.sft_losses[-1], 4)]
             if self.run.sft_losses else None,

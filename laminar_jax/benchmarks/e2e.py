@@ -1,0 +1,132 @@
+"""End-to-end benchmark: the same workload in every mode, side by side, in one run.
+
+python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
+
+Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
+rollout servers and generation slots, same wall-clock budget of RL per mode. Reports training
+throughput (trajectory tokens consumed by the learner per second of RL), time-weighted generation
+slot utilization, and reward against wall-clock (plotted).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
+
+
+def _demo_config():
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(root, "configs", "demo.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config("")
+
+
+def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:
+    """One supervised warm-start shared by every mode, saved as a HF directory."""
+    from laminar_jax.config import finalize
+    from laminar_jax.data.synthetic_skew import sft_examples
+    from laminar_jax.model import build_model, load_tokenizer, save_pretrained
+    from laminar_jax.runtime.sft import sft_warmup
+
+    cfg = finalize(_demo_config())
+    tok = load_tokenizer(cfg.model.tokenizer)
+    model = build_model(cfg.model)
+    pairs = [([tok.bos_id] + tok.encode(p), tok.encode(r) + [tok.eos_id]) for p, r in sft_examples(2048, seed + 1)]
+    sft_warmup(model, pairs, steps, cfg.runtime.sft_lr, seed=seed)
+    save_pretrained(model, out_dir)
+    return out_dir
+
+
+def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) -> dict:
+    from laminar_jax.config import finalize
+    from laminar_jax.runtime.local import LocalRun
+
+    c = _demo_config()
+    c.model.path = model_dir
+    c.runtime.mode = "laminar" if mode == "laminar_norepack" else mode
+    c.scheduler.repack = mode != "laminar_norepack"
+    c.runtime.sft_warmup_steps = 0
+    c.runtime.total_steps = 10_000
+    c.runtime.max_wall_s = budget_s
+    c.runtime.progress = False
+    c.runtime.num_servers = args.servers
+    c.rollout.num_slots = args.slots
+    c.runtime.prompts_per_step = args.prompts_per_step
+    c.runtime.run_dir = os.path.join(run_root, mode)
+    c.scheduler.repack_interval_s = 1.0
+    cfg = finalize(c)
+    return LocalRun(cfg, cfg.runtime.run_dir).run()
+
+
+def main(argv: list[str]) -> dict:
+    ap = argparse.ArgumentParser(prog="bench.py e2e")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--budget-s", type=float, default=None, help="RL seconds per mode")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--servers", type=int, default=2)
+    ap.add_argument("--slots", type=int, default=16)
+    ap.add_argument("--prompts-per-step", type=int, default=8)
+    ap.add_argument("--sft-steps", type=int, default=None)
+    ap.add_argument("--out", default=None, help="directory for runs and the plot")
+    args = ap.parse_args(argv)
+    budget = args.budget_s or (30.0 if args.quick else 120.0)
+    sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
+    out = args.out or tempfile.mkdtemp(prefix="laminar_e2e_")
+    os.makedirs(out, exist_ok=True)
+
+    import jax
+
+    t0 = time.time()
+    model_dir = warm_start(os.path.join(out, "warm_start"), sft_steps)
+    results = {}
+    for mode in args.modes.split(","):
+        if mode not in MODES:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
+        results[mode] = run_mode(mode, model_dir, budget, out, args)
+
+    from laminar_jax.runtime.timeline import plot_curves
+
+    plot = plot_curves(os.path.join(out, "reward_vs_wallclock.png"),
+                       {m: r["reward_curve"] for m, r in results.items()}, "seconds of RL", "batch mean reward")
+    print(f"{'mode':18s} {'steps':>6s} {'tok/s':>9s} {'slot_util':>9s} {'staleness':>9s} "
+          f"{'reward_first':>12s} {'reward_last':>11s} {'moves':>6s}")
+    for m, r in results.items():
+        print(f"{m:18s} {r['steps_this_run']:6d} {r['train_tokens_per_s']:9.1f} {r['slot_util']:9.3f} "
+              f"{(r['mean_staleness'] or 0):9.2f} {str(r['reward_first']):>12s} {str(r['reward_last']):>11s} "
+              f"{r['repack_moves']:6d}")
+    tps = {m: r["train_tokens_per_s"] for m, r in results.items()}
+
+    def ratio(a, b):
+        return round(tps[a] / tps[b], 3) if a in tps and b in tps and tps[b] > 0 else None
+
+    def reward_at(curve, t):
+        pts = [r for s, r in curve if s <= t]
+        return round(sum(pts[-3:]) / len(pts[-3:]), 4) if pts else None
+
+    result = {
+        "bench": "e2e", "device": jax.devices()[0].device_kind, "budget_s": budget,
+        **{f"{m}_tps": tps.get(m) for m in MODES},
+        "laminar_vs_sync": ratio("laminar", "sync"), "laminar_vs_one_step": ratio("laminar", "one_step"),
+        "laminar_vs_stream": ratio("laminar", "stream"), "repack_gain": ratio("laminar", "laminar_norepack"),
+        "slot_util": {m: r["slot_util"] for m, r in results.items()},
+        "reward_at_budget": {m: reward_at(r["reward_curve"], budget) for m, r in results.items()},
+        "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
+        "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
+        "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
+        "plot": plot, "wall_s": round(time.time() - t0, 1),
+    }
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

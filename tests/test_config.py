@@ -1,0 +1,65 @@
+"""Config tree: defaults validate, overrides are typed, errors name the dotted key, JSON round-trips."""
+
+import dataclasses
+import importlib.util
+import os
+
+import pytest
+
+from laminar_jax.config import ConfigError, default_config, finalize, load_config, save_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _load(path):
+    spec = importlib.util.spec_from_file_location("cfgmod", os.path.join(ROOT, path))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.parametrize("path", sorted(f"configs/{f}" for f in os.listdir(os.path.join(ROOT, "configs"))
+                                        if f.endswith(".py")))
+def test_every_config_file_finalizes(path):
+    cfg = finalize(_load(path).get_config(""))
+    assert cfg.runtime.mode in ("sync", "one_step", "stream", "laminar")
+
+
+def test_unknown_key_is_named():
+    cd = default_config().to_dict()
+    cd["learner"]["lrr"] = 1.0
+    with pytest.raises(ConfigError, match=r"learner\.lrr: unknown key"):
+        finalize(cd)
+
+
+def test_bad_value_names_key_value_and_expectation():
+    cd = default_config()
+    cd.runtime.num_servers = 0
+    with pytest.raises(ConfigError, match=r"runtime\.num_servers=0: must be >= 1"):
+        finalize(cd)
+    cd = default_config().to_dict()
+    cd["runtime"]["mode"] = "fast"
+    with pytest.raises(ConfigError, match=r"runtime\.mode='fast': must be one of"):
+        finalize(cd)
+    cd = default_config().to_dict()
+    cd["rollout"]["top_p"] = 1.5
+    with pytest.raises(ConfigError, match=r"rollout\.top_p=1\.5"):
+        finalize(cd)
+
+
+def test_optional_fields_accept_overrides_and_types_are_checked():
+    cd = default_config()
+    cd.model.path = "/some/hf/dir"  # placeholder typed as str
+    with pytest.raises(TypeError):
+        cd.runtime.num_servers = "two"
+
+
+def test_resolved_config_roundtrips_through_json(tmp_path):
+    cfg = finalize(default_config())
+    path = save_config(cfg, str(tmp_path))
+    assert load_config(path) == cfg
+    changed = dataclasses.replace(cfg, seed=7)
+    assert load_config(save_config(changed, str(tmp_path))).seed == 7
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
+        load_config(str(tmp_path / "bad.json"))
