@@ -287,6 +287,18 @@ class WeightStore:
         orphans = self._gc_orphans(set(self.versions()), max(versions, default=-1))
         return GcReport(tuple(deleted), tuple(spared), tuple(orphans))
 
+    def retract_newer_than(self, version: int) -> list[int]:
+        """Withdraw every committed version > ``version`` (a learner resumed from an older checkpoint
+        publishes those numbers again with other weights). Manifests go first, so readers never see
+        a half-deleted version; LATEST moves back to ``version``."""
+        doomed = [v for v in self.versions() if v > version]
+        for v in reversed(doomed):
+            self._kv.delete_range(_prefix_range(f"manifests/{_vkey(v)}.json")).result()
+            self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
+        if doomed:
+            self._kv.write("LATEST", json.dumps({"version": version}).encode()).result()
+        return doomed
+
     def _gc_orphans(self, committed: set[int], newest: int) -> list[str]:
         """Data prefixes no manifest references, of versions <= the newest committed one.
 

@@ -105,8 +105,11 @@ class LocalRun:
         self.weight_store = WeightStore(store_url, keep_last=rcfg.keep_last)
         self.relay = RelayServer(rcfg)
         self.relay.start()
+        # A resumed learner re-publishes the numbers after its checkpoint with new weights.
+        self.weight_store.retract_newer_than(self.learner.version)
         self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=[self.relay.address])
-        self.publisher.publish(self.learner.version, self.learner.policy_params())
+        if self.weight_store.latest() != self.learner.version:
+            self.publisher.publish(self.learner.version, self.learner.policy_params())
         self.learner.publisher = self.publisher
         self.publish_times = [(time.time(), self.learner.version)]
 

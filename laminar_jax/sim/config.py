@@ -1,0 +1,122 @@
+"""Config section for the cluster simulator (laminar_jax.sim)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal, Optional
+
+import ml_collections
+
+from laminar_jax.configlib import expect, from_config_dict, to_config_dict
+
+SIM_MODES = ("sync", "one_step", "stream", "partial_rollout", "laminar")
+
+
+@dataclasses.dataclass(frozen=True)
+class SimSection:
+    """One simulated placement and workload.
+
+    Attributes:
+      model: Model shape name (laminar_jax.model.PRESETS or qwen2.5-32b / qwen2.5-72b).
+      gpu: GPU preset (h100, h200, h800, a100).
+      gpus: Total GPUs (learner + rollouts).
+      learner_gpus: GPUs of the learner; None = half of `gpus` rounded to whole machines.
+      rollout_tp: Tensor-parallel width of one rollout server; None = smallest that fits.
+      colocate: sync only: learner and rollouts time-share all GPUs (verl hybrid engine); learner_gpus is ignored.
+      mode: 'sync', 'one_step', 'stream', 'partial_rollout' (AReaL-style, sim-only) or 'laminar'.
+      repack: Run dynamic repack (laminar only).
+      workload: Workload preset (math, agentic, uniform).
+      prompts_per_step: Prompts (GRPO groups) per learner step (one publish); None = 512 for sync and one_step (the global batch), 128 otherwise (mini-batch 2048).
+      samples_per_prompt: Responses per prompt.
+      max_staleness: Staleness bound of the AReaL capacity rule for stream and partial_rollout.
+      laminar_max_staleness: Staleness bound for laminar dispatch; None = unbounded (the paper's default).
+      buffer_max_staleness: select_fifo drops groups staler than this; None = never.
+      max_buffered_steps: Capacity: dispatch pauses while complete, unconsumed groups exceed this many steps.
+      max_num_seqs: Slots (concurrent sequences) per rollout server.
+      page_tokens: Tokens per KV page.
+      admit_kv_frac: A server admits prompts only while its KV use stays below this fraction.
+      repack_interval_s: Seconds between repack plans (also planned at the first tick after a publish).
+      c_max: Repack destination KV bound (fraction).
+      max_batch: Repack roofline batch bound B.
+      tick_s: Simulated seconds per rollout tick (servers advance many decode steps per tick).
+      duration_s: Simulated seconds to run at least.
+      warmup_s: Throughput and idle figures ignore the first warmup_s seconds.
+      min_steps: Keep running past duration_s until this many learner steps ended after warm-up.
+      max_duration_s: Hard cap on simulated time.
+      seed: Seed of the workload draws.
+      timeline_servers: Servers recorded in the timeline picture (0 = none).
+      calibration: JSON file of fitted cost parameters (laminar_jax.sim.calibrate), or None.
+    """
+
+    model: str = "qwen2.5-7b"
+    gpu: str = "h800"
+    gpus: int = 64
+    learner_gpus: Optional[int] = None
+    rollout_tp: Optional[int] = None
+    colocate: bool = False
+    mode: Literal["sync", "one_step", "stream", "partial_rollout", "laminar"] = "laminar"
+    repack: bool = True
+    workload: str = "math"
+    prompts_per_step: Optional[int] = None
+    samples_per_prompt: int = 16
+    max_staleness: int = 2
+    laminar_max_staleness: Optional[int] = None
+    buffer_max_staleness: Optional[int] = None
+    max_buffered_steps: float = 2.0
+    max_num_seqs: int = 256
+    page_tokens: int = 16
+    admit_kv_frac: float = 0.95
+    repack_interval_s: float = 5.0
+    c_max: float = 0.99
+    max_batch: int = 64
+    tick_s: float = 1.0
+    duration_s: float = 3600.0
+    warmup_s: float = 600.0
+    min_steps: int = 0
+    max_duration_s: float = 6 * 3600.0
+    seed: int = 0
+    timeline_servers: int = 0
+    calibration: Optional[str] = None
+
+    def validate(self, prefix: str) -> None:
+        expect(self.gpus >= 2, f"{prefix}.gpus", self.gpus, ">= 2")
+        if self.learner_gpus is not None:
+            expect(1 <= self.learner_gpus < self.gpus, f"{prefix}.learner_gpus", self.learner_gpus,
+                   f"in [1, gpus={self.gpus})")
+        if self.rollout_tp is not None:
+            expect(self.rollout_tp >= 1, f"{prefix}.rollout_tp", self.rollout_tp, ">= 1")
+        if self.prompts_per_step is not None:
+            expect(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", self.prompts_per_step, ">= 1")
+        expect(not self.colocate or self.mode == "sync", f"{prefix}.colocate", self.colocate,
+               f"false unless mode='sync' (mode={self.mode!r})")
+        expect(self.samples_per_prompt >= 1, f"{prefix}.samples_per_prompt", self.samples_per_prompt, ">= 1")
+        expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0")
+        expect(self.max_buffered_steps > 0, f"{prefix}.max_buffered_steps", self.max_buffered_steps, "> 0")
+        expect(self.max_num_seqs >= 1, f"{prefix}.max_num_seqs", self.max_num_seqs, ">= 1")
+        expect(self.page_tokens >= 1, f"{prefix}.page_tokens", self.page_tokens, ">= 1")
+        expect(0 < self.admit_kv_frac <= 1, f"{prefix}.admit_kv_frac", self.admit_kv_frac, "in (0, 1]")
+        expect(0 < self.c_max <= 1, f"{prefix}.c_max", self.c_max, "in (0, 1]")
+        expect(self.max_batch >= 1, f"{prefix}.max_batch", self.max_batch, ">= 1")
+        expect(self.tick_s > 0, f"{prefix}.tick_s", self.tick_s, "> 0")
+        expect(self.repack_interval_s >= self.tick_s, f"{prefix}.repack_interval_s", self.repack_interval_s,
+               f">= tick_s={self.tick_s}")
+        expect(self.duration_s > self.warmup_s >= 0, f"{prefix}.warmup_s", self.warmup_s,
+               f"in [0, duration_s={self.duration_s})")
+        expect(self.max_duration_s >= self.duration_s, f"{prefix}.max_duration_s", self.max_duration_s,
+               f">= duration_s={self.duration_s}")
+
+    def steps_prompts(self) -> int:
+        if self.prompts_per_step is not None:
+            return self.prompts_per_step
+        return 512 if self.mode in ("sync", "one_step") else 128
+
+
+def default_sim_config() -> ml_collections.ConfigDict:
+    return to_config_dict(SimSection())
+
+
+def finalize_sim(cd) -> SimSection:
+    """ConfigDict/dict -> validated SimSection (unknown keys and bad values name the field)."""
+    sec = from_config_dict(SimSection, cd, "sim")
+    sec.validate("sim")
+    return sec

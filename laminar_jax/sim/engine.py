@@ -1,0 +1,505 @@
+"""Discrete-event cluster simulator of RL post-training, driven by the project's own policies.
+
+Time advances in ticks of ``tick_s`` for the rollout servers, which move many decode steps per tick
+(step time from the roofline cost model at the server's batch and context); sequence completions
+inside a tick get their exact interpolated times. The learner, publishes and relay arrivals run in
+continuous time. Every decision the runtime makes is the runtime's own function, looked up on its
+module at call time (so a monkeypatched policy changes the simulation):
+
+  dispatch gate    laminar_jax.scheduler.modes.dispatch_allowance
+  admission        laminar_jax.scheduler.modes.server_may_admit
+  weight swap      laminar_jax.scheduler.modes.swap_now
+  repack           laminar_jax.scheduler.repack.plan_repack on ServerView snapshots
+  batch selection  laminar_jax.buffer.policies.select_fifo (+ policies.staleness)
+
+``partial_rollout`` is the one mode the runtime does not have; its policy is laminar_jax.sim.partial.
+
+State layout: slot arrays ``[servers, max_num_seqs]`` (sequence id, remaining tokens, context, ...),
+per-server vectors (version, load/prefill busy-until), and per-sequence/per-group tables grown as
+prompts are dispatched. Sequence ids are prompt-major: sid = prompt · samples_per_prompt + j.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from laminar_jax.buffer import policies
+from laminar_jax.scheduler import modes, repack
+from laminar_jax.sim import partial
+from laminar_jax.sim.config import SimSection
+from laminar_jax.sim.cost import CostModel
+from laminar_jax.sim.metrics import Recorder, SimResult
+from laminar_jax.sim.workload import WorkloadSpec, env_latency, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Resolved GPU split.
+
+    Attributes:
+      learner_gpus: GPUs of the learner.
+      tp: GPUs per rollout server.
+      servers: Number of rollout servers.
+    """
+
+    learner_gpus: int
+    tp: int
+    servers: int
+
+
+class _Table:
+    """Growable per-sequence / per-group columns (numpy arrays, doubled when full)."""
+
+    def __init__(self, **dtypes_fill):
+        self.n = 0
+        self._fill = dtypes_fill
+        self.cols = {k: np.full(1024, f, dtype=d) for k, (d, f) in dtypes_fill.items()}
+
+    def grow_to(self, n: int) -> None:
+        cap = len(next(iter(self.cols.values())))
+        if n > cap:
+            new = max(n, 2 * cap)
+            for k, (d, f) in self._fill.items():
+                col = np.full(new, f, dtype=d)
+                col[:cap] = self.cols[k]
+                self.cols[k] = col
+        self.n = max(self.n, n)
+
+    def __getitem__(self, k: str) -> np.ndarray:
+        return self.cols[k]
+
+
+def snapshot_servers(live: np.ndarray, version: np.ndarray, eligible: np.ndarray, max_batch: int) -> np.ndarray:
+    """Ids of the servers worth showing plan_repack; the plan is the same as with every server.
+
+    Left out: servers with live >= max_batch (never a source, since a source has live < B; never a
+    destination, since live_after would exceed B), and, per version, the empty servers beyond the
+    first k, k = that version's non-empty candidates (an upper bound on its sources). Empty servers
+    of one version are interchangeable destinations and plan_repack breaks ties by list order, so
+    it never reaches past the first k. Loading servers (ineligible) run no version yet. Keeps the
+    O(|S|^2) planner cheap at 1024 GPUs; tests/sim check the equivalence on random states.
+    """
+    cand = eligible & (live < max_batch)
+    keep = cand & (live > 0)
+    for v in np.unique(version[cand & (live == 0)]):
+        k = int((keep & (version == v)).sum())
+        empties = np.nonzero(cand & (live == 0) & (version == v))[0][:k]
+        keep[empties] = True
+    return np.nonzero(keep)[0]
+
+
+class Simulator:
+    """One simulated run of ``cfg`` under ``cost``; call :meth:`run` once."""
+
+    def __init__(self, cfg: SimSection, cost: CostModel, work: WorkloadSpec, place: Placement):
+        self.cfg, self.cost, self.work, self.place = cfg, cost, work, place
+        self.rng = np.random.default_rng(cfg.seed)
+        self.k = cfg.samples_per_prompt
+        self.B = cfg.steps_prompts()
+        self.partial = cfg.mode == partial.NAME
+        self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack)
+        S, M = place.servers, cfg.max_num_seqs
+        self.S, self.M = S, M
+        self.kv_cap = cost.kv_pages()
+        if self.kv_cap * cfg.page_tokens < work.max_prompt + work.max_response:
+            raise ValueError(f"sim: a {cost.model.name} server of tp={cost.tp} holds {self.kv_cap} KV pages, "
+                             f"less than one longest sequence; raise sim.rollout_tp")
+        # Slots.
+        self.sid = np.full((S, M), -1, np.int64)
+        self.rem = np.zeros((S, M))  # tokens left in the current turn
+        self.left = np.zeros((S, M))  # tokens left after the current turn
+        self.ctx = np.zeros((S, M))  # KV tokens held (or to re-prefill when paused)
+        self.ready_t = np.zeros((S, M))  # decodable from (env wait, KV transfer)
+        self.paused = np.zeros((S, M), bool)  # preempted: holds no KV, resumes with a re-prefill
+        self.adm = np.zeros((S, M))  # admission time (preemption order)
+        # Servers.
+        self.version = np.zeros(S, np.int64)
+        self.loading = np.zeros(S, bool)
+        self.load_target = np.zeros(S, np.int64)
+        self.busy_until = np.zeros(S)  # load or prefill work ends
+        self.used_prev = np.zeros(S, np.int64)
+        self.used = np.zeros(S)  # KV pages held per server, as of the last _preempt (+ resumes)
+        self.hop = (np.arange(S) * place.tp) // cost.gpu.gpus_per_node
+        # Sequences and groups.
+        self.seqs = _Table(plen=(np.int64, 0), rlen=(np.int64, 0), turns=(np.int64, 1), ver=(np.int64, 0),
+                           t_adm=(np.float64, -1.0), t_fin=(np.float64, -1.0))
+        self.groups = _Table(done=(np.int64, 0), ready=(np.float64, 0.0), ver=(np.int64, 1 << 62),
+                             tok=(np.int64, 0))
+        self.queue = np.zeros(1024, np.int64)
+        self.q_head = self.q_tail = 0
+        self.dispatched = 0
+        self.consumed = 0  # prompts consumed or dropped by the learner
+        self.buf: list[tuple[float, policies.GroupMeta]] = []  # complete groups, FIFO
+        self.group_seq = 0
+        # Learner.
+        self.l_steps = 0  # learner version = steps trained
+        self.l_free = 0.0
+        self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
+        self.v_seen = 0  # newest version the rollout side has seen
+        self.next_repack = 0.0
+        self.rec = Recorder(cfg, place, self.kv_cap)
+        self.load_s = cost.weight_load_s()
+        self.d2h_s = cost.publish_d2h_s(place.learner_gpus)
+        self.max_st = {"stream": cfg.max_staleness, partial.NAME: cfg.max_staleness,
+                       "laminar": cfg.laminar_max_staleness}.get(cfg.mode)
+
+    # ------------------------------------------------------------------------------------------
+    def run(self) -> SimResult:
+        cfg, t = self.cfg, 0.0
+        while True:
+            self._tick(t)
+            t += cfg.tick_s
+            if t >= cfg.max_duration_s:
+                break
+            if t >= cfg.duration_s and self.rec.steps_after_warmup() >= cfg.min_steps:
+                break
+        return self.rec.result(t, self)
+
+    def _tick(self, t: float) -> None:
+        t1 = t + self.cfg.tick_s
+        new_version = self._see_publishes(t)
+        self._finish_loads(t)
+        self._swaps(t)
+        self._dispatch()
+        self._resume_paused(t)
+        self._admit(t)
+        if self.policy.repack and (t >= self.next_repack or new_version):
+            self._repack(t)
+            self.next_repack = t + self.cfg.repack_interval_s
+        self._decode(t, t1)
+        self._preempt()
+        self._learner(t1)
+        self.rec.sample_tick(t, t1, self)
+
+    # ---- weights ----------------------------------------------------------------------------
+    def _see_publishes(self, t: float) -> bool:
+        v = self.v_seen
+        while v + 1 < len(self.publish_t) and self.publish_t[v + 1] <= t:
+            v += 1
+            self.rec.publish(self.publish_t[v], v)
+        changed, self.v_seen = v != self.v_seen, v
+        return changed
+
+    def _finish_loads(self, t: float) -> None:
+        done = self.loading & (self.busy_until <= t)
+        self.version[done] = self.load_target[done]
+        self.loading[done] = False
+
+    def _start_load(self, servers: np.ndarray, t: float) -> None:
+        """Pull the newest version from the local relay: wait for the chain, then PCIe."""
+        if servers.size == 0:
+            return
+        v = self.v_seen
+        if self.cfg.colocate:  # the weights are already on these GPUs: only the reload
+            arrive = np.full(servers.size, self.publish_t[v])
+        else:
+            arrive = self.publish_t[v] + np.array([self.cost.relay_arrival_s(int(h)) for h in self.hop[servers]])
+        start = np.maximum(t, arrive)
+        self.busy_until[servers] = start + self.load_s
+        self.loading[servers] = True
+        self.load_target[servers] = v
+        self.rec.pulls(self.busy_until[servers] - t)
+
+    def _swaps(self, t: float) -> None:
+        newest = self.v_seen
+        want = (~self.loading) & (self.version < newest)
+        if not want.any():
+            return
+        live = (self.sid >= 0).sum(1)
+        if self.partial:
+            idx = [s for s in np.nonzero(want)[0]
+                   if partial.interrupt_now(int(self.version[s]), newest, bool(self.loading[s]))]
+            idx = np.asarray(idx, np.int64)
+            self._start_load(idx, t)
+            if idx.size:  # re-prefill every kept sequence under the new weights
+                held = np.where(self.sid[idx] >= 0, self.ctx[idx], 0.0)
+                self.busy_until[idx] += self.cost.prefill_s(held.sum(1), (held ** 2).sum(1))
+                self.rec.reprefill_tokens += float(held.sum())
+            return
+        live_list = sorted(live.tolist(), reverse=True)  # swap_now's all(): nonzero first
+        go = [s for s in np.nonzero(want & (live == 0))[0]
+              if modes.swap_now(self.policy, 0, live_list)]
+        self._start_load(np.asarray(go, np.int64), t)
+
+    def _global_pending(self) -> bool:
+        return bool((self.version < self.v_seen).any())
+
+    # ---- prompts ----------------------------------------------------------------------------
+    def _dispatch(self) -> None:
+        if self.partial:
+            allow = partial.dispatch_allowance(self.v_seen, self.dispatched, self.B, self.max_st)
+        else:
+            allow = modes.dispatch_allowance(self.policy, self.v_seen, self.dispatched, self.B, self.max_st)
+        # Capacity: prompts outstanding (dispatched, not yet consumed) never exceed what the slots
+        # can hold plus max_buffered_steps batches waiting in the buffer.
+        cap = math.ceil(self.S * self.M / self.k) + math.ceil(self.cfg.max_buffered_steps * self.B)
+        room = cap - (self.dispatched - self.consumed)
+        if len(self.buf) >= self.cfg.max_buffered_steps * self.B:
+            room = 0  # the learner is behind: stop feeding the buffer
+        n = room if allow is None else min(room, allow)
+        if n <= 0:
+            return
+        p0 = self.dispatched
+        draws = sample(self.work, n, self.k, self.rng)
+        s0, s1 = p0 * self.k, (p0 + n) * self.k
+        self.seqs.grow_to(s1)
+        self.groups.grow_to(p0 + n)
+        self.seqs["plen"][s0:s1], self.seqs["rlen"][s0:s1] = draws.prompt_len, draws.response_len
+        self.seqs["turns"][s0:s1] = draws.turns
+        self._enqueue(np.arange(s0, s1))
+        self.dispatched += n
+
+    def _enqueue(self, sids: np.ndarray) -> None:
+        n = sids.size
+        live = self.q_tail - self.q_head
+        if self.q_tail + n > self.queue.size:
+            new = np.zeros(max(2 * self.queue.size, live + n + 1024), np.int64)
+            new[:live] = self.queue[self.q_head:self.q_tail]
+            self.queue, self.q_head, self.q_tail = new, 0, live
+        self.queue[self.q_tail:self.q_tail + n] = sids
+        self.q_tail += n
+
+    def _may_admit(self) -> np.ndarray:
+        if self.partial:
+            return np.array([partial.server_may_admit(bool(x)) for x in self.loading])
+        pending = self._global_pending()
+        # server_may_admit depends only on (server version, newest, pending): one call per distinct version.
+        verdict = {int(v): modes.server_may_admit(self.policy, int(v), self.v_seen, pending)
+                   for v in np.unique(self.version)}
+        return np.array([verdict[int(v)] for v in self.version]) & ~self.loading
+
+    def _admit(self, t: float) -> None:
+        nq = self.q_tail - self.q_head
+        if nq == 0:
+            return
+        occupied = self.sid >= 0
+        free = self.M - occupied.sum(1)
+        head = self.queue[self.q_head:self.q_head + min(nq, 4096)]
+        per_prompt = math.ceil(float(self.seqs["plen"][head].mean()) / self.cfg.page_tokens) + 1
+        room = np.floor((self.cfg.admit_kv_frac * self.kv_cap - self.used) / per_prompt)
+        want = np.where(self._may_admit() & ~self.paused.any(1), np.minimum(free, np.maximum(room, 0)), 0)
+        want = want.astype(np.int64)
+        total = int(want.sum())
+        if total == 0:
+            return
+        if total > nq:  # share a short queue round-robin from a rotating start
+            order = np.roll(np.arange(self.S), -(self.rec.ticks % self.S))
+            cum = np.cumsum(want[order])
+            keep = np.clip(nq - (cum - want[order]), 0, want[order])
+            want = np.zeros_like(want)
+            want[order] = keep
+            total = nq
+        rank = np.cumsum(~occupied, axis=1) - 1
+        rows, cols = np.nonzero(~occupied & (rank < want[:, None]))
+        sids = self.queue[self.q_head:self.q_head + total]
+        self.q_head += total
+        self._place(rows, cols, sids, t)
+
+    def _place(self, rows, cols, sids, t: float) -> None:
+        plen = self.seqs["plen"][sids].astype(np.float64)
+        rlen = self.seqs["rlen"][sids].astype(np.float64)
+        turns = self.seqs["turns"][sids]
+        first = np.ceil(rlen / turns)
+        self.sid[rows, cols] = sids
+        self.rem[rows, cols] = first
+        self.left[rows, cols] = rlen - first
+        self.ctx[rows, cols] = plen
+        self.ready_t[rows, cols] = t
+        self.paused[rows, cols] = False
+        self.adm[rows, cols] = t + np.arange(rows.size) * 1e-9
+        self.seqs["ver"][sids] = self.version[rows]
+        self.seqs["t_adm"][sids] = t
+        tok = np.bincount(rows, plen, self.S)
+        sq = np.bincount(rows, plen ** 2, self.S)
+        self._charge_prefill(tok, sq, t)
+
+    def _charge_prefill(self, tok, sq, t: float) -> None:
+        pre = self.cost.prefill_s(tok, sq)
+        self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + pre, self.busy_until)
+        self.rec.add_prefill(pre, t)
+
+    # ---- KV ---------------------------------------------------------------------------------
+    def _pages(self) -> np.ndarray:
+        """KV pages held per slot, f64[S, M] (paused sequences hold none)."""
+        held = (self.sid >= 0) & ~self.paused
+        return np.where(held, np.ceil(self.ctx / self.cfg.page_tokens), 0.0)
+
+    def _preempt(self) -> None:
+        """Over-full KV: pause the most recently admitted sequences (vLLM recompute preemption).
+
+        Leaves ``self.used`` (pages per server) current for the next tick's admission and metrics.
+        """
+        pages = self._pages()
+        used = pages.sum(1)
+        self.used = used
+        for s in np.nonzero(used > self.kv_cap)[0]:
+            cand = np.nonzero((self.sid[s] >= 0) & ~self.paused[s])[0]
+            cand = cand[np.argsort(-self.adm[s, cand])]
+            excess = used[s] - self.kv_cap
+            freed = np.cumsum(pages[s, cand])
+            n = int(np.searchsorted(freed, excess)) + 1
+            self.paused[s, cand[:n]] = True
+            self.rec.preemptions += n
+            self.used[s] -= pages[s, cand[:n]].sum()
+
+    def _resume_paused(self, t: float) -> None:
+        any_paused = self.paused.any(1) & ~self.loading
+        if not any_paused.any():
+            return
+        pages = self._pages()
+        for s in np.nonzero(any_paused)[0]:
+            used = pages[s].sum()
+            idx = np.nonzero(self.paused[s])[0]
+            idx = idx[np.argsort(self.adm[s, idx])]
+            need = np.cumsum(np.ceil(self.ctx[s, idx] / self.cfg.page_tokens))
+            n = int(np.searchsorted(need, self.cfg.admit_kv_frac * self.kv_cap - used, side="right"))
+            if n:
+                back = idx[:n]
+                self.paused[s, back] = False
+                c = self.ctx[s, back]
+                self.used[s] += np.ceil(c / self.cfg.page_tokens).sum()
+                tok, sq = np.zeros(self.S), np.zeros(self.S)
+                tok[s], sq[s] = c.sum(), (c ** 2).sum()
+                self._charge_prefill(tok, sq, t)
+                self.rec.reprefill_tokens += float(c.sum())
+
+    # ---- repack -----------------------------------------------------------------------------
+    def _repack(self, t: float) -> None:
+        """Snapshot servers as ServerViews (see :func:`snapshot_servers`) and execute plan_repack's moves."""
+        occ = self.sid >= 0
+        live = occ.sum(1)
+        used = self._pages().sum(1).astype(np.int64)
+        picked = snapshot_servers(live, self.version, ~self.loading, self.cfg.max_batch)
+        rows, cols = np.nonzero(occ[picked])  # row-major: grouped by picked server
+        uids = self.sid[picked[rows], cols].tolist()
+        pages = np.ceil(self.ctx[picked[rows], cols] / self.cfg.page_tokens).astype(np.int64).tolist()
+        bounds = np.concatenate([[0], np.cumsum(live[picked])]).tolist()
+        ver, prev, used_l = self.version[picked].tolist(), self.used_prev[picked].tolist(), used[picked].tolist()
+        views = [repack.ServerView(s, ver[i], self.kv_cap, used_l[i], prev[i],
+                                   tuple(zip(uids[bounds[i]:bounds[i + 1]], pages[bounds[i]:bounds[i + 1]])))
+                 for i, s in enumerate(picked.tolist())]
+        self.used_prev = used
+        params = repack.RepackParams(c_max=self.cfg.c_max, max_batch=self.cfg.max_batch)
+        moves = repack.plan_repack(views, params)
+        self.rec.repacks += 1
+        by_pair: dict[tuple[int, int], list[int]] = {}
+        for m in moves:
+            by_pair.setdefault((int(m.src), int(m.dst)), []).append(int(m.seq_uid))
+        for (src, dst), uids in by_pair.items():
+            self._move(src, dst, uids, t)
+
+    def _move(self, src: int, dst: int, uids: list[int], t: float) -> None:
+        if int(self.version[src]) != int(self.version[dst]):
+            raise AssertionError(f"repack moved sequences across versions ({src}->{dst})")
+        src_cols = np.nonzero(np.isin(self.sid[src], uids))[0]
+        dst_cols = np.nonzero(self.sid[dst] < 0)[0][:src_cols.size]
+        if dst_cols.size < src_cols.size:
+            raise AssertionError(f"repack destination {dst} has no free slot")
+        pages = np.ceil(self.ctx[src, src_cols] / self.cfg.page_tokens).sum()
+        arrive = t + float(self.cost.kv_move_s(pages))
+        for a in (self.sid, self.rem, self.left, self.ctx, self.ready_t, self.paused, self.adm):
+            a[dst, dst_cols] = a[src, src_cols]
+        self.ready_t[dst, dst_cols] = np.maximum(self.ready_t[dst, dst_cols], arrive)
+        self.sid[src, src_cols] = -1
+        self.paused[src, src_cols] = False
+        self.rec.moves += src_cols.size
+        self.rec.moved_pages += float(pages)
+
+    # ---- decode -----------------------------------------------------------------------------
+    def _decode(self, t: float, t1: float) -> None:
+        occ = self.sid >= 0
+        active = occ & ~self.paused & (self.ready_t <= t)
+        b = active.sum(1)
+        avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
+        avail[b == 0] = 0.0
+        ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
+        tau = self.cost.decode_step_s(b, ctx_sum)
+        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
+        tau = self.cost.decode_step_s(b, ctx_sum + b * steps / 2)  # context grows during the tick
+        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
+        rem = np.where(active, self.rem, 0.0)
+        adv = np.minimum(rem, steps[:, None])
+        self.rem -= adv
+        self.ctx += adv
+        self.rec.tokens_generated += float(adv.sum())
+        need = np.where(b > 0, rem.max(1) * tau, 0.0)
+        self.rec.add_decode(np.minimum(avail, need), t)
+        done = active & (self.rem <= 0)
+        if not done.any():
+            return
+        rows, cols = np.nonzero(done)
+        start = t1 - avail[rows]
+        finish = start + rem[rows, cols] / np.maximum(steps[rows], 1e-12) * avail[rows]
+        more = self.left[rows, cols] > 0
+        if more.any():
+            self._next_turn(rows[more], cols[more], finish[more], t)
+        fin = ~more
+        self._complete(rows[fin], cols[fin], finish[fin])
+
+    def _next_turn(self, rows, cols, finish, t: float) -> None:
+        """Multi-turn: the environment answers after its latency; its tokens are prefilled."""
+        sids = self.sid[rows, cols]
+        turn = np.ceil(self.seqs["rlen"][sids] / self.seqs["turns"][sids])
+        nxt = np.minimum(turn, self.left[rows, cols])
+        self.rem[rows, cols] = nxt
+        self.left[rows, cols] -= nxt
+        self.ready_t[rows, cols] = finish + env_latency(self.work, rows.size, self.rng)
+        obs = float(self.work.obs_tokens)
+        self.ctx[rows, cols] += obs
+        tok = np.bincount(rows, np.full(rows.size, obs), self.S)
+        sq = np.bincount(rows, np.full(rows.size, obs * obs), self.S)
+        self._charge_prefill(tok, sq, t)
+
+    def _complete(self, rows, cols, finish) -> None:
+        sids = self.sid[rows, cols]
+        self.sid[rows, cols] = -1
+        if sids.size == 0:
+            return
+        s = self.seqs
+        turns = s["turns"][sids]
+        tokens = s["plen"][sids] + s["rlen"][sids] + (turns - 1) * self.work.obs_tokens
+        s["t_fin"][sids] = finish
+        gids = sids // self.k
+        g = self.groups
+        np.add.at(g["done"], gids, 1)
+        np.maximum.at(g["ready"], gids, finish + self.work.reward_latency_s)
+        np.minimum.at(g["ver"], gids, s["ver"][sids])
+        np.add.at(g["tok"], gids, tokens)
+        self.rec.trajectories += sids.size
+        full = np.unique(gids[g["done"][gids] == self.k])
+        full = full[np.argsort(g["ready"][full], kind="stable")]
+        for gid in full.tolist():
+            rows_ = tuple(range(gid * self.k, (gid + 1) * self.k))
+            meta = policies.GroupMeta(str(gid), rows_, int(g["ver"][gid]), int(g["tok"][gid]), self.group_seq)
+            self.group_seq += 1
+            self.buf.append((float(g["ready"][gid]), meta))
+
+    # ---- learner ----------------------------------------------------------------------------
+    def _learner(self, t1: float) -> None:
+        """Start every learner step that can start by t1 (continuous time)."""
+        while self.l_free <= t1 and len(self.buf) >= self.B:
+            ready_times = sorted(rt for rt, _ in self.buf)
+            td = max(self.l_free, ready_times[self.B - 1])
+            if td > t1:
+                return
+            avail = [m for rt, m in self.buf if rt <= td]
+            sel = policies.select_fifo(avail, self.B, self.l_steps, self.cfg.buffer_max_staleness, "drop")
+            gone = {m.group for m in sel.take} | {m.group for m in sel.drop}
+            self.buf = [(rt, m) for rt, m in self.buf if m.group not in gone]
+            self.rec.dropped += len(sel.drop)
+            self.consumed += len(sel.take) + len(sel.drop)
+            if not sel.take:
+                if not sel.drop:
+                    return  # the policy declined: try again next tick
+                continue
+            tokens = sum(m.num_tokens for m in sel.take)
+            end = td + self.cost.learner_step_s(tokens, self.place.learner_gpus)
+            if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
+                end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
+            self.rec.step(td, end, tokens, [policies.staleness(self.l_steps, m.version) for m in sel.take])
+            self.l_steps += 1
+            self.l_free = end + self.d2h_s
+            self.publish_t.append(self.l_free)
