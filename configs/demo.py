@@ -26,24 +26,27 @@ def get_config(variant: str = ""):
     c.rollout.temperature = 1.0
 
     c.learner.adv_estimator = "grpo"
-    c.learner.lr = 2e-3
+    c.learner.lr = 1e-3
+    c.learner.mini_batches = 4  # 4 optimizer updates per step
     c.learner.clip_eps_low = 0.2
     c.learner.clip_eps_high = 0.28  # clip-higher, as in Laminar's set-up
     c.learner.off_policy = "tis"
-    c.learner.loss_agg = "token-mean"
+    c.learner.loss_agg = "seq-mean-token-mean"  # long responses do not drown short ones
     c.learner.seq_len_buckets = (64, 128, 192, 256)
     c.learner.grad_clip = 1.0
 
     c.runtime.mode = "laminar"
     c.runtime.num_servers = 2
     c.runtime.prompts_per_step = 8
-    c.runtime.samples_per_prompt = 4
-    c.runtime.total_steps = 30
-    c.runtime.sft_warmup_steps = 150
-    c.runtime.max_staleness = None
+    c.runtime.samples_per_prompt = 8
+    c.runtime.total_steps = 80
+    # A brief supervised warm-start (60 steps) teaches the format; RL then does the rest.
+    c.runtime.sft_warmup_steps = 60
+    c.runtime.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
 
     c.scheduler.max_batch = 16
     if variant == "short":
+        c.runtime.samples_per_prompt = 4
         c.runtime.total_steps = 4
         c.runtime.sft_warmup_steps = 20
         c.runtime.progress = False

@@ -10,7 +10,7 @@ def run(cfg) -> dict:
 
         return run_local(cfg)
     if cfg.runtime.kind == "ray":
-        from laminar_jax.runtime.ray_runtime import run_ray
-
-        return run_ray(cfg)
+        raise NotImplementedError(
+            "runtime.kind='ray' is not implemented yet (the Ray runtime is tracked in issue 7); "
+            "use runtime.kind='local'")
     raise ValueError(f"runtime.kind={cfg.runtime.kind!r}: must be 'local' or 'ray'")

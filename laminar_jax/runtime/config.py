@@ -22,7 +22,7 @@ class RuntimeSection:
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
-      max_staleness: Staleness bound for 'stream' admission control (AReaL capacity rule); None = unbounded.
+      max_staleness: Staleness bound for dispatch (AReaL capacity rule); required by 'stream'; None = unbounded (laminar's default, back-pressure only).
       max_inflight_batches: Back-pressure for 'laminar': at most this many batches of prompts dispatched and not yet trained on.
       sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
       sft_lr: Learning rate of the warm-start.
@@ -41,7 +41,7 @@ class RuntimeSection:
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     total_steps: int = 20
-    max_staleness: Optional[int] = 2
+    max_staleness: Optional[int] = None
     max_inflight_batches: int = 2
     sft_warmup_steps: int = 0
     sft_lr: float = 3e-3
@@ -59,5 +59,7 @@ class RuntimeSection:
         expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")
         expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
         expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
+        expect(self.mode != "stream" or self.max_staleness is not None, f"{prefix}.max_staleness",
+               self.max_staleness, "set (an int >= 0) when runtime.mode='stream'")
         if self.max_staleness is not None:
             expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0 or None")

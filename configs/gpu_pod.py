@@ -1,0 +1,58 @@
+"""GPU pod: Qwen2.5-7B GRPO on DAPO-Math-style data, 16K responses, 16 samples per prompt (Ray).
+
+Mirrors the set-up in the Laminar paper (REFERENCE.md): 512 prompts x 16 samples per iteration,
+mini-batch 2048 trajectories (128 prompts) per learner step, clip-higher 0.2/0.28, no importance
+correction, max prompt 2K, max response 16K. See docs/DEPLOY.md for starting the cluster.
+
+python launch/run.py --config=configs/gpu_pod.py --config.runtime.address=ray://head:10001 \
+    --config.model.path=/models/Qwen2.5-7B --config.data.path=gs://bucket/dapo_math_17k.parquet
+"""
+
+from laminar_jax.config import default_config
+
+
+def get_config(variant: str = ""):
+    c = default_config()
+    c.model.preset = "qwen2.5-7b"
+    c.model.dtype = "bfloat16"
+    c.model.param_dtype = "float32"
+
+    c.data.source = "file"
+    c.data.path = "data/dapo_math_17k.parquet"
+    c.data.max_prompt_tokens = 2048
+    c.data.reward_workers = 32
+
+    c.mesh.data = 1
+    c.mesh.fsdp = -1
+    c.mesh.tensor = 1
+
+    c.rollout.num_slots = 256
+    c.rollout.page_size = 64
+    c.rollout.num_pages = 256 * 72 + 1
+    c.rollout.max_prompt_len = 2048
+    c.rollout.max_new_tokens = 16384
+    c.rollout.max_total_len = 18432
+
+    c.learner.adv_estimator = "grpo"
+    c.learner.lr = 1e-6
+    c.learner.clip_eps_low = 0.2
+    c.learner.clip_eps_high = 0.28
+    c.learner.off_policy = "none"
+    c.learner.loss_agg = "token-mean"
+    c.learner.micro_batches = 64
+    c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
+
+    c.relay.chunk_bytes = 32 << 20
+
+    c.runtime.kind = "ray"
+    c.runtime.mode = "laminar"
+    c.runtime.num_servers = 96
+    c.runtime.prompts_per_step = 128
+    c.runtime.samples_per_prompt = 16
+    c.runtime.total_steps = 2000
+    c.runtime.checkpoint_every = 20
+    c.scheduler.max_batch = 128
+    c.scheduler.repack_interval_s = 5.0
+    if variant:
+        raise ValueError(f"configs/gpu_pod.py: unknown variant {variant!r}")
+    return c
