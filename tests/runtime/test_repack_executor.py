@@ -1,0 +1,78 @@
+"""Repack executor on real rollout servers: moved sequences (with their KV pages) finish exactly as
+they would have in place, and a move that fails midway leaves the sequence on its source."""
+
+import dataclasses
+import threading
+import types
+
+import numpy as np
+
+from laminar_jax.runtime.repack import RepackLoop
+from laminar_jax.scheduler.config import SchedulerSection
+from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
+
+
+def server(name):
+    return make_server(dataclasses.replace(SECTION, server_id=name))
+
+
+def _worker(i, server):
+    return types.SimpleNamespace(index=i, server=server, lock=threading.RLock(), assigned={},
+                                 killed=threading.Event())
+
+
+def _reference(n):
+    s = make_server()
+    for i in range(n):
+        s.submit(request(i, max_new=20))
+    return run_until(s, n)
+
+
+def test_planned_moves_are_output_identical_and_consolidate():
+    ref = _reference(3)
+    a, b = server("rollout-0"), server("rollout-1")
+    for i in range(3):
+        a.submit(request(i, max_new=20))
+    b.submit(request(10, max_new=20))
+    for _ in range(4):  # a few tokens in place first
+        a.step(), b.step()
+    loop = RepackLoop([_worker(0, a), _worker(1, b)], SchedulerSection(max_batch=4, c_max=0.99), board=None)
+    loop._prev_used = {"rollout-0": 10 ** 6, "rollout-1": 10 ** 6}  # both draining
+    moves = loop.run_once()
+    assert moves and loop.moved == len(moves) and loop.failed == 0
+    srcs = {m.src for m in moves}
+    assert len(srcs) == 1  # one server emptied onto the other (best fit)
+    emptied = a if "rollout-0" in srcs else b
+    assert emptied.num_live == 0
+    out = {}
+    for _ in range(200):
+        for srv in (a, b):
+            for t in srv.step():
+                out[t.uid] = t
+        if len(out) == 4:
+            break
+    for uid, t in ref.items():
+        np.testing.assert_array_equal(out[uid].response_ids, t.response_ids)
+        np.testing.assert_array_equal(out[uid].behaviour_logprobs, t.behaviour_logprobs)
+
+
+def test_failed_import_leaves_sequence_on_source():
+    a, b = server("rollout-0"), server("rollout-1")
+    a.submit(request(0, max_new=20))
+    for _ in range(3):
+        a.step()
+    wa, wb = _worker(0, a), _worker(1, b)
+
+    def broken_import(state):
+        raise RuntimeError("injected failure during import")
+
+    b.import_sequence = broken_import
+    loop = RepackLoop([wa, wb], SchedulerSection(max_batch=4), board=None)
+    uid = request(0).uid
+    from laminar_jax.scheduler import Move
+
+    assert loop.execute(Move(uid, "rollout-0", "rollout-1")) is False
+    assert loop.failed == 1 and a.num_live == 1 and b.num_live == 0
+    ref = _reference(1)[uid]
+    got = run_until(a, 1)[uid]
+    np.testing.assert_array_equal(got.response_ids, ref.response_ids)
