@@ -14,6 +14,7 @@ def get_config(variant: str = ""):
     c.model.tokenizer = "builtin"
 
     c.data.source = "synthetic_skew"
+    c.data.max_prompt_tokens = 32  # = rollout.max_prompt_len; the task's prompts are < 24 tokens
     c.data.reward_workers = 1
     c.data.reward_mode = "thread"  # the synthetic reward is cheap; spare the 2 cores
 

@@ -59,6 +59,11 @@ class Config:
 
     def validate(self, prefix: str) -> None:
         expect(self.seed >= 0, "seed", self.seed, ">= 0")
+        if self.rollout.overlong_prompt == "error":
+            # The data plane filters by data.max_prompt_tokens; anything longer would kill a server.
+            expect(self.data.max_prompt_tokens <= self.rollout.max_prompt_len, "data.max_prompt_tokens",
+                   self.data.max_prompt_tokens,
+                   f"<= rollout.max_prompt_len={self.rollout.max_prompt_len} (or rollout.overlong_prompt='truncate')")
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}
@@ -109,22 +114,10 @@ def replace(cfg: Config, **sections) -> Config:
     return out
 
 
-def section_docs() -> dict[str, dict[str, str]]:
-    """{section: {field: doc}} for the configuration reference."""
-    from laminar_jax.configlib import field_docs
-
-    out: dict[str, dict[str, str]] = {}
-    for name, tp in SECTIONS.items():
-        if isinstance(tp, str):
-            tp = globals()[tp]
-        if dataclasses.is_dataclass(tp):
-            out[name] = field_docs(tp)
-    return out
-
-
 def resolve_run_dir(cfg: Config, now: Optional[str] = None) -> str:
+    """The run directory as an absolute path (orbax refuses relative checkpoint paths)."""
     if cfg.runtime.run_dir:
-        return cfg.runtime.run_dir
+        return os.path.abspath(cfg.runtime.run_dir)
     import time
 
-    return os.path.join("runs", now or time.strftime("%Y%m%d-%H%M%S"))
+    return os.path.abspath(os.path.join("runs", now or time.strftime("%Y%m%d-%H%M%S")))

@@ -44,7 +44,7 @@ class DataSection:
     seed: int = 0
     shuffle: bool = True
     num_epochs: Optional[int] = None
-    max_prompt_tokens: int = 512
+    max_prompt_tokens: int = 256
     overlong: Literal["filter", "truncate", "error"] = "filter"
     skip_bad_rows: bool = False
     add_bos: bool = True

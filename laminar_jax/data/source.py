@@ -106,6 +106,7 @@ class PromptSource:
         return self
 
     def __next__(self) -> Prompt:
+        rejected = 0
         while True:
             item: Union[Prompt, Rejected] = next(self._iter)  # StopIteration after the last epoch
             if isinstance(item, Prompt):
@@ -120,6 +121,11 @@ class PromptSource:
                 if self.overlong == "error":
                     raise OverlongPromptError(f"{item.where}: {item.message}")
                 self._counters["overlong_filtered"] += 1
+            rejected += 1
+            if rejected >= self.num_rows:  # a whole epoch in a row: nothing will ever be yielded
+                raise ValueError(
+                    f"dataset {self.dataset!r}: {rejected} rows in a row were rejected ({self.counters}); "
+                    f"no usable prompt in a whole epoch (check data.max_prompt_tokens / data.overlong / the rows)")
 
     @property
     def counters(self) -> dict[str, int]:

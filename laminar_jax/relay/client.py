@@ -174,7 +174,7 @@ class RelayClient:
     # ---- placement
     @staticmethod
     def _place(flat: dict, owned: bool, shardings: Any, like: Any) -> Any:
-        from laminar_jax.relay.flat import is_flat, tree_items, unflatten_like
+        from laminar_jax.relay.flat import tree_items, unflatten_like
 
         if shardings is None:
             out = flat if owned else {k: np.array(a) for k, a in flat.items()}

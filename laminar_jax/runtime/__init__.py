@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+from laminar_jax.runtime.export import export_pretrained
+
+__all__ = ["run", "export_pretrained"]
+
 
 def run(cfg) -> dict:
     """Train according to `cfg` (a finalized laminar_jax.config.Config); returns the summary dict."""

@@ -13,7 +13,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -57,7 +57,7 @@ class LocalRun:
         self.model = build_model(cfg.model)
         self.source = build_prompt_source(cfg.data, self.tokenizer)
         self.sft_losses: list[float] = []
-        ckpt_dir = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+        ckpt_dir = os.path.abspath(cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
         resuming = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
         if rt.sft_warmup_steps and not resuming:
             self._sft_warmup()
@@ -118,31 +118,32 @@ class LocalRun:
 
         from laminar_jax.learner.publish import flatten_params
         from laminar_jax.relay import RelayClient
+        from laminar_jax.rollout import make_engine
         from laminar_jax.rollout.records import Request
         from laminar_jax.rollout.server import RolloutServer
 
         rt = self.cfg.runtime
         v0 = self.learner.version
-        # The servers start from the learner's (possibly restored) weights, as published.
         _, template = nnx.split(self.model)
-        params0 = unflatten_params(self.learner.policy_params(), template, flatten_params)
+        from_flat = functools.partial(unflatten_params, template=template, flatten=flatten_params)
+        # Servers start from the learner's (possibly restored) weights, exactly as published as v0.
+        params0 = from_flat(self.learner.policy_params())
+
+        def make_request(it: WorkItem) -> Request:
+            return Request(uid=it.uid, prompt_ids=np.asarray(it.prompt_ids, np.int32), prompt_uid=it.prompt_uid,
+                           sample_index=it.sample_index, seed=it.seed, data_source=it.data_source,
+                           ground_truth=it.ground_truth)
+
         self.board = Board(rt.num_servers, v0)
         self.workers: list[RolloutWorker] = []
-        to_flat = functools.partial(unflatten_params, template=template, flatten=flatten_params)
         for i in range(rt.num_servers):
             section = dataclasses.replace(self.cfg.rollout, server_id=f"rollout-{i}", seed=self.cfg.seed + 17 * i)
-            server = RolloutServer.from_model(self.model, section, version=v0)
-            server._params = params0  # noqa: SLF001 - same weights as the published version v0
+            engine, _ = make_engine(self.model, section)
+            server = RolloutServer(engine, params0, version=v0)
             client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay)
-            make_request = lambda it: Request(uid=it.uid, prompt_ids=np.asarray(it.prompt_ids, np.int32),
-                                              prompt_uid=it.prompt_uid, sample_index=it.sample_index,
-                                              seed=it.seed, data_source=it.data_source,
-                                              ground_truth=it.ground_truth)
             self.workers.append(RolloutWorker(
                 i, server, client, self.queue, self.policy, self.board, self._on_complete, make_request,
-                lambda flat: to_flat(flat), timeline=self.timeline,
-                pull_timeout_s=min(rt.wait_timeout_s, 120.0)))
-        self._items: dict[str, WorkItem] = {}
+                from_flat, timeline=self.timeline, pull_timeout_s=min(rt.wait_timeout_s, 120.0)))
 
     # ------------------------------------------------------------------------------ data flow
     def _on_complete(self, traj: Trajectory) -> None:
@@ -224,8 +225,10 @@ class LocalRun:
                     stopped_early = True
                     break
                 self._train_on(rows)
-        finally:
-            self._shutdown(stopped_early)
+        except BaseException:
+            self._shutdown(clean=False)
+            raise
+        self._shutdown(clean=True)
         return self.monitor.summary(stopped_early)
 
     def _train_on(self, rows: list[dict]) -> None:
@@ -254,7 +257,9 @@ class LocalRun:
     def _checkpoint(self) -> None:
         self.learner.save(self.learner.version, extra={"runtime": self.dispatcher.snapshot()})
 
-    def _shutdown(self, stopped_early: bool) -> None:
+    def _shutdown(self, clean: bool) -> None:
+        """Stop every worker; checkpoint only after a clean stop (a failed run resumes from the last
+        good checkpoint, and a wedged worker may hold the dispatcher's lock)."""
         failed = None
         try:
             self.sup.check()
@@ -262,16 +267,21 @@ class LocalRun:
             failed = e
         self.sup.stop.set()
         stuck = self.sup.join(timeout=30)
-        if failed is None:
+        if clean and failed is None and not stuck:
             self._checkpoint()
         try:
-            self.learner.flush(timeout=120)
+            if clean:
+                self.learner.flush(timeout=120)
         finally:
-            self.publisher.close()
-            self.relay.stop()
-            self.rewards.close()
-            self.learner.close()
-            self.monitor.close()
+            for close in (self.publisher.close, self.relay.stop, self.rewards.close, self.learner.close,
+                          self.monitor.close):
+                try:
+                    close()
+                except Exception:  # noqa: BLE001 - cleanup must reach every plane; first error wins below
+                    if clean and failed is None:
+                        raise
+        if not clean:
+            return  # the caller re-raises the error that stopped the run
         if failed is not None:
             raise failed
         if stuck:
@@ -282,12 +292,22 @@ def run_local(cfg: Config) -> dict:
     run_dir = resolve_run_dir(cfg)
     save_config(cfg, run_dir)
     stop = threading.Event()
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        # SIGTERM: finish the current step, checkpoint, exit; a later run resumes from there.
-        signal.signal(signal.SIGTERM, lambda *_: stop.set())
-        signal.signal(signal.SIGINT, lambda *_: stop.set())
-    run = LocalRun(cfg, run_dir, stop)
-    summary = run.run()
+        # SIGTERM/SIGINT: finish the current step, checkpoint, exit; a later run resumes from there.
+        # A second signal falls through to the previous handler (e.g. KeyboardInterrupt).
+        def on_signal(signum, frame):
+            if stop.is_set() and callable(previous.get(signum)):
+                previous[signum](signum, frame)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        summary = LocalRun(cfg, run_dir, stop).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(json.dumps(summary))

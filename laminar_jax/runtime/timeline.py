@@ -38,17 +38,15 @@ class Timeline:
 
     def render(self, path: str, title: str = "") -> str:
         import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.patches
 
         with self._lock:
             samples, publishes = list(self.samples), list(self.publishes)
         servers = sorted({s for _, s, *_ in samples})
         versions = sorted({v for *_, v in samples}) or [0]
-        cmap = plt.get_cmap("viridis", max(2, len(versions)))
+        cmap = matplotlib.colormaps["viridis"].resampled(max(2, len(versions)))
         color = {v: cmap(i) for i, v in enumerate(versions)}
-        fig, ax = plt.subplots(figsize=(10, 1.0 + 0.8 * len(servers)))
+        fig, ax = _figure((10, 1.0 + 0.8 * len(servers)))
         for row, server in enumerate(servers):
             pts = [(t, u, tot, v) for t, s, u, tot, v in samples if s == server]
             for (t0, u, tot, v), (t1, *_rest) in zip(pts, pts[1:]):
@@ -59,21 +57,25 @@ class Timeline:
         ax.set_yticks([i + 0.45 for i in range(len(servers))], servers)
         ax.set_xlabel("seconds (bar height = slot occupancy; colour = weight version; red = publish)")
         ax.set_title(title or "rollout slot occupancy")
-        handles = [plt.Rectangle((0, 0), 1, 1, color=color[v]) for v in versions[-8:]]
+        handles = [matplotlib.patches.Rectangle((0, 0), 1, 1, color=color[v]) for v in versions[-8:]]
         ax.legend(handles, [f"v{v}" for v in versions[-8:]], loc="upper right", fontsize=7, ncol=4)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
-        plt.close(fig)
         return path
 
 
+def _figure(size):
+    # An Agg canvas of our own: never switches pyplot's global backend (inline notebook plots keep working).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=size)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
 def plot_curves(path: str, curves: dict[str, Sequence[tuple[float, float]]], xlabel: str, ylabel: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, ax = _figure((7, 4))
     for name, pts in curves.items():
         if pts:
             xs, ys = zip(*pts)
@@ -83,5 +85,4 @@ def plot_curves(path: str, curves: dict[str, Sequence[tuple[float, float]]], xla
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return path
