@@ -172,3 +172,11 @@ def test_section_validation_and_config_round_trip():
         from_config_dict(DataSection, {"overlong": "chop"}, "data")
     sec = from_config_dict(DataSection, {"source": "synthetic_skew", "num_epochs": 2, "seed": 5}, "data")
     assert sec.num_epochs == 2 and sec.seed == 5
+
+
+def test_a_whole_epoch_of_rejected_rows_raises_instead_of_spinning(tmp_path):
+    """Every prompt over-long and filtered, epochs unbounded: an error naming the cause, not a hang."""
+    path = _write_jsonl(tmp_path / "all_long.jsonl", [_row(i, chat=False) for i in range(3)])
+    src = _source(path, shuffle=False, max_prompt_tokens=2, overlong="filter")
+    with pytest.raises(ValueError, match="no usable prompt in a whole epoch"):
+        next(src)
