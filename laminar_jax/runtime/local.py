@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import logging
 import os
 import signal
 import threading
@@ -21,11 +22,13 @@ from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, ExperienceStore, 
 from laminar_jax.config import Config, resolve_run_dir, save_config
 from laminar_jax.runtime.dispatch import Dispatcher, WorkItem, WorkQueue
 from laminar_jax.runtime.monitor import Monitor
-from laminar_jax.runtime.rollout_worker import Board, RolloutWorker, unflatten_params
+from laminar_jax.runtime.rollout_worker import Board, InjectedFault, RolloutWorker, unflatten_params
 from laminar_jax.runtime.threads import Supervisor
 from laminar_jax.runtime.timeline import Timeline
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 REQUIRED = ("response_ids", "behaviour_logprobs", "version", "reward")
 
@@ -37,6 +40,13 @@ def _rows_to_trajectories(rows: list[dict]) -> list[Trajectory]:
                        behaviour_logprobs=np.asarray(r["behaviour_logprobs"], np.float32),
                        version=int(r["version"]), finish_reason=r.get("finish_reason", "eos"),
                        reward=float(r["reward"])) for r in rows]
+
+
+class _NoPublish:
+    """Publisher for replayed learner steps: their versions are already published."""
+
+    def publish(self, version: int, params) -> None:
+        pass
 
 
 class LocalRun:
@@ -80,6 +90,10 @@ class LocalRun:
         self._build_weights_plane()
         self._build_servers()
         self.monitor = Monitor(cfg, run_dir, self)
+        self.on_step_hooks: list = []  # called with the new learner version after each step
+        self._replay: list = []  # trajectory batches trained since the last checkpoint
+        self._crash_learner = False
+        self._last_ckpt = self.learner.version if self.extra else None
 
     # ---------------------------------------------------------------------------- construction
     def _sft_warmup(self) -> None:
@@ -117,33 +131,91 @@ class LocalRun:
         from flax import nnx
 
         from laminar_jax.learner.publish import flatten_params
-        from laminar_jax.relay import RelayClient
-        from laminar_jax.rollout import make_engine
-        from laminar_jax.rollout.records import Request
-        from laminar_jax.rollout.server import RolloutServer
 
         rt = self.cfg.runtime
         v0 = self.learner.version
         _, template = nnx.split(self.model)
-        from_flat = functools.partial(unflatten_params, template=template, flatten=flatten_params)
+        self._from_flat = functools.partial(unflatten_params, template=template, flatten=flatten_params)
+        self.board = Board(rt.num_servers, v0)
+        self.failures: list[dict] = []
+        self._fail_lock = threading.Lock()
         # Servers start from the learner's (possibly restored) weights, exactly as published as v0.
-        params0 = from_flat(self.learner.policy_params())
+        params0 = self._from_flat(self.learner.policy_params())
+        self.workers: list[RolloutWorker] = [self._make_worker(i, v0, params0) for i in range(rt.num_servers)]
+
+    def _make_worker(self, i: int, version: int, params, generation: int = 0) -> RolloutWorker:
+        from laminar_jax.relay import RelayClient
+        from laminar_jax.rollout import make_engine
+        from laminar_jax.rollout.records import Request
+        from laminar_jax.rollout.server import RolloutServer
 
         def make_request(it: WorkItem) -> Request:
             return Request(uid=it.uid, prompt_ids=np.asarray(it.prompt_ids, np.int32), prompt_uid=it.prompt_uid,
                            sample_index=it.sample_index, seed=it.seed, data_source=it.data_source,
                            ground_truth=it.ground_truth)
 
-        self.board = Board(rt.num_servers, v0)
-        self.workers: list[RolloutWorker] = []
-        for i in range(rt.num_servers):
-            section = dataclasses.replace(self.cfg.rollout, server_id=f"rollout-{i}", seed=self.cfg.seed + 17 * i)
-            engine, _ = make_engine(self.model, section)
-            server = RolloutServer(engine, params0, version=v0)
-            client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay)
-            self.workers.append(RolloutWorker(
-                i, server, client, self.queue, self.policy, self.board, self._on_complete, make_request,
-                from_flat, timeline=self.timeline, pull_timeout_s=min(rt.wait_timeout_s, 120.0)))
+        name = f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
+        section = dataclasses.replace(self.cfg.rollout, server_id=name, seed=self.cfg.seed + 17 * i + generation)
+        engine, _ = make_engine(self.model, section)
+        client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay)
+        return RolloutWorker(i, RolloutServer(engine, params, version=version), client, self.queue, self.policy,
+                             self.board, self._on_complete, make_request, self._from_flat, timeline=self.timeline,
+                             pull_timeout_s=min(self.cfg.runtime.wait_timeout_s, 120.0))
+
+    # --------------------------------------------------------------------------- fault isolation
+    def _spawn_worker(self, w: RolloutWorker) -> None:
+        self.sup.spawn_isolated(w.server.section.server_id, functools.partial(w.run, self.sup.stop),
+                                functools.partial(self._on_server_failure, w))
+
+    def _on_server_failure(self, w: RolloutWorker, exc: BaseException, tb: str) -> None:
+        """A rollout server died (or stopped answering): requeue its unfinished work, which is
+        regenerated from the prompt under one version, and start a replacement. Training goes on."""
+        t_fail = time.time()
+        with self._fail_lock:
+            if w.killed.is_set() and any(f.get("server") == w.server.section.server_id for f in self.failures):
+                return  # already handled (a hung worker that finally raised)
+            w.killed.set()
+            requeued = w.orphaned_work()
+            self.dispatcher.requeue(requeued)
+            record = {"server": w.server.section.server_id, "error": repr(exc), "t": round(t_fail - self.t0, 2),
+                      "requeued": len(requeued)}
+            self.failures.append(record)
+            log.warning("rollout server %s died (%r); requeued %d samples\n%s", record["server"], exc,
+                        len(requeued), tb)
+            limit = self.cfg.scheduler.max_server_restarts
+            if len([f for f in self.failures if "server" in f]) > limit:
+                raise RuntimeError(f"more than scheduler.max_server_restarts={limit} rollout server failures; "
+                                   f"last: {record['server']}: {exc!r}") from exc
+            if self.sup.stop.is_set():
+                return
+            version, flat = w.client.pull(newer_than=-1, timeout=min(self.cfg.runtime.wait_timeout_s, 120.0))
+            generation = sum(1 for f in self.failures if f.get("server", "").split(".")[0] == f"rollout-{w.index}")
+            fresh = self._make_worker(w.index, version, self._from_flat(flat), generation)
+            self.workers[w.index] = fresh
+            self.board.update(w.index, version, 0)
+            record["recovery_s"] = round(time.time() - t_fail, 3)
+        self._spawn_worker(fresh)
+
+    def _health_loop(self) -> None:
+        """Heartbeats: a rollout worker silent for scheduler.heartbeat_timeout_s is declared dead."""
+        timeout = self.cfg.scheduler.heartbeat_timeout_s
+        while not self.sup.stop.wait(min(1.0, timeout / 4)):
+            now = time.monotonic()
+            for w in list(self.workers):
+                if not w.killed.is_set() and now - w.last_beat > timeout:
+                    self._on_server_failure(w, TimeoutError(
+                        f"rollout server {w.server.section.server_id}: no heartbeat for {now - w.last_beat:.1f}s "
+                        f"(scheduler.heartbeat_timeout_s={timeout})"), "")
+
+    def inject_server_crash(self, i: int) -> None:
+        """Fault injection: rollout server i crashes at its next iteration (tests, bench faults)."""
+        self.workers[i].crash_next = True
+
+    def inject_relay_failure(self) -> None:
+        """Fault injection: the relay dies; servers fall back to the weight store."""
+        address = self.relay.address
+        self.relay.stop()
+        self.failures.append({"relay": address, "t": round(time.time() - self.t0, 2)})
 
     # ------------------------------------------------------------------------------ data flow
     def _on_complete(self, traj: Trajectory) -> None:
@@ -203,8 +275,9 @@ class LocalRun:
     def run(self) -> dict:
         rt = self.cfg.runtime
         for w in self.workers:
-            self.sup.spawn(f"rollout-{w.index}", functools.partial(w.run, self.sup.stop))
+            self._spawn_worker(w)
         self.sup.spawn("dispatcher", self._dispatch_loop)
+        self.sup.spawn("health", self._health_loop)
         if self.policy.repack:
             from laminar_jax.runtime.repack import RepackLoop
 
@@ -238,7 +311,8 @@ class LocalRun:
                 self.ledger.consume(uid)
             except DuplicatePrompt:
                 self.monitor.duplicates += 1
-        metrics = self.learner.step(trajs)
+        metrics = self._learner_step(trajs)
+        self._replay.append(trajs)
         # Servers learn of the new version from here (the relay delivers it; pulls wait for it),
         # and only then may dispatch run ahead: no prompt is admitted under a version the mode
         # says is already superseded.
@@ -253,9 +327,57 @@ class LocalRun:
         every = self.cfg.runtime.checkpoint_every
         if every and self.learner.version % every == 0:
             self._checkpoint()
+        for hook in list(self.on_step_hooks):
+            hook(self.learner.version)
 
     def _checkpoint(self) -> None:
+        if self._last_ckpt == self.learner.version:
+            return  # this version is saved already (periodic save, then the final one)
         self.learner.save(self.learner.version, extra={"runtime": self.dispatcher.snapshot()})
+        self._last_ckpt = self.learner.version
+        self._replay.clear()  # batches up to here live in the checkpoint
+
+    def _learner_step(self, trajs) -> dict:
+        """One learner step; if the learner dies, restart it from its checkpoint (rollouts keep
+        generating meanwhile), replay the batches trained since then, and train this batch."""
+        try:
+            if self._crash_learner:
+                self._crash_learner = False
+                raise InjectedFault("injected learner crash")
+            return self.learner.step(trajs)
+        except InjectedFault as e:
+            t_fail = time.time()
+            log.warning("learner died (%r); restarting from its checkpoint", e)
+            self._restart_learner()
+            metrics = self.learner.step(trajs)
+            self.failures.append({"learner": repr(e), "t": round(t_fail - self.t0, 2),
+                                  "replayed_steps": len(self._replay),
+                                  "recovery_s": round(time.time() - t_fail, 3)})
+            return metrics
+
+    def _restart_learner(self) -> None:
+        """A fresh learner from the last checkpoint, brought back to the version it died at by
+        replaying the batches it trained since (deterministic: the same versions, bit for bit, which
+        the relays already hold; nothing is published again)."""
+        from laminar_jax.learner.learner import Learner
+
+        old = self.learner
+        try:
+            old.close()
+        except Exception:  # noqa: BLE001 - the old learner is gone either way
+            pass
+        fresh = Learner(old.section, self.model, self.cfg.mesh)
+        fresh.restore_latest()
+        for batch in self._replay:
+            fresh.step(batch, publisher=_NoPublish())
+        if fresh.version != old.version:
+            raise RuntimeError(f"learner restart reached version {fresh.version}, expected {old.version}")
+        fresh.publisher = self.publisher
+        self.learner = fresh
+
+    def inject_learner_crash(self) -> None:
+        """Fault injection: the learner dies at its next step."""
+        self._crash_learner = True
 
     def _shutdown(self, clean: bool) -> None:
         """Stop every worker; checkpoint only after a clean stop (a failed run resumes from the last

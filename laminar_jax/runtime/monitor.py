@@ -98,6 +98,7 @@ class Monitor:
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
             "repack_moves": getattr(self.run.repacker, "moved", 0) if self.run.repacker else 0,
+            "failures": list(self.run.failures),
             "stopped_early": stopped_early,
             "timeline_png": timeline_png,
             "run_dir": self.run_dir,

@@ -17,8 +17,7 @@ from laminar_jax.scheduler.repack import Move, RepackParams, ServerView, plan_re
 
 class RepackLoop:
     def __init__(self, workers: Sequence, section, board):
-        self.workers = list(workers)
-        self.by_id = {w.server.section.server_id: w for w in self.workers}
+        self.workers = workers  # the runtime's live list: replaced servers show up here
         self.params = RepackParams(c_max=section.c_max, max_batch=section.max_batch)
         self.interval_s = section.repack_interval_s
         self.board = board
@@ -34,7 +33,7 @@ class RepackLoop:
 
     def views(self) -> list[ServerView]:
         out = []
-        for w in self.workers:
+        for w in list(self.workers):
             with w.lock:
                 st = w.server.stats()
                 seqs = tuple((uid, pages) for _, uid, pages in w.server.live_sequences())
@@ -53,9 +52,14 @@ class RepackLoop:
         return moves
 
     def execute(self, move: Move) -> bool:
-        src, dst = self.by_id[move.src], self.by_id[move.dst]
+        by_id = {w.server.section.server_id: w for w in list(self.workers) if not w.killed.is_set()}
+        src, dst = by_id.get(move.src), by_id.get(move.dst)
+        if src is None or dst is None:
+            return False  # one side died since the plan was made
         first, second = sorted((src, dst), key=lambda w: w.index)
         with first.lock, second.lock:
+            if src.killed.is_set() or dst.killed.is_set():
+                return False
             slot = {uid: s for s, uid, _ in src.server.live_sequences()}.get(move.seq_uid)
             if slot is None or src.server.version != dst.server.version:
                 return False  # finished (or the server swapped) since the plan was made
@@ -66,9 +70,9 @@ class RepackLoop:
                 src.server.import_sequence(state)
                 self.failed += 1
                 return False
-            item = src.assigned.pop(move.seq_uid, None)
+            item = src.unassign(move.seq_uid)
             if item is not None:
-                dst.assigned[move.seq_uid] = item
+                dst.assign(item)
             self.moved += 1
             return True
 

@@ -17,6 +17,10 @@ from laminar_jax.runtime.dispatch import WorkItem, WorkQueue
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 
+class InjectedFault(RuntimeError):
+    """Raised on purpose by fault-injection tests and the faults benchmark."""
+
+
 class Board:
     """Shared, thread-safe view of every server's version and live count, and the newest version."""
 
@@ -71,8 +75,13 @@ class RolloutWorker:
         self.timeline = timeline
         self.poll_s, self.pull_timeout_s = poll_s, pull_timeout_s
         self.lock = threading.RLock()
-        self.assigned: dict[str, WorkItem] = {}  # uid -> work item, while live or queued here
-        self.killed = threading.Event()
+        # uid -> work item, while live or queued here. Its own lock: a hung iteration (holding
+        # `lock`) must not stop the runtime from taking this work back.
+        self.assigned: dict[str, WorkItem] = {}
+        self._assigned_lock = threading.Lock()
+        self.killed = threading.Event()  # declared dead: its thread exits and its results are dropped
+        self.crash_next = False  # fault injection: the next iteration raises (a crashed server)
+        self.last_beat = time.monotonic()  # heartbeat: refreshed every iteration
         self._last_poll = 0.0
         self.swaps = 0
 
@@ -99,19 +108,24 @@ class RolloutWorker:
         st = s.stats()
         free = st.slots_total - st.slots_used - st.queue_length
         for item in self.queue.take(free) if free > 0 else []:
-            self.assigned[item.uid] = item
+            self.assign(item)
             s.submit(self.make_request(item), timeout=self.pull_timeout_s)
 
     def iterate(self) -> bool:
         """One iteration; returns True when the server did work."""
         with self.lock:
+            self.last_beat = time.monotonic()
+            if self.crash_next:
+                raise InjectedFault(f"injected crash of rollout server {self.server.section.server_id}")
             s = self.server
             self._poll_newest()
             self._maybe_swap()
             self._admit()
             done = s.step()
+            if self.killed.is_set():
+                return False  # declared dead meanwhile: its work was requeued, drop these results
             for traj in done:
-                self.assigned.pop(traj.uid, None)
+                self.unassign(traj.uid)
                 self.on_complete(traj)
             self.board.update(self.index, s.version, s.num_live)
             if self.timeline is not None:
@@ -124,9 +138,17 @@ class RolloutWorker:
             if not self.iterate():
                 time.sleep(0.005)
 
+    def assign(self, item: WorkItem) -> None:
+        with self._assigned_lock:
+            self.assigned[item.uid] = item
+
+    def unassign(self, uid: str):
+        with self._assigned_lock:
+            return self.assigned.pop(uid, None)
+
     def orphaned_work(self) -> list[WorkItem]:
         """Work that was assigned here and not finished (for requeueing after a failure)."""
-        with self.lock:
+        with self._assigned_lock:
             items = list(self.assigned.values())
             self.assigned.clear()
             return items

@@ -37,6 +37,19 @@ class Supervisor:
         t.start()
         return t
 
+    def spawn_isolated(self, name: str, fn: Callable[[], None],
+                       on_error: Callable[[BaseException, str], None]) -> threading.Thread:
+        """A worker whose failure is handled by `on_error(exc, traceback)` (fault isolation, e.g. a
+        rollout server is replaced); only if `on_error` itself raises does the run stop."""
+
+        def guarded():
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - handed to on_error with its traceback
+                on_error(e, traceback.format_exc())
+
+        return self.spawn(name, guarded)
+
     def check(self) -> None:
         """Re-raise the first worker failure, naming the worker and carrying its traceback."""
         with self._lock:

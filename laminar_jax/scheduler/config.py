@@ -16,7 +16,8 @@ class SchedulerSection:
       repack_interval_s: Seconds between repack plans (also planned right after each publish).
       c_max: Destination KV fill bound for repack, as a fraction of its pages.
       max_batch: B, the roofline batch bound used by repack (sources have fewer live sequences; destinations never exceed it).
-      heartbeat_timeout_s: A server, relay or learner silent this long is declared dead.
+      heartbeat_timeout_s: A rollout server silent this long is declared dead (its work is requeued and it is replaced).
+      max_server_restarts: Rollout server failures tolerated per run before the run stops.
     """
 
     repack: bool = True
@@ -24,9 +25,11 @@ class SchedulerSection:
     c_max: float = 0.99
     max_batch: int = 64
     heartbeat_timeout_s: float = 30.0
+    max_server_restarts: int = 8
 
     def validate(self, prefix: str) -> None:
         expect(0 < self.c_max <= 1, f"{prefix}.c_max", self.c_max, "in (0, 1]")
         expect(self.max_batch >= 1, f"{prefix}.max_batch", self.max_batch, ">= 1")
         expect(self.repack_interval_s > 0, f"{prefix}.repack_interval_s", self.repack_interval_s, "> 0")
+        expect(self.max_server_restarts >= 0, f"{prefix}.max_server_restarts", self.max_server_restarts, ">= 0")
         expect(self.heartbeat_timeout_s > 0, f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s, "> 0")

@@ -17,8 +17,10 @@ def server(name):
 
 
 def _worker(i, server):
-    return types.SimpleNamespace(index=i, server=server, lock=threading.RLock(), assigned={},
-                                 killed=threading.Event())
+    assigned = {}
+    return types.SimpleNamespace(index=i, server=server, lock=threading.RLock(), assigned=assigned,
+                                 killed=threading.Event(), assign=lambda it: assigned.__setitem__(it.uid, it),
+                                 unassign=lambda uid: assigned.pop(uid, None))
 
 
 def _reference(n):
