@@ -79,7 +79,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.mark.slow
 def test_two_processes_match_single_process(mesh_results, tmp_path):
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, WORKER, "--mesh", "2,2,2", "--out", str(tmp_path),
