@@ -28,7 +28,7 @@ def get_config(variant: str = ""):
     c.rollout.max_prompt_len = 1024
     c.rollout.max_new_tokens = 1536
     c.rollout.max_total_len = 2560
-    c.rollout.attention_impl = "gather_dense"
+    c.rollout.attention_impl = "live_pages"
 
     c.learner.adv_estimator = "grpo"
     c.learner.lr = 1e-6

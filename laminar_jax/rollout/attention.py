@@ -9,21 +9,37 @@ with q f[B, 1, H, D] and k/v f[B, 1, Hkv, D]. They write the new token's k/v at 
 ``meta.positions`` of each slot (into the null page 0 for inactive slots) and attend over
 positions ``0..meta.positions`` inclusive.
 
-``BACKENDS`` maps a config name (``rollout.attention_impl``) to a decode backend. The portable
-default is ``gather_dense``: gather the slot's pages into a dense f[B, S, Hkv, D] view and run
-``gqa_attention``. An accelerator kernel (e.g. TPU Pallas
+``BACKENDS`` maps a config name (``rollout.attention_impl``) to a decode backend. The default,
+``live_pages``, attends over a compacted list of only the pages live slots have filled, so its cost
+follows the live context (sum over slots), not num_slots x max_total_len or the pool size.
+``gather_dense`` gathers every page of each slot's table into a dense f[B, S, Hkv, D] view. An accelerator kernel (e.g. TPU Pallas
 ``jax.experimental.pallas.ops.tpu.paged_attention``, which wants pages laid out
 [Hkv, P, page, D]) plugs in by passing ``Engine(..., attention_backends={name: fn})``.
 """
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 
 from laminar_jax.model.attention import NEG_INF, gqa_attention
+
+
+class LivePages(NamedTuple):
+    """The (slot, logical page) pairs live slots attend this step, compacted to a static length N.
+
+    Entries past the live count are padding (``ok`` False, physical page 0). ``inverse[b, j]`` is
+    the entry of slot b's j-th page, or N (an always-empty entry) when that page is not live.
+    """
+
+    slot: jax.Array  # i32[N]: owner slot of each entry
+    index: jax.Array  # i32[N]: logical page index within the owner's table
+    page: jax.Array  # i32[N]: physical page id
+    ok: jax.Array  # bool[N]: a real entry (not padding)
+    inverse: jax.Array  # i32[B, pages_per_seq]
+    count: jax.Array  # i32[]: live entries; > N means the bucket was too small (see Engine)
 
 
 class DecodeMeta(NamedTuple):
@@ -33,6 +49,24 @@ class DecodeMeta(NamedTuple):
     positions: jax.Array  # i32[B]: where the new token goes (= tokens already cached)
     active: jax.Array  # bool[B]
     page_size: int
+    live: Optional[LivePages] = None  # set by the engine for backends with ``needs_live_pages``
+
+
+def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
+    """Compact the pages active slots attend (logical page j of slot b is live iff j * page <= position).
+
+    Order: slot-major, then logical page, so an entry's computation never depends on where the
+    compaction put it. ``num_entries`` is static (the engine picks a power-of-two bucket).
+    """
+    b, n = meta.page_table.shape
+    j = jnp.arange(n, dtype=jnp.int32)
+    valid = meta.active[:, None] & (j[None, :] * meta.page_size <= meta.positions[:, None])  # bool[B, n]
+    flat = jnp.nonzero(valid.reshape(-1), size=num_entries, fill_value=b * n)[0].astype(jnp.int32)  # i32[N]
+    ok = flat < b * n
+    safe = jnp.minimum(flat, b * n - 1)
+    page = jnp.where(ok, meta.page_table.reshape(-1)[safe], 0)
+    inverse = jnp.full((b * n + 1,), num_entries, jnp.int32).at[flat].set(jnp.arange(num_entries, dtype=jnp.int32))
+    return LivePages(safe // n, safe % n, page, ok, inverse[:-1].reshape(b, n), jnp.sum(valid, dtype=jnp.int32))
 
 
 def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta) -> jax.Array:
@@ -137,9 +171,53 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
 
 
+def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
+    """Paged decode attention over the compacted live pages (``meta.live``, see live_page_list).
+
+    Per live entry e (slot b, logical page j), against slot b's query, over the page's positions
+    p with j * page + p <= position[b]:
+        m_e = max_p s_p,  l_e = sum_p exp(s_p - m_e),  acc_e = sum_p exp(s_p - m_e) v_p
+    (s_p = q . k_p / sqrt(D)); then per slot over its fixed pages_per_seq table (absent pages are
+    the empty entry, m = NEG_INF, weight exactly 0):
+        M = max_j m_j,  out = sum_j exp(m_j - M) acc_j / sum_j exp(m_j - M) l_j.
+    Every reduction has a fixed length (D, page, pages_per_seq), so a slot's output is bit-identical
+    whatever the bucket size N, its physical pages, or the other slots. Cost ~ N x page, where N
+    only has to cover the live pages (sum over slots), not num_slots x max_total_len.
+    """
+    live = meta.live
+    if live is None:
+        raise ValueError("live_pages attention needs DecodeMeta.live (the engine sets it; see live_page_list)")
+    k_pages = write_token(layer_cache[0], k[:, 0], meta)
+    v_pages = write_token(layer_cache[1], v[:, 0], meta)
+    b, _, h, d = q.shape
+    _, page, hkv, _ = k_pages.shape
+    g = h // hkv
+    qe = (q.reshape(b, hkv, g, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))))[live.slot]  # [N, Hkv, G, D]
+    ke = k_pages[live.page].astype(jnp.float32)  # f32[N, page, Hkv, D]
+    ve = v_pages[live.page].astype(jnp.float32)
+    scores = jnp.einsum("nkgd,npkd->nkgp", qe, ke)  # f32[N, Hkv, G, page]
+    pos = live.index[:, None] * page + jnp.arange(page)[None, :]  # i32[N, page]
+    valid = (live.ok[:, None] & (pos <= meta.positions[live.slot][:, None]))[:, None, None, :]
+    scores = jnp.where(valid, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1)  # f32[N, Hkv, G]
+    e = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
+    l = jnp.sum(e, axis=-1)
+    acc = jnp.einsum("nkgp,npkd->nkgd", e, ve)  # f32[N, Hkv, G, D]
+    # Append the empty entry (index N) and gather back per slot in logical page order.
+    m = jnp.concatenate([m, jnp.full((1, hkv, g), NEG_INF, m.dtype)])[live.inverse]  # [B, n, Hkv, G]
+    l = jnp.concatenate([l, jnp.zeros((1, hkv, g), l.dtype)])[live.inverse]
+    acc = jnp.concatenate([acc, jnp.zeros((1, hkv, g, d), acc.dtype)])[live.inverse]  # [B, n, Hkv, G, D]
+    w = jnp.exp(m - jnp.max(m, axis=1, keepdims=True))
+    out = jnp.sum(w[..., None] * acc, axis=1) / jnp.maximum(jnp.sum(w * l, axis=1), 1e-30)[..., None]
+    return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
+
+
+live_pages.needs_live_pages = True  # the engine computes meta.live (and its bucket) for this backend
+
 DecodeBackend = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]
 
-BACKENDS: dict[str, DecodeBackend] = {"gather_dense": gather_dense, "gather_gqa": gather_gqa, "pool_scan": pool_scan}
+BACKENDS: dict[str, DecodeBackend] = {"live_pages": live_pages, "gather_dense": gather_dense,
+                                      "gather_gqa": gather_gqa, "pool_scan": pool_scan}
 
 
 def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):

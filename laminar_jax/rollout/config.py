@@ -26,7 +26,7 @@ class RolloutSection:
       stop_token_ids: Default stop ids; None means the model's eos ids.
       overlong_prompt: 'error' rejects prompts longer than max_prompt_len, 'truncate' keeps their last max_prompt_len tokens.
       queue_capacity: Bound of the request queue; submit() blocks (with a timeout) when it is full.
-      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS).
+      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
       decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
       seed: Base seed for requests that carry neither a seed nor a key.
@@ -46,7 +46,7 @@ class RolloutSection:
     stop_token_ids: Optional[tuple[int, ...]] = None
     overlong_prompt: Literal["error", "truncate"] = "error"
     queue_capacity: int = 1024
-    attention_impl: str = "gather_dense"
+    attention_impl: str = "live_pages"
     decode_steps_per_call: int = 1
     batching: Literal["continuous", "static"] = "continuous"
     seed: int = 0
@@ -55,6 +55,10 @@ class RolloutSection:
     def validate(self, prefix: str = "rollout") -> None:
         from laminar_jax.rollout.attention import BACKENDS
 
+        self.validate_with_backends(prefix, tuple(BACKENDS))
+
+    def validate_with_backends(self, prefix: str, backends: tuple[str, ...]) -> None:
+        """validate(), with ``backends`` the accepted attention_impl names (Engine adds caller-supplied ones)."""
         expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
         expect(self.page_size >= 1, f"{prefix}.page_size", self.page_size, ">= 1")
         expect(self.max_prompt_len >= 1, f"{prefix}.max_prompt_len", self.max_prompt_len, ">= 1")
@@ -74,8 +78,8 @@ class RolloutSection:
                    self.prefill_buckets, f"to end at >= max_prompt_len={self.max_prompt_len}")
         validate_sampling(prefix, self.temperature, self.top_k, self.top_p, self.max_new_tokens)
         expect(self.queue_capacity >= 1, f"{prefix}.queue_capacity", self.queue_capacity, ">= 1")
-        expect(self.attention_impl in BACKENDS, f"{prefix}.attention_impl", self.attention_impl,
-               f"one of {sorted(BACKENDS)}")
+        expect(self.attention_impl in backends, f"{prefix}.attention_impl", self.attention_impl,
+               f"one of {sorted(backends)}")
         expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
 
     def buckets(self) -> tuple[int, ...]:

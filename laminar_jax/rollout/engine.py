@@ -6,8 +6,15 @@ shapes and needs no recompilation. Device state is a :class:`DecodeState` pytree
 returned by every mutating call. The engine's only host state is the page allocator and which
 pages each slot owns.
 
-Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate, plus the
-export/import page copies. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
+Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate per
+live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
+export/import page copies.
+
+Live-page buckets: the engine keeps, per slot, an upper bound on the device's cached length
+(set at insert/import, + decode_steps_per_call after every generate(), whether or not the slot
+still runs), so it knows without reading the device how many pages the next call can attend;
+it rounds the total up to a power of two (at most num_slots x pages_per_seq). The device also
+counts the real live pages and reports ``StepOutput.overflow``; the server raises on it. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
 by the first generate step, so every sampled token (including the first) goes through the one
 sampling path in generate().
 """
@@ -23,10 +30,22 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
-from laminar_jax.rollout.attention import BACKENDS, DecodeMeta, prefill_dense
+from laminar_jax.rollout.attention import (
+    BACKENDS,
+    DecodeMeta,
+    live_page_list,
+    prefill_dense,
+)
 from laminar_jax.rollout.config import RolloutSection
-from laminar_jax.rollout.paged import (DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput,
-                                       pages_needed)
+from laminar_jax.rollout.paged import (
+    DecodeState,
+    OutOfPages,
+    PageAllocator,
+    Prefix,
+    SlotInit,
+    StepOutput,
+    pages_needed,
+)
 from laminar_jax.rollout.sampling import sample_tokens
 
 MAX_STOP_IDS = 8
@@ -37,8 +56,8 @@ class Engine:
 
     def __init__(self, graphdef: Any, model_cfg: TransformerConfig, section: RolloutSection,
                  kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None):
-        section.validate("rollout")
         backends = {**BACKENDS, **(attention_backends or {})}
+        section.validate_with_backends("rollout", tuple(backends))  # caller-supplied backends are valid names too
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.section = section
@@ -50,6 +69,10 @@ class Engine:
         self.allocator = PageAllocator(section.num_pages)
         self.slot_pages: dict[int, list[int]] = {}
         self._attend = backends[section.attention_impl]
+        self.steps_per_call = section.decode_steps_per_call
+        self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
+        self.live_buckets = _live_buckets(self.num_slots * self.pages_per_seq) if self.uses_live_pages else (0,)
+        self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
@@ -119,17 +142,55 @@ class Engine:
         prompt_len = int(prefix.true_length)
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
+        self._cached_hi[slot] = prompt_len - 1
         return _insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
                            prefix.last_token, np.int32(slot), self._page_row(pages), *self._init_arrays(init))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
         leaves, progs = self._bind(params)
-        return progs.generate(leaves, decode_state)
+        bucket = self.live_bucket()
+        for slot in self._cached_hi:
+            self._cached_hi[slot] += self.steps_per_call
+        return progs.generate(leaves, decode_state, bucket)
+
+    def live_bucket(self) -> int:
+        """Static live-page count the next generate() compiles for (0 when the backend does not use it).
+
+        A slot with cached-length bound c attends, in the next k-step call, positions <= c + k - 1,
+        i.e. its logical pages 0 .. (c + k - 1) // page, never more than it reserved.
+        """
+        if not self.uses_live_pages:
+            return 0
+        need = self.live_pages_bound()
+        return next(b for b in self.live_buckets if b >= need)
+
+    def live_pages_bound(self) -> int:
+        """Upper bound on the KV pages the next generate() call attends (summed over slots)."""
+        k, ps = self.steps_per_call, self.page_size
+        return sum(min(len(self.slot_pages[s]), (c + k - 1) // ps + 1) for s, c in self._cached_hi.items())
+
+    def warmup(self, params: Any) -> None:
+        """Compile every prefill/insert bucket and every generate variant now (on a throwaway state)."""
+        state = self.init_decode_state()
+        free_slot = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
+        init = SlotInit(np.zeros(self._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
+        for b in self.buckets:
+            if free_slot is None or self.allocator.num_free < 1:  # busy engine: prefill only
+                jax.block_until_ready(self.prefill(params, np.zeros((1, b), np.int32), 1))
+                continue
+            state = self.insert(self.prefill(params, np.zeros((1, b), np.int32), 1), state, free_slot, init)
+            state = self.deactivate(state, free_slot)
+            self.free_resource(free_slot)
+        leaves, progs = self._bind(params)
+        for bucket in self.live_buckets:
+            state, out = progs.generate(leaves, state, bucket)
+        jax.block_until_ready(out)
 
     def free_resource(self, slot: int) -> None:
         """Return the slot's pages to the pool. The device must already have it inactive (finished, or deactivate())."""
         self.allocator.free(self.slot_pages.pop(slot))
+        self._cached_hi.pop(slot, None)
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a live slot on the device (before export or abort)."""
@@ -154,6 +215,7 @@ class Engine:
             raise ValueError(f"got {n} KV pages for {num_cached} cached tokens at page_size={self.page_size}")
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
+        self._cached_hi[slot] = int(num_cached)
         pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
         row = self._page_row(pages)
         dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
@@ -245,9 +307,13 @@ def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
-def _step(spec: _Spec, model, state: DecodeState) -> tuple[DecodeState, StepOutput]:
+def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[DecodeState, StepOutput]:
     """One token for every active slot: feed last_token at position lengths, sample, retire finished slots."""
     meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size)
+    overflow = jnp.zeros((), bool)
+    if live_bucket:
+        meta = meta._replace(live=live_page_list(meta, live_bucket))
+        overflow = meta.live.count > live_bucket
     backend = functools.partial(spec.attend, meta=meta)
     cache = list(zip(state.k_pages, state.v_pages))
     logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
@@ -262,20 +328,20 @@ def _step(spec: _Spec, model, state: DecodeState) -> tuple[DecodeState, StepOutp
         lengths=state.lengths + emitted.astype(jnp.int32),
         last_token=jnp.where(emitted, tok, state.last_token),
         num_generated=n_gen, active=state.active & ~done)
-    return state, StepOutput(tok, lp, emitted, done, stopped)
+    return state, StepOutput(tok, lp, emitted, done, stopped, overflow)
 
 
-def _generate_impl(spec: _Spec, params, state):
+def _generate_impl(spec: _Spec, params, state, live_bucket: int):
     model = nnx.merge(spec.graphdef, params)
     if spec.steps_per_call == 1:
-        state, out = _step(spec, model, state)
+        state, out = _step(spec, model, state, live_bucket)
         return state, jax.tree.map(lambda x: x[None], out)
-    return jax.lax.scan(lambda s, _: _step(spec, model, s), state, None, length=spec.steps_per_call)
+    return jax.lax.scan(lambda s, _: _step(spec, model, s, live_bucket), state, None, length=spec.steps_per_call)
 
 
 class _Programs(NamedTuple):
     prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
-    generate: Callable  # (param leaves, state) -> (state, StepOutput); state donated
+    generate: Callable  # (param leaves, state, live bucket: static int) -> (state, StepOutput); state donated
 
 
 @functools.lru_cache(maxsize=32)
@@ -286,7 +352,17 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
 
     return _Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
-        generate=jax.jit(lambda leaves, state: _generate_impl(spec, unflatten(leaves), state), donate_argnums=(1,)))
+        generate=jax.jit(lambda leaves, state, bucket: _generate_impl(spec, unflatten(leaves), state, bucket),
+                         static_argnums=(2,), donate_argnums=(1,)))
+
+
+def _live_buckets(max_entries: int, smallest: int = 16) -> tuple[int, ...]:
+    """Powers of two from ``smallest``, capped by (and ending at) max_entries."""
+    out, b = [], smallest
+    while b < max_entries:
+        out.append(b)
+        b *= 2
+    return tuple(out) + (max_entries,)
 
 
 _insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))

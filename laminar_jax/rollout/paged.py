@@ -103,3 +103,4 @@ class StepOutput(NamedTuple):
     emitted: jax.Array  # bool[k, S]: the slot was active, tokens/logprobs are real
     done: jax.Array  # bool[k, S]: this token finished the sequence (stop id or max_new)
     stopped: jax.Array  # bool[k, S]: ... by a stop id
+    overflow: jax.Array  # bool[k]: more live KV pages than the engine's bucket (a bug; the server raises)

@@ -193,6 +193,9 @@ class RolloutServer:
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
         out = jax.device_get(out)
+        if np.any(out.overflow):
+            raise RuntimeError(f"server {self.section.server_id}: live KV pages exceeded the engine's "
+                               "live-page bucket (engine length bookkeeping is wrong; outputs of this call are invalid)")
         n_tokens = 0
         for i in range(out.tokens.shape[0]):
             for slot in np.flatnonzero(out.emitted[i]):

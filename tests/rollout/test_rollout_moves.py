@@ -40,7 +40,7 @@ def _assert_same(traj, ref):
     assert traj.finish_reason == ref.finish_reason and traj.version == ref.version
 
 
-@pytest.mark.parametrize("impl", ["gather_dense", "pool_scan"])
+@pytest.mark.parametrize("impl", ["live_pages", "gather_dense", "pool_scan"])
 def test_moved_twice_between_engines_continues_identically(impl):
     section = dataclasses.replace(SECTION, attention_impl=impl)
     ref = _reference(section)
