@@ -4,7 +4,8 @@ Mirrors the set-up in the Laminar paper (REFERENCE.md): 512 prompts x 16 samples
 mini-batch 2048 trajectories (128 prompts) per learner step, clip-higher 0.2/0.28, no importance
 correction, max prompt 2K, max response 16K. See docs/DEPLOY.md for starting the cluster.
 
-python launch/run.py --config=configs/gpu_pod.py --config.runtime.address=ray://head:10001 \
+# on the Ray head host (the learner runs in the driver process, so start it where the learner GPUs are):
+python launch/run.py --config=configs/gpu_pod.py --config.runtime.address=auto \
     --config.model.path=/models/Qwen2.5-7B --config.data.path=gs://bucket/dapo_math_17k.parquet
 """
 

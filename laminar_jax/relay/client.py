@@ -45,23 +45,30 @@ class RelayClient:
         """
         deadline = time.monotonic() + timeout
         self.errors = []
-        waited = False
-        for addr in self.addresses:
-            wait = 0.0 if waited else max(0.0, deadline - time.monotonic())
-            try:
-                version, flat, owned = self._pull_relay(addr, newer_than, wait)
-            except RemoteError as e:
-                self.errors.append(str(e))
-                waited = waited or e.kind == "timeout"
-                continue
-            except (OSError, WireError) as e:
-                self.errors.append(f"relay {addr}: {e}")
-                continue
-            self.last_source = addr
-            return version, self._place(flat, owned or not copy, shardings, like)
-        got = self._pull_store(newer_than, deadline, poll=not waited)
-        if got is not None:
-            return got[0], self._place(got[1], True, shardings, like)
+        # Each relay gets a slice of the wait, then the store is checked: a relay that is alive but
+        # never receives the version (its upstream push failed) must not hold the caller for the
+        # whole timeout while the store already has it.
+        slice_s = max(0.5, min(5.0, timeout / 4))
+        while True:
+            relay_alive = False
+            for addr in self.addresses:
+                wait = max(0.0, min(slice_s, deadline - time.monotonic()))
+                try:
+                    version, flat, owned = self._pull_relay(addr, newer_than, wait)
+                except RemoteError as e:
+                    self.errors.append(str(e))
+                    relay_alive = True
+                    continue
+                except (OSError, WireError) as e:
+                    self.errors.append(f"relay {addr}: {e}")
+                    continue
+                self.last_source = addr
+                return version, self._place(flat, owned or not copy, shardings, like)
+            got = self._pull_store(newer_than, deadline, poll=not relay_alive)
+            if got is not None:
+                return got[0], self._place(got[1], True, shardings, like)
+            if time.monotonic() >= deadline or (not relay_alive and self.store is None):
+                break
         store = f" or store {self.store.url}" if self.store is not None else ""
         raise TimeoutError(f"pull(newer_than={newer_than}): no newer version within {timeout}s from relays "
                            f"{list(self.addresses)}{store}; errors: {self.errors}")

@@ -14,7 +14,11 @@ def run(cfg) -> dict:
 
         return run_local(cfg)
     if cfg.runtime.kind == "ray":
-        raise NotImplementedError(
-            "runtime.kind='ray' is not implemented yet (the Ray runtime is tracked in issue 7); "
-            "use runtime.kind='local'")
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise ImportError("runtime.kind='ray' needs Ray: pip install 'ray>=2.40' (the 'ray' extra)") from None
+        from laminar_jax.runtime.ray_runtime import run_ray
+
+        return run_ray(cfg)
     raise ValueError(f"runtime.kind={cfg.runtime.kind!r}: must be 'local' or 'ray'")

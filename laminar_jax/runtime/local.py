@@ -67,7 +67,9 @@ class LocalRun:
         self.model = build_model(cfg.model)
         self.source = build_prompt_source(cfg.data, self.tokenizer)
         self.sft_losses: list[float] = []
-        ckpt_dir = os.path.abspath(cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints"))
+        ckpt_dir = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+        if "://" not in ckpt_dir:
+            ckpt_dir = os.path.abspath(ckpt_dir)  # orbax refuses relative paths; gs:// etc. pass through
         resuming = os.path.isdir(ckpt_dir) and any(n.isdigit() for n in os.listdir(ckpt_dir))
         if rt.sft_warmup_steps and not resuming:
             self._sft_warmup()

@@ -1,0 +1,270 @@
+"""The buffer actor of the Ray runtime: prompts, experience and the board in one place.
+
+Holds what the local runtime shares between threads: the prompt source, `PromptLedger`,
+`ExperienceStore`, `Dispatcher` + `WorkQueue`, the `RewardPool`, and the `Board` (every server's
+version and live count). Rollout actors take work from it and hand trajectories back; the learner
+(in the driver) takes batches. It also tracks which rollout server owns each sample, so a dead
+server's work is requeued and a late result of a dead server is dropped (exactly-once).
+
+Everything crossing its methods is plain data (dicts of numpy arrays / str / int), serialised by
+Ray inside the cluster. The class is plain Python; the runtime wraps it with `ray.remote`, as a
+threaded actor (the learner's bounded wait for a batch must not block the rollout actors' calls).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import threading
+import time
+import traceback
+from typing import Optional
+
+import numpy as np
+
+from laminar_jax.runtime.dispatch import WorkItem
+
+REQUIRED = ("response_ids", "behaviour_logprobs", "version", "reward")
+
+
+def item_to_dict(item: WorkItem) -> dict:
+    d = dataclasses.asdict(item)
+    d["prompt_ids"] = list(item.prompt_ids)
+    return d
+
+
+def item_from_dict(d: dict) -> WorkItem:
+    return WorkItem(**{**d, "prompt_ids": tuple(int(t) for t in d["prompt_ids"])})
+
+
+def traj_to_dict(traj) -> dict:
+    """A finished Trajectory as plain data (what a rollout actor sends the buffer)."""
+    return {"uid": traj.uid, "prompt_uid": traj.prompt_uid, "sample_index": int(traj.sample_index),
+            "response_ids": np.asarray(traj.response_ids, np.int32),
+            "behaviour_logprobs": np.asarray(traj.behaviour_logprobs, np.float32),
+            "version": int(traj.version), "finish_reason": traj.finish_reason,
+            "data_source": traj.data_source, "ground_truth": traj.ground_truth}
+
+
+class BufferActor:
+    """Prompts -> work -> experience, plus sample ownership per rollout server (see module doc)."""
+
+    def __init__(self, cfg_json: str, learner_version: int, restore: Optional[dict] = None):
+        from laminar_jax.buffer import ExperienceStore, PromptLedger
+        from laminar_jax.config import finalize
+        from laminar_jax.data import RewardPool, build_prompt_source
+        from laminar_jax.model import load_tokenizer
+        from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
+        from laminar_jax.runtime.rollout_worker import Board
+        from laminar_jax.scheduler.modes import get_policy
+
+        self.cfg = cfg = finalize(json.loads(cfg_json))
+        rt = cfg.runtime
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.source = build_prompt_source(cfg.data, self.tokenizer)
+        self.ledger, self.store = PromptLedger(), ExperienceStore(group_size=rt.samples_per_prompt)
+        self.queue = WorkQueue()
+        self.dispatcher = Dispatcher(self.source, self.ledger, self.store, self.queue, self.policy,
+                                     rt.prompts_per_step, rt.samples_per_prompt, rt.max_staleness,
+                                     cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers),
+                                     max_inflight_batches=rt.max_inflight_batches)
+        self.redispatched = self.dispatcher.restore(restore, REQUIRED) if restore else 0
+        self.rewards = RewardPool(cfg.data.reward_workers, cfg.data.reward_timeout_s, cfg.data.reward_registry,
+                                  mode=cfg.data.reward_mode)
+        self.board = Board(rt.num_servers, learner_version)
+        self._lock = threading.Lock()  # owners, names, dead
+        self._owner: dict[str, tuple[str, WorkItem]] = {}  # sample uid -> (server name, its work item)
+        self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
+        self._dead: set[str] = set()
+        self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0}
+        self._stop = threading.Event()
+        self._error: Optional[str] = None
+        self._thread = threading.Thread(target=self._dispatch_loop, name="buffer-dispatcher", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------ health
+    def _dispatch_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.dispatcher.pump(self.board.learner_version)
+                time.sleep(0.01)
+        except BaseException:  # noqa: BLE001 - recorded; check() re-raises it in every caller
+            self._error = traceback.format_exc()
+
+    def check(self) -> None:
+        """Re-raise a failure of the dispatcher thread or of a reward worker."""
+        if self._error is not None:
+            raise RuntimeError(f"buffer actor: dispatcher thread died:\n{self._error}")
+        self.rewards.check()
+
+    def ready(self) -> int:
+        return self.redispatched
+
+    # ------------------------------------------------------------------------------ the board
+    def _alive(self, i: int, name: str) -> bool:
+        return name not in self._dead and self._names[i] == name
+
+    def register(self, i: int, name: str, version: int) -> None:
+        """A (replacement) rollout server `name` now serves index i."""
+        with self._lock:
+            self._names[i] = name
+            self._dead.discard(name)
+            self.board.alive[i] = True
+            self.board.update(i, version, 0)
+
+    def report(self, i: int, name: str, version: int, live: int) -> dict:
+        """A server's version and live count in; the board as that server should see it out."""
+        with self._lock:
+            if self._alive(i, name):
+                self.board.update(i, version, live)
+            b = self.board
+            return {"newest": b.newest, "learner_version": b.learner_version,
+                    "others": [(v, n) for j, (v, n, a) in enumerate(zip(b.versions, b.live, b.alive)) if a and j != i]}
+
+    def set_learner_version(self, version: int) -> dict:
+        """The learner finished step `version`: servers may take it, dispatch may run ahead."""
+        self.check()
+        self.board.set_newest(version)
+        self.board.learner_version = version
+        self.store.evict_consumed(["learner"])
+        return self.stats()
+
+    # ------------------------------------------------------------------------------ work
+    def take_work(self, i: int, name: str, version: int, n: int) -> list[dict]:
+        """Up to n work items for server `name`, if the mode lets it admit now (checked here, on
+        the authoritative board: a server's own view may lag a publish by one board sync)."""
+        from laminar_jax.scheduler.modes import server_may_admit
+
+        self.check()
+        with self._lock:
+            if not self._alive(i, name):
+                return []  # declared dead: it gets no more work
+            self.board.update(i, version, self.board.live[i])
+            if not server_may_admit(self.policy, version, self.board.newest, self.board.global_pending()):
+                return []
+            items = self.queue.take(n)
+            for it in items:
+                self._owner[it.uid] = (name, it)
+        return [item_to_dict(it) for it in items]
+
+    def complete(self, name: str, traj: dict) -> bool:
+        """A finished trajectory from server `name`: store its fields now, score it off the critical
+        path. Dropped (returns False) unless `name` still owns the sample: a dead server's work was
+        requeued and is being generated again elsewhere."""
+        uid = traj["uid"]
+        with self._lock:
+            owner = self._owner.get(uid)
+            if owner is None or owner[0] != name or name in self._dead:
+                self.counters["dropped_late_results"] += 1
+                return False
+            del self._owner[uid]
+        try:
+            self.store.put_many(uid, {"response_ids": traj["response_ids"],
+                                      "behaviour_logprobs": traj["behaviour_logprobs"],
+                                      "finish_reason": traj["finish_reason"]})
+            row = self.store.row(uid)
+        except KeyError:  # the row is gone (its prompt was dropped as stale): nothing to fill
+            self.counters["dropped_late_results"] += 1
+            return False
+        eos = self.tokenizer.eos_id
+        text = self.tokenizer.decode([t for t in np.asarray(traj["response_ids"]).tolist() if t != eos])
+        fut = self.rewards.submit(traj["data_source"] or row.get("data_source", ""), text, traj["ground_truth"],
+                                  row.get("extra_info"))
+        version = int(traj["version"])
+        # 'version' is written last with the reward, so a row is never ready before it is scored.
+        fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
+        return True
+
+    def server_failed(self, i: int, name: str) -> int:
+        """Server `name` died: requeue every sample it owned (regenerated from the prompt, ahead of
+        new work); its late results are dropped from now on. Returns the number requeued."""
+        with self._lock:
+            self._dead.add(name)
+            if self._names[i] == name:
+                self.board.alive[i] = False
+                self.board.update(i, self.board.versions[i], 0)
+            items = [it for uid, (owner, it) in self._owner.items() if owner == name]
+            for it in items:
+                del self._owner[it.uid]
+            self.counters["requeued"] += len(items)
+        self.dispatcher.requeue(items)
+        return len(items)
+
+    def move(self, uid: str, src: str, dst: str) -> bool:
+        """Repack moved (or is moving) sample `uid` from src to dst; False if src no longer owns it."""
+        with self._lock:
+            owner = self._owner.get(uid)
+            if owner is None or owner[0] != src or dst in self._dead:
+                return False
+            self._owner[uid] = (dst, owner[1])
+            self.counters["moves"] += 1
+            return True
+
+    def requeue_uid(self, uid: str, owner: str) -> bool:
+        """A moved sequence was lost on both sides of a failed move: generate it again."""
+        with self._lock:
+            entry = self._owner.get(uid)
+            if entry is None or entry[0] != owner:
+                return False
+            del self._owner[uid]
+            self.counters["requeued"] += 1
+        self.dispatcher.requeue([entry[1]])
+        return True
+
+    # ------------------------------------------------------------------------------ learner
+    def get_batch(self, n_groups: int, learner_version: int, timeout: float) -> Optional[dict]:
+        """Wait up to `timeout` s for n complete groups; mark their prompts consumed in the ledger.
+
+        Returns {"rows": [...], "duplicates": k} or None on timeout. Groups over the staleness
+        bound are dropped (ledger: dropped) as the buffer section says.
+        """
+        from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, select_fifo
+
+        self.check()
+        b = self.cfg.buffer
+        dropped: list = []
+
+        def select(groups, n):
+            sel = select_fifo(groups, n, learner_version, b.max_staleness, b.on_stale)
+            dropped.extend(sel.drop)
+            return sel
+
+        try:
+            rows = self.store.get("learner", n_groups, REQUIRED, timeout=timeout, select=select)
+        except BufferTimeout:
+            rows = None
+        for g in dropped:
+            self.ledger.drop(g.group)
+        if rows is None:
+            return None
+        duplicates = 0
+        for uid in sorted({r["prompt_uid"] for r in rows}):
+            try:
+                self.ledger.consume(uid)
+            except DuplicatePrompt:
+                duplicates += 1
+        return {"rows": rows, "duplicates": duplicates}
+
+    def snapshot(self) -> dict:
+        """The dispatcher's consistent snapshot (source position, ledger, store) for a checkpoint."""
+        return self.dispatcher.snapshot()
+
+    def stats(self) -> dict:
+        """Counters the driver's monitor reads (and the final summary)."""
+        groups = self.store.groups()
+        in_flight = self.ledger.in_flight()
+        with self._lock:
+            owned: dict[str, int] = {}
+            for name, _ in self._owner.values():
+                owned[name] = owned.get(name, 0) + 1
+        return {"queue": len(self.queue), "ledger": self.ledger.summary(),
+                "lost_prompts": sum(1 for uid, _ in in_flight if uid not in groups),
+                "ready_groups": self.store.ready_groups("learner", REQUIRED), "owned": owned,
+                "redispatched": self.redispatched, "board_versions": list(self.board.versions),
+                "board_live": list(self.board.live), "newest": self.board.newest, **self.counters}
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.rewards.close()

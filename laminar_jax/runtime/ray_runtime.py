@@ -1,0 +1,685 @@
+"""The `ray` runtime: the roles of the local runtime as Ray actors.
+
+  driver (this process)  learner (+ SFT warm-start, checkpoints, publisher), health loop, repack
+  BufferActor            prompt source, ledger, experience store, dispatcher, work queue, rewards,
+                         the board, and which server owns each sample (runtime/ray_buffer.py)
+  RolloutActor x N       one RolloutServer driven by the same RolloutWorker as the local runtime
+  RelayActor x nodes     one RelayServer per node, chained master-first (runtime/ray_rollout.py)
+
+Fault handling maps onto the local runtime's: a rollout actor that dies (crash, `ray.kill`, a lost
+node) or stops answering for `scheduler.heartbeat_timeout_s` is killed, the buffer requeues the
+samples it owned (its late results are dropped), and a replacement actor pulls the newest version
+and takes over its index. Every wait is bounded and its error names what it waited for.
+
+Actor method calls carry plain data (dicts of numpy arrays / str / int), serialised by Ray inside
+the cluster; weights travel through the relays and the weight store, never through Ray.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Optional
+
+from laminar_jax.config import Config, resolve_run_dir, save_config
+from laminar_jax.configlib import to_json
+from laminar_jax.rollout.records import ServerStats
+from laminar_jax.runtime.local import LocalRun, _rows_to_trajectories
+from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.runtime.repack import RepackLoop
+from laminar_jax.runtime.threads import Supervisor
+from laminar_jax.runtime.timeline import Timeline
+from laminar_jax.scheduler.modes import get_policy
+
+log = logging.getLogger(__name__)
+
+# Ray resources per role. Rollout actors also ask for one GPU when the cluster has GPUs; the buffer
+# and relays are light (threads waiting on sockets and locks) and take no CPU slot.
+ROLE_RESOURCES = {"rollout": {"num_cpus": 1}, "buffer": {"num_cpus": 0}, "relay": {"num_cpus": 0}}
+HEALTH_POLL_S = 0.25
+BUFFER_CONCURRENCY = 32  # threads of the buffer actor: the learner's wait + every server's calls
+
+
+def role_options(role: str, cluster_gpus: float) -> dict:
+    """Ray actor options of a role: ROLE_RESOURCES, plus a GPU per rollout actor on GPU clusters."""
+    opts = dict(ROLE_RESOURCES[role])
+    if role == "rollout" and cluster_gpus >= 1:
+        opts["num_gpus"] = 1
+    return opts
+
+
+def connect(rt) -> bool:
+    """Join `runtime.address` or start a local cluster; True if this call started (and owns) it.
+
+    Actors import laminar_jax from this checkout: its root goes on their PYTHONPATH (on a multi-host
+    cluster the same path must hold the same code on every host, or the package must be installed).
+    """
+    import ray
+
+    if ray.is_initialized():
+        return False  # the caller's cluster (and theirs to shut down)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {"PYTHONPATH": os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)}
+    for k in ("JAX_PLATFORMS", "LAMINAR_LOG"):
+        if k in os.environ:
+            env[k] = os.environ[k]
+    if rt.address:
+        ray.init(address=rt.address, runtime_env={"env_vars": env})
+    else:
+        # A slot per rollout actor and one spare, so a replacement can start before the dead
+        # actor's slot is given back.
+        ray.init(num_cpus=rt.num_servers + 1, include_dashboard=False, log_to_driver=False,
+                 runtime_env={"env_vars": env})
+    return True
+
+
+def _remote(cls, role: str, cluster_gpus: float, **options):
+    import ray
+
+    return ray.remote(cls).options(**role_options(role, cluster_gpus), **options)
+
+
+def _node_affinity(node_id: str, soft: bool):
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
+
+
+class _Polled:
+    """What the monitor reads of a rollout actor: its last polled stats (no call on the hot path)."""
+
+    def __init__(self, stats: ServerStats):
+        self._stats = stats
+
+    @property
+    def version(self) -> int:
+        return self._stats.version
+
+    def stats(self) -> ServerStats:
+        return self._stats
+
+
+class _Facade:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+class RayMonitor(Monitor):
+    def lost_prompts(self) -> int:
+        return int(self.run.buffer_stats["lost_prompts"])
+
+
+class RayRepackLoop(RepackLoop):
+    """The local RepackLoop's planning on actor snapshots; a move is export (bytes) -> import on the
+    destination, the buffer's ownership moving with it; a failed import goes back to the source,
+    and a sequence that can go nowhere is generated again from its prompt."""
+
+    def __init__(self, run: "RayRun"):
+        super().__init__([], run.cfg.scheduler, None)
+        self.owner = run
+        self._by_id: dict = {}
+        self.requeued = 0
+
+    def views(self):
+        import ray
+
+        from laminar_jax.scheduler.repack import ServerView
+
+        handles = [h for h in list(self.owner.actors) if h is not None]
+        refs = [h.stats.remote() for h in handles]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.owner.rpc_timeout_s)
+        out, by_id = [], {}
+        for h, ref in zip(handles, refs):
+            if ref not in ready:
+                continue  # silent: the health loop deals with it; never a source or destination
+            try:
+                st = ray.get(ref)
+            except ray.exceptions.RayError:
+                continue
+            if st["error"]:
+                continue
+            s = st["stats"]
+            sid, used = s["server_id"], s["kv_pages_used"]
+            out.append(ServerView(sid, s["version"], s["kv_pages_total"], used, self._prev_used.get(sid, used + 1),
+                                  tuple((u, int(p)) for u, p in st["seqs"])))
+            self._prev_used[sid] = used
+            by_id[sid] = (h, s["version"])
+        self._by_id = by_id
+        return out
+
+    def execute(self, move) -> bool:
+        run, uid = self.owner, move.seq_uid
+        src, dst = self._by_id.get(move.src), self._by_id.get(move.dst)
+        if src is None or dst is None or src[1] != dst[1]:
+            return False
+        try:
+            data = run._get(src[0].export_sequence.remote(uid, src[1]), f"{move.src} to export sequence {uid!r}")
+        except Exception:  # noqa: BLE001 - a dead/hung source is the health loop's business
+            return False
+        if data is None:
+            return False  # finished, or the source swapped, since the plan was made
+        if not run._get(run.buffer.move.remote(uid, move.src, move.dst), f"the buffer to move {uid!r}"):
+            return False  # the source was declared dead meanwhile: the sample is requeued already
+        try:
+            run._get(dst[0].import_sequence.remote(data), f"{move.dst} to import sequence {uid!r}")
+            self.moved += 1
+            return True
+        except Exception:  # noqa: BLE001 - back to the source below; counted
+            self.failed += 1
+        if run._get(run.buffer.move.remote(uid, move.dst, move.src), f"the buffer to move {uid!r} back"):
+            try:
+                run._get(src[0].import_sequence.remote(data), f"{move.src} to re-import {uid!r}")
+            except Exception:  # noqa: BLE001 - e.g. the source swapped versions: regenerate it
+                if run._get(run.buffer.requeue_uid.remote(uid, move.src), f"the buffer to requeue {uid!r}"):
+                    self.requeued += 1
+        return False
+
+
+class _BufferSnapshot:
+    """`dispatcher.snapshot()` for LocalRun._checkpoint: the buffer actor's consistent snapshot."""
+
+    def __init__(self, run: "RayRun"):
+        self.run = run
+
+    def snapshot(self) -> dict:
+        return self.run._get(self.run.buffer.snapshot.remote(), "the buffer actor's checkpoint snapshot")
+
+
+class RayRun(LocalRun):
+    """Builds the actors and the learner from the config; `run()` trains and returns the summary.
+
+    Reuses LocalRun's learner side (SFT warm-start, learner restart + replay, checkpoints) and
+    replaces everything that crossed threads with actor calls.
+    """
+
+    def __init__(self, cfg: Config, run_dir: str, stop: Optional[threading.Event] = None):
+        import ray
+
+        from laminar_jax.learner.learner import Learner
+        from laminar_jax.model import build_model, load_tokenizer
+
+        self.cfg, self.run_dir = cfg, run_dir
+        rt = cfg.runtime
+        self.sup = Supervisor()
+        if stop is not None:
+            self.sup.stop = stop
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.rpc_timeout_s = min(rt.wait_timeout_s, 120.0)
+        self.tokenizer = load_tokenizer(cfg.model.tokenizer)
+        self.model = build_model(cfg.model)
+        self.sft_losses: list[float] = []
+        ckpt_dir, resuming = _checkpoint_dir(cfg.learner.checkpoint_dir, run_dir)
+        if rt.sft_warmup_steps and not resuming:
+            self._sft_warmup()
+        lsec = dataclasses.replace(cfg.learner, checkpoint_dir=ckpt_dir, total_steps=rt.total_steps)
+        self.learner = Learner(lsec, self.model, cfg.mesh)
+        self.extra = self.learner.restore_latest()
+        self.failures: list[dict] = []
+        self._fail_lock = threading.RLock()
+        self.actors: list = []
+        self.relay_actors: dict = {}
+        self.buffer = None
+        self.publisher = None
+        self._publisher_stats = None
+        self.started_cluster = connect(rt)
+        self.buffer_stats: dict = {"queue": 0, "ledger": {}, "lost_prompts": 0}
+        try:
+            self._gpus = float(ray.cluster_resources().get("GPU", 0))
+            self.cfg_json = to_json(cfg)
+            here = ray.get_runtime_context().get_node_id()
+            self.buffer = _remote(_buffer_cls(), "buffer", self._gpus, max_concurrency=BUFFER_CONCURRENCY,
+                                  scheduling_strategy=_node_affinity(here, soft=True)).remote(
+                self.cfg_json, self.learner.version, self.extra["runtime"] if self.extra else None)
+            self.redispatched = self._get(self.buffer.ready.remote(), "the buffer actor to start")
+            self.dispatcher = _BufferSnapshot(self)
+            self.t0 = time.time()
+            self.timeline = Timeline(self.t0)
+            self._build_weights_plane()
+            self._build_servers()
+        except BaseException:
+            self._teardown(closing=(self.learner.close,))
+            raise
+        self.monitor = RayMonitor(cfg, run_dir, self)
+        self.on_step_hooks: list = []
+        self._replay: list = []
+        self._crash_learner = False
+        self._last_ckpt = self.learner.version if self.extra else None
+        self.repacker = None
+
+    # ------------------------------------------------------------------------------ helpers
+    def _get(self, ref, what: str, timeout: Optional[float] = None):
+        """ray.get, bounded; the error names what it waited for."""
+        import ray
+
+        t = self.rpc_timeout_s if timeout is None else timeout
+        try:
+            return ray.get(ref, timeout=t)
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"ray runtime waited {t:.1f}s for {what}") from None
+
+    @property
+    def workers(self) -> list:
+        """Per rollout index, its last polled stats (what Monitor reads as `w.server`)."""
+        return [_Facade(server=_Polled(ServerStats(**self.latest[i]["stats"]))) for i in sorted(self.latest)]
+
+    @property
+    def queue(self):
+        return _Len(self.buffer_stats.get("queue", 0))
+
+    @property
+    def ledger(self):
+        return _Facade(summary=lambda: dict(self.buffer_stats["ledger"]))
+
+    # ------------------------------------------------------------------------ construction
+    def _build_weights_plane(self) -> None:
+        import ray
+
+        from laminar_jax.relay import Publisher, WeightStore
+
+        rcfg = self.cfg.relay
+        self.store_url = rcfg.store_url or os.path.join(self.run_dir, "weights")
+        self.weight_store = WeightStore(self.store_url, keep_last=rcfg.keep_last)
+        nodes = [n["NodeID"] for n in ray.nodes() if n.get("Alive")]
+        cls = ray.remote(_relay_cls())
+        for node in nodes:  # one relay per node
+            self.relay_actors[node] = cls.options(**role_options("relay", self._gpus),
+                                                  scheduling_strategy=_node_affinity(node, soft=False)
+                                                  ).remote(self.cfg_json)
+        self.relay_addresses = {node: self._get(a.address.remote(), f"the relay actor on node {node} to start")
+                                for node, a in self.relay_actors.items()}
+        chain = list(self.relay_addresses.values())
+        for i, a in enumerate(self.relay_actors.values()):  # master first; each forwards down the chain
+            self._get(a.set_successors.remote(chain[i + 1:]), "a relay actor to take its successors")
+        # A resumed learner re-publishes the numbers after its checkpoint with new weights.
+        self.weight_store.retract_newer_than(self.learner.version)
+        self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=chain)
+        if self.weight_store.latest() != self.learner.version:
+            self.publisher.publish(self.learner.version, self.learner.policy_params())
+        else:  # stored already (resume): put it on the relays too, where new actors pull it from
+            seed_pub = Publisher(rcfg, store=None, relay_addresses=chain)
+            try:
+                seed_pub.publish(self.learner.version, self.learner.policy_params())
+                seed_pub.flush(timeout=self.rpc_timeout_s)
+            finally:
+                seed_pub.close()
+        self.learner.publisher = self.publisher
+        self.publish_times = [(time.time(), self.learner.version)]
+
+    def _spawn_actor(self, i: int, generation: int):
+        name = f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
+        handle = _remote(_rollout_cls(), "rollout", self._gpus).remote(
+            self.cfg_json, i, name, self.relay_addresses, self.store_url, self.buffer,
+            self.cfg.seed + 17 * i + generation, self.rpc_timeout_s)
+        return name, handle
+
+    def _build_servers(self) -> None:
+        n = self.cfg.runtime.num_servers
+        spawned = [self._spawn_actor(i, 0) for i in range(n)]
+        self.names = [name for name, _ in spawned]
+        self.actors = [h for _, h in spawned]
+        self.generations = [0] * n
+        self.latest: dict[int, dict] = {}
+        for name, h in spawned:
+            self._get(h.ready.remote(), f"rollout actor {name} to start (build its engine, pull its weights)",
+                      timeout=self.cfg.runtime.wait_timeout_s)
+        self._polls: dict[int, list] = {}  # index -> [handle, outstanding stats ref, last answer time]
+        self._replacing: dict[int, tuple] = {}  # index -> (name, handle, ready ref, t_fail, failure record)
+
+    # ------------------------------------------------------------------------- fault handling
+    def _on_server_failure(self, i: int, handle, exc: BaseException, tb: str) -> None:
+        """Rollout actor i died or stopped answering: kill it, requeue the samples it owned, start
+        a replacement (which pulls the newest version). Training goes on meanwhile; the health loop
+        keeps watching the other actors while the replacement starts."""
+        import ray
+
+        t_fail = time.time()
+        with self._fail_lock:
+            if handle is not self.actors[i]:
+                return  # already handled
+            name = self.names[i]
+            self.actors[i] = None
+            self.latest.pop(i, None)
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+            requeued = self._get(self.buffer.server_failed.remote(i, name), f"the buffer to requeue {name}'s work")
+            record = {"server": name, "error": repr(exc), "t": round(t_fail - self.t0, 2), "requeued": requeued}
+            self.failures.append(record)
+            log.warning("rollout actor %s died (%r); requeued %d samples\n%s", name, exc, requeued, tb)
+            self._check_restart_limit(name, exc)
+            if not self.sup.stop.is_set():
+                self._start_replacement(i, record, t_fail)
+
+    def _check_restart_limit(self, name: str, exc: BaseException) -> None:
+        limit = self.cfg.scheduler.max_server_restarts
+        if len([f for f in self.failures if "server" in f]) > limit:
+            raise RuntimeError(f"more than scheduler.max_server_restarts={limit} rollout server failures; "
+                               f"last: {name}: {exc!r}") from exc
+
+    def _start_replacement(self, i: int, record: dict, t_fail: float) -> None:
+        self.generations[i] += 1
+        name, handle = self._spawn_actor(i, self.generations[i])
+        self._replacing[i] = (name, handle, handle.ready.remote(), t_fail, record)
+
+    def _check_replacement(self, i: int) -> None:
+        """Install replacement i once it is ready; a replacement that fails to start counts as a
+        failure of its own and is tried again (bounded by scheduler.max_server_restarts)."""
+        import ray
+
+        name, handle, ref, t_fail, record = self._replacing[i]
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            limit = self.cfg.runtime.wait_timeout_s
+            if time.time() - t_fail > limit:
+                raise TimeoutError(f"replacement rollout actor {name} did not start within "
+                                   f"runtime.wait_timeout_s={limit}s (build its engine, pull its weights)")
+            return
+        del self._replacing[i]
+        try:
+            info = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            ray.kill(handle, no_restart=True)
+            again = {"server": name, "error": repr(e), "t": round(time.time() - self.t0, 2), "requeued": 0}
+            with self._fail_lock:
+                self.failures.append(again)
+                self._check_restart_limit(name, e)
+                if not self.sup.stop.is_set():
+                    self._start_replacement(i, again, time.time())
+            return
+        with self._fail_lock:
+            self.names[i], self.actors[i] = name, handle
+            record["replacement"] = name
+            record["replacement_version"] = info["version"]
+            record["recovery_s"] = round(time.time() - t_fail, 3)
+
+    def _poll_server(self, i: int, handle, heartbeat_s: float) -> None:
+        import ray
+
+        now = time.monotonic()
+        slot = self._polls.get(i)
+        if slot is None or slot[0] is not handle:
+            slot = self._polls[i] = [handle, handle.stats.remote(), now]
+        ready, _ = ray.wait([slot[1]], timeout=0)
+        if not ready:
+            if now - slot[2] > heartbeat_s:
+                self._on_server_failure(i, handle, TimeoutError(
+                    f"rollout actor {self.names[i]}: no answer to stats() for {now - slot[2]:.1f}s "
+                    f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), "")
+            return
+        try:
+            st = ray.get(ready[0])
+        except ray.exceptions.RayError as e:  # RayActorError: killed, crashed, node lost
+            self._on_server_failure(i, handle, e, "")
+            return
+        slot[1], slot[2] = handle.stats.remote(), now
+        if st["error"]:
+            self._on_server_failure(i, handle, RuntimeError(f"rollout actor {self.names[i]}: worker loop died"),
+                                    st["error"])
+        elif st["beat_age"] > heartbeat_s:
+            try:  # what it is stuck on, for the log
+                stacks = ray.get(handle.stacks.remote(), timeout=5.0)
+            except Exception as e:  # noqa: BLE001 - the failure is handled either way
+                stacks = f"(no stacks: {e!r})"
+            self._on_server_failure(i, handle, TimeoutError(
+                f"rollout server {self.names[i]}: no heartbeat for {st['beat_age']:.1f}s "
+                f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), stacks)
+        else:
+            self.latest[i] = st
+            s = st["stats"]
+            self.timeline.sample(time.time(), s["server_id"], s["slots_used"], s["slots_total"], s["version"])
+
+    def _health_loop(self) -> None:
+        """Heartbeats of every rollout actor (its stats double as the monitor's and timeline's view)."""
+        heartbeat_s = self.cfg.scheduler.heartbeat_timeout_s
+        while not self.sup.stop.wait(HEALTH_POLL_S):
+            for i, handle in enumerate(list(self.actors)):
+                if self.sup.stop.is_set():
+                    return
+                if i in self._replacing:
+                    self._check_replacement(i)
+                elif handle is not None:
+                    self._poll_server(i, handle, heartbeat_s)
+
+    def _live_actor(self, i: int):
+        h = self.actors[i]
+        if h is None:
+            raise RuntimeError(f"rollout actor {i} is being replaced; no actor to inject a fault into")
+        return h
+
+    def inject_server_crash(self, i: int) -> None:
+        """Fault injection: rollout actor i's worker raises at its next iteration."""
+        self._live_actor(i)
+        self._get(self.actors[i].inject_crash.remote(), f"{self.names[i]} to take the injected crash")
+
+    def kill_server(self, i: int) -> None:
+        """Fault injection: `ray.kill` rollout actor i (as a lost process or node would)."""
+        import ray
+
+        ray.kill(self._live_actor(i), no_restart=True)
+
+    def inject_relay_failure(self) -> None:
+        """Fault injection: the master relay actor dies; the publisher and clients go on without it."""
+        import ray
+
+        node, actor = next(iter(self.relay_actors.items()))
+        ray.kill(actor, no_restart=True)
+        self.failures.append({"relay": self.relay_addresses[node], "t": round(time.time() - self.t0, 2)})
+
+    # -------------------------------------------------------------------------------- the run
+    def _next_batch(self) -> list[dict]:
+        rt = self.cfg.runtime
+        deadline = time.monotonic() + rt.wait_timeout_s
+        while True:
+            self.sup.check()
+            if self.sup.stop.is_set():
+                raise InterruptedError("stop requested")
+            out = self._get(self.buffer.get_batch.remote(rt.prompts_per_step, self.learner.version, 0.5),
+                            "the buffer actor's get_batch", timeout=0.5 + self.rpc_timeout_s)
+            if out is not None:
+                self.monitor.duplicates += out["duplicates"]
+                return out["rows"]
+            if time.monotonic() > deadline:
+                stats = self._get(self.buffer.stats.remote(), "the buffer actor's stats")
+                raise TimeoutError(
+                    f"learner waited runtime.wait_timeout_s={rt.wait_timeout_s}s for {rt.prompts_per_step} "
+                    f"complete groups; buffer={stats}, servers={[self.latest[i]['stats'] for i in self.latest]}")
+
+    def run(self) -> dict:
+        rt = self.cfg.runtime
+        self.sup.spawn("health", self._health_loop)
+        if self.policy.repack:
+            self.repacker = RayRepackLoop(self)
+            self.sup.spawn("scheduler", lambda: self.repacker.run(self.sup.stop))
+        self.t_rl = time.time()
+        stopped_early = False
+        try:
+            while self.learner.version < rt.total_steps:
+                if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
+                    stopped_early = True
+                    break
+                try:
+                    rows = self._next_batch()
+                except InterruptedError:
+                    stopped_early = True
+                    break
+                self._train_on(rows)
+        except BaseException:
+            self._shutdown(clean=False)
+            raise
+        self._shutdown(clean=True)
+        return self.summary(stopped_early)
+
+    def summary(self, stopped_early: bool) -> dict:
+        s = self.monitor.summary(stopped_early)
+        s["ray"] = {"address": self.cfg.runtime.address or "local", "rollout_actors": sum(h is not None for h in self.actors),
+                    "relays": list(self.relay_addresses.values()),
+                    "requeued_samples": self.buffer_stats.get("requeued", 0),
+                    "dropped_late_results": self.buffer_stats.get("dropped_late_results", 0),
+                    "repack_failed_moves": getattr(self.repacker, "failed", 0) if self.repacker else 0,
+                    "publisher_relay_failures": list(self._publisher_stats.relay_failures)
+                    if self._publisher_stats is not None else None}
+        return s
+
+    def _train_on(self, rows: list[dict]) -> None:
+        trajs = _rows_to_trajectories(rows)  # their prompts were marked consumed by get_batch
+        metrics = self._learner_step(trajs)
+        self._replay.append(trajs)
+        # Servers learn of the new version from the relays; only then may dispatch run ahead.
+        self.buffer_stats = self._get(self.buffer.set_learner_version.remote(self.learner.version),
+                                      "the buffer actor to take the new learner version")
+        self.publish_times.append((time.time(), self.learner.version))
+        self.timeline.publish(time.time(), self.learner.version)
+        if self.repacker is not None:
+            self.repacker.poke()
+        self.monitor.on_step(metrics, trajs)
+        every = self.cfg.runtime.checkpoint_every
+        if every and self.learner.version % every == 0:
+            self._checkpoint()
+        for hook in list(self.on_step_hooks):
+            hook(self.learner.version)
+
+    def _stop_actors(self) -> list[str]:
+        """Ask every rollout actor to stop its loop (bounded); returns the names that did not."""
+        import ray
+
+        refs = {name: h.stop.remote(10.0) for name, h in zip(self.names, self.actors) if h is not None}
+        stuck = []
+        for name, ref in refs.items():
+            try:
+                if not ray.get(ref, timeout=15.0):
+                    stuck.append(name)
+            except Exception:  # noqa: BLE001 - a dead actor has nothing to stop
+                pass
+        return stuck
+
+    def _shutdown(self, clean: bool) -> None:
+        """Stop the loops and actors; checkpoint only after a clean stop; tear the actors down (and
+        the cluster, if this run started it)."""
+        failed = None
+        try:
+            self.sup.check()
+        except Exception as e:  # noqa: BLE001 - re-raised below after cleanup
+            failed = e
+        self.sup.stop.set()
+        stuck = self.sup.join(timeout=30) + self._stop_actors()
+        try:
+            if clean and failed is None and not stuck:
+                self._checkpoint()
+            if clean:
+                self.learner.flush(timeout=120)
+                self.buffer_stats = self._get(self.buffer.stats.remote(), "the buffer actor's final stats")
+        except BaseException:
+            self._teardown()
+            raise
+        errors = self._teardown(closing=(self.learner.close, self.monitor.close))
+        if not clean:
+            return  # the caller re-raises the error that stopped the run
+        if failed is not None:
+            raise failed
+        if stuck:
+            raise RuntimeError(f"workers did not stop within their timeouts: {stuck}")
+        if errors:
+            raise errors[0]
+
+    def _teardown(self, closing=()) -> list[BaseException]:
+        """Close the publisher, the buffer and every actor; shut the cluster down if we started it.
+        Reaches every part; returns the errors met."""
+        import ray
+
+        errors: list[BaseException] = []
+
+        def attempt(fn):
+            try:
+                fn()
+            except BaseException as e:  # noqa: BLE001 - cleanup must reach every part
+                errors.append(e)
+
+        if self.publisher is not None:
+            try:
+                self._publisher_stats = self.publisher.stats()
+            except Exception:  # noqa: BLE001 - diagnostics only
+                pass
+            attempt(self.publisher.close)
+        if self.buffer is not None:
+            attempt(lambda: self._get(self.buffer.close.remote(), "the buffer actor to close", timeout=30))
+        pending = [r[1] for r in getattr(self, "_replacing", {}).values()]
+        for h in [*self.actors, *pending, *self.relay_actors.values(), *([self.buffer] if self.buffer else [])]:
+            if h is None:
+                continue
+            attempt(lambda h=h: ray.kill(h, no_restart=True))
+        for fn in closing:
+            attempt(fn)
+        if self.started_cluster:
+            attempt(ray.shutdown)
+            self.started_cluster = False
+        return errors
+
+
+class _Len:
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _checkpoint_dir(configured: Optional[str], run_dir: str) -> tuple[str, bool]:
+    """(checkpoint dir, whether it holds a checkpoint). URLs (gs://...) are kept as given; local
+    paths are made absolute (orbax refuses relative ones)."""
+    path = configured or os.path.join(run_dir, "checkpoints")
+    if "://" not in path:
+        path = os.path.abspath(path)
+        return path, os.path.isdir(path) and any(n.isdigit() for n in os.listdir(path))
+    from etils import epath
+
+    p = epath.Path(path)
+    return path, p.exists() and any(c.name.isdigit() for c in p.iterdir())
+
+
+def _buffer_cls():
+    from laminar_jax.runtime.ray_buffer import BufferActor
+
+    return BufferActor
+
+
+def _rollout_cls():
+    from laminar_jax.runtime.ray_rollout import RolloutActor
+
+    return RolloutActor
+
+
+def _relay_cls():
+    from laminar_jax.runtime.ray_rollout import RelayActor
+
+    return RelayActor
+
+
+def run_ray(cfg: Config) -> dict:
+    """`run(cfg)` for runtime.kind='ray': as run_local, with SIGTERM/SIGINT -> checkpoint and stop."""
+    run_dir = resolve_run_dir(cfg)
+    save_config(cfg, run_dir)
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        def on_signal(signum, frame):
+            if stop.is_set() and callable(previous.get(signum)):
+                previous[signum](signum, frame)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        summary = RayRun(cfg, run_dir, stop).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    return summary
