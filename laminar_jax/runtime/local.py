@@ -413,6 +413,12 @@ class LocalRun:
 
 
 def run_local(cfg: Config) -> dict:
+    return run_with(LocalRun, cfg)
+
+
+def run_with(run_cls, cfg: Config) -> dict:
+    """Write the run directory, run `run_cls(cfg, run_dir, stop)` with SIGTERM/SIGINT mapped to a
+    clean stop (checkpoint, resumable), then write and print the summary."""
     run_dir = resolve_run_dir(cfg)
     save_config(cfg, run_dir)
     stop = threading.Event()
@@ -428,7 +434,7 @@ def run_local(cfg: Config) -> dict:
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, on_signal)
     try:
-        summary = LocalRun(cfg, run_dir, stop).run()
+        summary = run_cls(cfg, run_dir, stop).run()
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

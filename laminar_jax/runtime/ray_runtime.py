@@ -18,15 +18,13 @@ the cluster; weights travel through the relays and the weight store, never throu
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
-import signal
 import threading
 import time
 from typing import Optional
 
-from laminar_jax.config import Config, resolve_run_dir, save_config
+from laminar_jax.config import Config
 from laminar_jax.configlib import to_json
 from laminar_jax.rollout.records import ServerStats
 from laminar_jax.runtime.local import LocalRun, _rows_to_trajectories
@@ -662,24 +660,6 @@ def _relay_cls():
 
 def run_ray(cfg: Config) -> dict:
     """`run(cfg)` for runtime.kind='ray': as run_local, with SIGTERM/SIGINT -> checkpoint and stop."""
-    run_dir = resolve_run_dir(cfg)
-    save_config(cfg, run_dir)
-    stop = threading.Event()
-    previous = {}
-    if threading.current_thread() is threading.main_thread():
-        def on_signal(signum, frame):
-            if stop.is_set() and callable(previous.get(signum)):
-                previous[signum](signum, frame)
-            stop.set()
+    from laminar_jax.runtime.local import run_with
 
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            previous[sig] = signal.signal(sig, on_signal)
-    try:
-        summary = RayRun(cfg, run_dir, stop).run()
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    with open(os.path.join(run_dir, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(json.dumps(summary))
-    return summary
+    return run_with(RayRun, cfg)
