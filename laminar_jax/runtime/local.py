@@ -275,7 +275,6 @@ class LocalRun:
             time.sleep(0.01)
 
     def run(self) -> dict:
-        rt = self.cfg.runtime
         for w in self.workers:
             self._spawn_worker(w)
         self.sup.spawn("dispatcher", self._dispatch_loop)
@@ -287,6 +286,12 @@ class LocalRun:
             self.sup.spawn("scheduler", functools.partial(self.repacker.run, self.sup.stop))
         else:
             self.repacker = None
+        return self._train_loop()
+
+    def _train_loop(self) -> dict:
+        """The learner loop shared by both runtimes: train until total_steps, max_wall_s or a stop
+        request; shut every plane down (checkpointing only after a clean stop); return the summary."""
+        rt = self.cfg.runtime
         self.t_rl = time.time()
         stopped_early = False
         try:
@@ -304,6 +309,9 @@ class LocalRun:
             self._shutdown(clean=False)
             raise
         self._shutdown(clean=True)
+        return self.summary(stopped_early)
+
+    def summary(self, stopped_early: bool) -> dict:
         return self.monitor.summary(stopped_early)
 
     def _train_on(self, rows: list[dict]) -> None:

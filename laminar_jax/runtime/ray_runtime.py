@@ -489,29 +489,11 @@ class RayRun(LocalRun):
                     f"complete groups; buffer={stats}, servers={[self.latest[i]['stats'] for i in self.latest]}")
 
     def run(self) -> dict:
-        rt = self.cfg.runtime
         self.sup.spawn("health", self._health_loop)
         if self.policy.repack:
             self.repacker = RayRepackLoop(self)
             self.sup.spawn("scheduler", lambda: self.repacker.run(self.sup.stop))
-        self.t_rl = time.time()
-        stopped_early = False
-        try:
-            while self.learner.version < rt.total_steps:
-                if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
-                    stopped_early = True
-                    break
-                try:
-                    rows = self._next_batch()
-                except InterruptedError:
-                    stopped_early = True
-                    break
-                self._train_on(rows)
-        except BaseException:
-            self._shutdown(clean=False)
-            raise
-        self._shutdown(clean=True)
-        return self.summary(stopped_early)
+        return self._train_loop()
 
     def summary(self, stopped_early: bool) -> dict:
         s = self.monitor.summary(stopped_early)
