@@ -42,6 +42,7 @@ def get_config(variant: str = ""):
     c.learner.loss_agg = "token-mean"
     c.learner.micro_batches = 64
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
+    c.learner.pack_length = 18432  # = rollout.max_total_len: pack the long-tail batch instead of padding it
 
     c.relay.chunk_bytes = 32 << 20
 

@@ -64,6 +64,10 @@ class Config:
             expect(self.data.max_prompt_tokens <= self.rollout.max_prompt_len, "data.max_prompt_tokens",
                    self.data.max_prompt_tokens,
                    f"<= rollout.max_prompt_len={self.rollout.max_prompt_len} (or rollout.overlong_prompt='truncate')")
+        if self.learner.pack_length:
+            # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
+            expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",
+                   self.learner.pack_length, f">= rollout.max_total_len={self.rollout.max_total_len} (or 0: no packing)")
 
 
 SECTIONS = {f.name: f.type for f in dataclasses.fields(Config)}

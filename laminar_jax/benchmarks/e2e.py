@@ -98,12 +98,14 @@ def main(argv: list[str]) -> dict:
 
     plot = plot_curves(os.path.join(out, "reward_vs_wallclock.png"),
                        {m: r["reward_curve"] for m, r in results.items()}, "seconds of RL", "batch mean reward")
-    print(f"{'mode':18s} {'steps':>6s} {'tok/s':>9s} {'slot_util':>9s} {'staleness':>9s} "
-          f"{'reward_first':>12s} {'reward_last':>11s} {'moves':>6s}")
+    print(f"{'mode':18s} {'steps':>6s} {'tok/s':>9s} {'gen tok/s':>9s} {'slot_util':>9s} {'kv_util':>8s} "
+          f"{'lat p50':>8s} {'lat p99':>8s} {'stale':>6s} {'reward first->last':>19s} {'moves':>6s} {'learner':>8s}")
     for m, r in results.items():
-        print(f"{m:18s} {r['steps_this_run']:6d} {r['train_tokens_per_s']:9.1f} {r['slot_util']:9.3f} "
-              f"{(r['mean_staleness'] or 0):9.2f} {str(r['reward_first']):>12s} {str(r['reward_last']):>11s} "
-              f"{r['repack_moves']:6d}")
+        print(f"{m:18s} {r['steps_this_run']:6d} {r['train_tokens_per_s']:9.1f} {r['gen_tokens_per_s'] or 0:9.1f} "
+              f"{r['slot_util']:9.3f} {r['kv_util'] or 0:8.3f} {r['latency_p50_s'] or 0:8.2f} "
+              f"{r['latency_p99_s'] or 0:8.2f} {(r['mean_staleness'] or 0):6.2f} "
+              f"{str(r['reward_first']):>9s}->{str(r['reward_last']):<9s} {r['repack_moves']:6d} "
+              f"{r['learner_busy_frac']:8.3f}")
     tps = {m: r["train_tokens_per_s"] for m, r in results.items()}
 
     def ratio(a, b):
@@ -119,6 +121,12 @@ def main(argv: list[str]) -> dict:
         "laminar_vs_sync": ratio("laminar", "sync"), "laminar_vs_one_step": ratio("laminar", "one_step"),
         "laminar_vs_stream": ratio("laminar", "stream"), "repack_gain": ratio("laminar", "laminar_norepack"),
         "slot_util": {m: r["slot_util"] for m, r in results.items()},
+        "kv_util": {m: r["kv_util"] for m, r in results.items()},
+        "gen_tps": {m: r["gen_tokens_per_s"] for m, r in results.items()},
+        "latency_p50_s": {m: r["latency_p50_s"] for m, r in results.items()},
+        "latency_p99_s": {m: r["latency_p99_s"] for m, r in results.items()},
+        "learner_busy": {m: r["learner_busy_frac"] for m, r in results.items()},
+        "repack_moves": {m: r["repack_moves"] for m, r in results.items()},
         "reward_at_budget": {m: reward_at(r["reward_curve"], budget) for m, r in results.items()},
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),

@@ -2,12 +2,22 @@
 
   python -m laminar_jax.benchmarks.learner [--quick] [--preset small] [--batch 8] [--seq 128]
                                             [--dtype bfloat16] [--steps 5] [--micro-batches 1]
+                                            [--remat none|full|dots_saveable|dots_with_no_batch_dims_saveable]
+                                            [--logits-chunk-tokens 2048]
 
 Prints a table, then (last line) one JSON object:
-  {"bench": "learner", "device", "params", "tokens_per_s", "step_s", "mfu", ...}
-MFU (GPU only; null on CPU) = model FLOPs per step / (step_s * peak dense bf16 FLOP/s), with
-model FLOPs per token = 6 * params + 12 * layers * heads * head_dim * seq (PaLM appendix B:
-forward+backward matmuls, attention scores counted non-causally).
+  {"bench": "learner", "device", "params", "tokens_per_s", "step_s", "mfu", "peak_mem_gb", ...}
+
+MFU (GPU only; null on CPU) = model FLOPs per step / (step_s * peak dense bf16 FLOP/s * devices),
+with model FLOPs per token (PaLM appendix B: forward + backward, attention scores counted
+non-causally)
+    6 * matmul_params + 12 * layers * heads * head_dim * seq
+where matmul_params = the weights that multiply activations: the decoder layers plus ONE vocab x
+hidden projection (the lm_head, or the tied embedding used as one); the embedding lookup is a
+gather, not FLOPs. Recomputation is NOT counted: neither the layers re-run by `--remat` nor the
+lm_head re-run by the chunked log-probs (2 * vocab * hidden per token), so MFU drops when they
+cost time, as it should (it is the useful fraction). `hfu` adds them back (hardware FLOPs).
+peak_mem_gb: the device's peak bytes in use (`memory_stats()`, GPU); null where the backend has none (CPU).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +34,10 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
+from laminar_jax.learner.logprobs import chunk_positions
 from laminar_jax.model import PRESETS, Transformer
+from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.transformer import REMAT_POLICIES
 from laminar_jax.types import Trajectory
 
 # Dense bf16 peak FLOP/s (no sparsity), by substring of jax's device_kind.
@@ -39,6 +52,44 @@ def peak_flops(device: jax.Device) -> Optional[float]:
         if name in kind:
             return flops
     return None
+
+
+def matmul_params(cfg: TransformerConfig) -> int:
+    """Weights in matmuls per token: decoder layers + one vocab x hidden projection (no lookup, no norms)."""
+    d, f, v = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    return cfg.num_layers * (d * q + 2 * d * kv + q * d + 3 * d * f) + v * d
+
+
+class Flops(NamedTuple):
+    model: float  # per token: 6 * matmul_params + attention (the MFU numerator)
+    hardware: float  # per token: model + recomputation (remat, chunked lm_head)
+
+
+def flops_per_token(cfg: TransformerConfig, seq: int, remat: str, lm_head_recomputed: bool) -> Flops:
+    """Training FLOPs per token; see the module docstring for the convention."""
+    attn_fwd = 4 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq  # QK^T and PV, non-causal
+    layers_fwd = 2 * (matmul_params(cfg) - cfg.vocab_size * cfg.hidden_size)
+    model = 6 * matmul_params(cfg) + 3 * attn_fwd
+    extra = 0.0
+    if remat == "full":  # the whole layer forward again
+        extra += layers_fwd + attn_fwd
+    elif remat == "dots_with_no_batch_dims_saveable":  # attention re-run, weight matmuls saved
+        extra += attn_fwd
+    if lm_head_recomputed:
+        extra += 2 * cfg.vocab_size * cfg.hidden_size
+    return Flops(float(model), float(model + extra))
+
+
+def peak_memory_gb(device: jax.Device) -> Optional[float]:
+    """Peak bytes in use on the device (GPU/TPU allocator stats); None where the backend has none."""
+    try:
+        stats = device.memory_stats()
+    except Exception:  # some backends raise instead of returning None
+        return None
+    if not stats or "peak_bytes_in_use" not in stats:
+        return None
+    return stats["peak_bytes_in_use"] / 1e9
 
 
 def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) -> list[Trajectory]:
@@ -65,6 +116,12 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--micro-batches", type=int, default=1)
     ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--remat", default=None, choices=list(REMAT_POLICIES),
+                    help="per-layer activation rematerialization (learner.remat); default: none with --quick, "
+                         "else dots_with_no_batch_dims_saveable (without it the attention probabilities of "
+                         "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
+    ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
+                    help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
     args = ap.parse_args(argv)
     quick = args.quick or not on_gpu
     preset = args.preset or ("small" if quick else "qwen2.5-0.5b")
@@ -72,14 +129,16 @@ def main(argv: list[str]) -> dict:
     seq = args.seq or (128 if quick else 1024)
     dtype_name = args.dtype or ("float32" if not on_gpu else "bfloat16")
     steps = args.steps or (3 if quick else 10)
+    remat = args.remat or ("none" if quick else "dots_with_no_batch_dims_saveable")
     cfg = PRESETS[preset]
     dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
 
     t0 = time.perf_counter()
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
     section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
-                             seq_len_buckets=(seq,))
+                             seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens)
     learner = Learner(section, model)
+    del model  # the learner holds its own (device) copy; the host one only costs memory
     trajs = synthetic_trajectories(batch, seq, cfg.vocab_size, args.group, 0)
     init_s = time.perf_counter() - t0
 
@@ -98,24 +157,31 @@ def main(argv: list[str]) -> dict:
     t0 = time.perf_counter()
     learner.policy_params()
     host_copy_s = time.perf_counter() - t0
+    peak_mem = peak_memory_gb(jax.devices()[0])
     learner.close()
 
     step_s = float(np.median(times))
     tokens = batch * seq
     n_params = cfg.num_params()
-    flops_per_token = 6 * n_params + 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
+    n_dev = len(jax.devices())
+    rows_per_device = batch // args.micro_batches // n_dev
+    chunk = chunk_positions(args.logits_chunk_tokens, rows_per_device, seq)
+    flops = flops_per_token(cfg, seq, remat, lm_head_recomputed=chunk < seq)
     peak = peak_flops(jax.devices()[0])
-    mfu = None if peak is None else flops_per_token * tokens / (step_s * peak * len(jax.devices()))
+    mfu = None if peak is None else flops.model * tokens / (step_s * peak * n_dev)
+    hfu = None if peak is None else flops.hardware * tokens / (step_s * peak * n_dev)
     result = {
         "bench": "learner", "device": f"{jax.devices()[0].device_kind} x{len(jax.devices())}",
         "preset": preset, "params": n_params, "batch": batch, "seq": seq, "dtype": dtype_name,
-        "micro_batches": args.micro_batches, "tokens_per_s": tokens / step_s, "step_s": step_s,
+        "micro_batches": args.micro_batches, "remat": remat, "logits_chunk_tokens": args.logits_chunk_tokens,
+        "logits_chunk_positions": chunk, "tokens_per_s": tokens / step_s, "step_s": step_s,
         "step_s_min": float(np.min(times)), "compile_s": compile_s, "init_s": init_s,
-        "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "mfu": mfu,
-        "tflops_per_s": flops_per_token * tokens / step_s / 1e12,
+        "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "mfu": mfu, "hfu": hfu,
+        "tflops_per_s": flops.model * tokens / step_s / 1e12, "peak_mem_gb": peak_mem,
     }
-    rows = [(k, result[k]) for k in ("device", "preset", "params", "batch", "seq", "dtype", "step_s", "step_s_min",
-                                     "tokens_per_s", "tflops_per_s", "mfu", "compile_s", "host_copy_s")]
+    rows = [(k, result[k]) for k in ("device", "preset", "params", "batch", "seq", "dtype", "remat",
+                                     "logits_chunk_positions", "step_s", "step_s_min", "tokens_per_s",
+                                     "tflops_per_s", "mfu", "hfu", "peak_mem_gb", "compile_s", "host_copy_s")]
     print(f"{'metric':<16} value")
     for k, v in rows:
         print(f"{k:<16} {v:.4g}" if isinstance(v, float) else f"{k:<16} {v}")

@@ -3,12 +3,15 @@ and the naive orbax save+restore alternative, measured side by side in one run.
 
     python -m laminar_jax.benchmarks.relay [--quick] [--sizes-mb 100,500,2000] [--link-mb-s 200]
 
+The learner's stall is measured through the learner's own publish path (``HostCopy``).
+
 Prints a table, then one JSON line (the returned dict) last.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -16,14 +19,14 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from laminar_jax.relay.chain import start_local_chain
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
-from laminar_jax.relay.publisher import Publisher
+from laminar_jax.relay.publisher import Publisher, chunk_bytes_for
 from laminar_jax.relay.store import WeightStore
 
 MB = 1 << 20
@@ -96,24 +99,68 @@ def _raw_disk_read(files: list[str]) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_size(total_mb: int, work: str, reps: int) -> dict:
+def bench_stall(tree: dict, relay_addresses: list[str], cfg: RelaySection, reps: int) -> dict:
+    """The learner's stall, measured the way ``Learner._start_publish`` incurs it, next to a plain
+    ``jax.device_get`` of equally fresh buffers; interleaved, medians over ``reps``.
+
+    Learner: ``HostCopy(version, flat, publisher)`` starts the device-to-host copies, a thread
+    awaits them and then calls ``publisher.publish``; the learner blocks only in ``wait_copied()``
+    (before its next donating step). Stall = construction + ``wait_copied``. Each publish is
+    flushed before the next rep (relay only: the store's part is timed in ``bench_size``), which
+    bounds host memory (on CPU the host copies are views that keep the device buffers alive).
+    """
+    import inspect
+    from concurrent.futures import ThreadPoolExecutor
+
+    import jax
+
+    from laminar_jax.learner.publish import HostCopy
+
+    stalls, d2hs = [], []
+    with ThreadPoolExecutor(1, thread_name_prefix="publish") as worker, \
+            Publisher(cfg, relay_addresses=relay_addresses) as pub:
+        # A HostCopy that takes the learner's persistent publish worker gets it, as the learner would.
+        kw = {"executor": worker} if "executor" in inspect.signature(HostCopy).parameters else {}
+        for i in range(reps):
+            fresh = _fresh(tree)
+            dt, host = _timed(lambda: jax.device_get(fresh))
+            d2hs.append(dt)
+            del fresh, host
+            fresh = _fresh(tree)
+            t0 = time.perf_counter()
+            hc = HostCopy(1000 + i, fresh, pub, **kw)
+            hc.wait_copied(600)
+            stalls.append(time.perf_counter() - t0)
+            hc.wait_done(600)  # publish() returned (queued); not part of the learner's stall
+            del fresh, hc
+            pub.flush(600)
+    med = statistics.median
+    return {"stall_s": med(stalls), "d2h_s": med(d2hs), "stall_p90_s": _p90(stalls), "d2h_p90_s": _p90(d2hs),
+            "stall_reps": reps}
+
+
+def _p90(xs: list[float]) -> float:
+    return sorted(xs)[min(len(xs) - 1, int(0.9 * len(xs)))]
+
+
+def bench_size(total_mb: int, work: str, reps: int, stall_reps: int) -> dict:
     """Stall vs device_get, publish-to-visible, pull vs memcpy vs disk, orbax, for one size."""
     import jax
 
     tree = _make_params(total_mb, seed=total_mb)
     nbytes = _nbytes(tree)
     store = WeightStore(os.path.join(work, f"store{total_mb}"), keep_last=2)
-    cfg = RelaySection(keep_in_memory=1, chunk_bytes=32 * MB, keep_last=2)
-    stalls, d2hs, store_vis, relay_vis, pulls, pull_copies, copies, prealloc = [], [], [], [], [], [], [], []
+    cfg = RelaySection(keep_in_memory=1, keep_last=2)
+    calls, call_d2hs, store_vis, relay_vis, pulls, pull_copies, copies, prealloc = [], [], [], [], [], [], [], []
     with start_local_chain(1, cfg) as chain, Publisher(cfg, store, chain.addresses) as pub:
         client = RelayClient(chain.addresses, config=cfg)
         for v in range(1, reps + 1):
             fresh = _fresh(tree)
-            d2h, host = _timed(lambda: jax.device_get(fresh))
-            d2hs.append(d2h)
+            dt, host = _timed(lambda: jax.device_get(fresh))
+            call_d2hs.append(dt)
             del fresh, host
             fresh = _fresh(tree)
-            stalls.append(pub.publish(v, fresh))
+            calls.append(pub.publish(v, fresh))  # direct call with device arrays (the runtime's seed publish)
             del fresh
             pub.flush(600)
             t = pub.stats().timings[v]
@@ -136,9 +183,11 @@ def bench_size(total_mb: int, work: str, reps: int) -> dict:
         _drop_cache(os.path.join(work, f"store{total_mb}", m.data))
         dt, _ = _timed(lambda: store.read(reps))
         store_read = nbytes / dt
+        stall = bench_stall(tree, chain.addresses, cfg, stall_reps)
     naive_save, naive_restore = _orbax(tree, os.path.join(work, f"orbax{total_mb}"))
     med = statistics.median
-    return {"mb": total_mb, "bytes": nbytes, "arrays": len(tree), "stall_s": med(stalls), "d2h_s": med(d2hs),
+    return {"mb": total_mb, "bytes": nbytes, "arrays": len(tree), **stall, "publish_call_s": med(calls),
+            "publish_call_d2h_s": med(call_d2hs),
             "store_visible_s": med(store_vis), "relay_visible_s": med(relay_vis), "pull_gbps": med(pulls) / 1e9,
             "pull_copy_gbps": med(pull_copies) / 1e9, "raw_gbps": med(prealloc) / 1e9,
             "raw_fresh_gbps": med(copies) / 1e9, "disk_gbps": disk / 1e9,
@@ -160,22 +209,36 @@ def _orbax(tree: dict, path: str) -> tuple[float, float]:
     return t_save, t_restore
 
 
-def bench_chain(total_mb: int, chunk_mb: int, link_rate: int, ns: list[int]) -> dict[int, float]:
-    """Seconds from publish() until the last relay of an n-relay chain holds the version."""
+def bench_chain(total_mb: int, chunk_mb: Optional[float], link_rate: int, ns: list[int],
+                versions: int) -> tuple[dict[int, float], dict[int, list[float]], int]:
+    """Seconds from publish() until the last relay of an n-relay chain holds the version.
+
+    Every link has the same token-bucket rate. Versions 1-2 warm the relays' buffers (steady
+    state); the next ``versions`` are timed and the median is reported. The chunk size is the
+    publisher's own choice for this link rate and version size (``chunk_bytes_for``) unless
+    ``chunk_mb`` forces one. Returns (median per n, all timings per n, chunk bytes used).
+    """
     flat = {k: np.asarray(v) for k, v in _host_params(total_mb).items()}
-    cfg = RelaySection(chunk_bytes=chunk_mb * MB, link_rate_bytes_per_s=link_rate, link_burst_bytes=1 * MB,
-                       keep_in_memory=1, io_timeout_s=120.0)
-    out = {}
+    cfg = RelaySection(link_rate_bytes_per_s=link_rate, link_burst_bytes=1 * MB, keep_in_memory=1,
+                       io_timeout_s=120.0)
+    if chunk_mb:
+        c = int(chunk_mb * MB)
+        cfg = dataclasses.replace(cfg, chunk_bytes=c, min_chunk_bytes=c)
+    chunk = chunk_bytes_for(cfg, _nbytes(flat))
+    med, every = {}, {}
     for n in ns:
         with start_local_chain(n, cfg) as chain, \
                 Publisher(cfg, relay_addresses=chain.addresses, copy_numpy=False) as pub:
             last = RelayClient([chain.addresses[-1]], config=cfg)
-            for v in (1, 2, 3):  # versions 1-2 warm the relays' buffers (steady state); time version 3
+            times = []
+            for v in range(1, 3 + versions):
                 t0 = time.perf_counter()
                 pub.publish(v, flat)
                 last.wait_for(v, timeout=600)
-                out[n] = time.perf_counter() - t0
-    return out
+                if v > 2:
+                    times.append(time.perf_counter() - t0)
+        every[n], med[n] = times, statistics.median(times)
+    return med, every, chunk
 
 
 def _host_params(total_mb: int) -> dict:
@@ -188,9 +251,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="smallest size only (< 2 min)")
     p.add_argument("--sizes-mb", default=None, help="comma-separated parameter-set sizes in MB")
     p.add_argument("--chain-mb", type=int, default=None, help="version size for the chain runs (MB)")
-    p.add_argument("--chunk-mb", type=int, default=None, help="chunk size on chain links (MB)")
+    p.add_argument("--chunk-mb", type=float, default=None,
+                   help="force this chunk size on chain links (MB; default: the publisher's choice)")
     p.add_argument("--link-mb-s", type=float, default=200.0, help="token-bucket limit per link (MB/s)")
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=3, help="publish+pull repetitions per size")
+    p.add_argument("--stall-reps", type=int, default=None,
+                   help="interleaved stall / device_get pairs per size (default 15 quick, 9 full)")
+    p.add_argument("--chain-versions", type=int, default=None,
+                   help="timed versions per chain length after 2 warm-up ones (median; default 5 quick, 3 full)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     return p.parse_args(argv)
 
@@ -199,33 +267,40 @@ def main(argv: list[str]) -> dict:
     args = parse_args(argv)
     sizes = [int(s) for s in args.sizes_mb.split(",")] if args.sizes_mb else ([100] if args.quick else [100, 500, 2000])
     chain_mb = args.chain_mb or (128 if args.quick else 512)
-    chunk_mb = args.chunk_mb or (2 if args.quick else 8)
+    chain_versions = args.chain_versions or (5 if args.quick else 3)
     link_rate = int(args.link_mb_s * MB)
     work = tempfile.mkdtemp(prefix="relay-bench-", dir=args.workdir)
     t_start = time.perf_counter()
     try:
-        rows = [bench_size(s, work, args.reps) for s in sizes]
-        chain = bench_chain(chain_mb, chunk_mb, link_rate, [1, 2, 4, 8])
+        stall_reps = args.stall_reps or (15 if args.quick else 9)
+        rows = [bench_size(s, work, args.reps, stall_reps) for s in sizes]
+        chain, chain_all, chunk = bench_chain(chain_mb, args.chunk_mb, link_rate, [1, 2, 4, 8], chain_versions)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    _print_table(rows, chain, chain_mb, chunk_mb, args.link_mb_s)
+    _print_table(rows, chain, chain_mb, chunk, args.link_mb_s)
     big = rows[-1]
     result = {"bench": "relay", "bytes": big["bytes"], "stall_s": big["stall_s"], "d2h_s": big["d2h_s"],
-              "stall_ratio": big["stall_s"] / max(big["d2h_s"], 1e-9), "pull_gbps": big["pull_gbps"],
+              "stall_ratio": big["stall_s"] / max(big["d2h_s"], 1e-9), "stall_reps": big["stall_reps"],
+              "stall_p90_s": big["stall_p90_s"], "d2h_p90_s": big["d2h_p90_s"],
+              "publish_call_s": big["publish_call_s"], "pull_gbps": big["pull_gbps"],
               "raw_gbps": big["raw_gbps"], "pull_vs_raw": big["pull_gbps"] / big["raw_gbps"],
-              "chain8_vs_1hop": chain[8] / chain[1], "naive_s": big["naive_s"], "ours_s": big["ours_s"],
+              "chain8_vs_1hop": chain[8] / chain[1],
+              "chain8_vs_1hop_best": min(chain_all[8]) / min(chain_all[1]),
+              "publish_call_ratio": big["publish_call_s"] / max(big["publish_call_d2h_s"], 1e-9),
+              "naive_s": big["naive_s"], "ours_s": big["ours_s"],
               "store_visible_s": big["store_visible_s"], "relay_visible_s": big["relay_visible_s"],
               "disk_gbps": big["disk_gbps"], "raw_fresh_gbps": big["raw_fresh_gbps"],
               "pull_copy_gbps": big["pull_copy_gbps"],
               "pull_copy_vs_raw_fresh": big["pull_copy_gbps"] / big["raw_fresh_gbps"],
-              "chain_s": {str(k): v for k, v in chain.items()}, "chain_bytes": chain_mb * MB,
-              "chunk_bytes": chunk_mb * MB, "link_bytes_per_s": link_rate, "sizes": rows,
-              "quick": args.quick, "wall_s": time.perf_counter() - t_start}
+              "chain_s": {str(k): v for k, v in chain.items()},
+              "chain_runs_s": {str(k): v for k, v in chain_all.items()}, "chain_bytes": chain_mb * MB,
+              "chunk_bytes": chunk, "link_bytes_per_s": link_rate, "sizes": rows,
+              "quick": args.quick, "load_avg": list(os.getloadavg()), "wall_s": time.perf_counter() - t_start}
     print(json.dumps(result))
     return result
 
 
-def _print_table(rows: list[dict], chain: dict, chain_mb: int, chunk_mb: int, link: float) -> None:
+def _print_table(rows: list[dict], chain: dict, chain_mb: int, chunk: int, link: float) -> None:
     print("GB/s columns: pull = zero-copy map of the local relay; pull cp = pull(copy=True); memcpy = into "
           "pre-touched memory; memcpy new = into fresh allocations; disk = cold raw read; ts = WeightStore.read")
     hdr = (f"{'size':>7} {'stall ms':>8} {'d2h ms':>7} {'ratio':>5} {'store vis':>9} {'relay vis':>9} "
@@ -237,7 +312,8 @@ def _print_table(rows: list[dict], chain: dict, chain_mb: int, chunk_mb: int, li
               f"{r['stall_s'] / max(r['d2h_s'], 1e-9):5.2f} {r['store_visible_s']:9.2f} {r['relay_visible_s']:9.2f} "
               f"{r['pull_gbps']:6.2f} {r['pull_copy_gbps']:7.2f} {r['raw_gbps']:6.2f} {r['raw_fresh_gbps']:10.2f} "
               f"{r['disk_gbps']:5.2f} {r['store_read_gbps']:5.2f} {r['naive_s']:7.2f} {r['ours_s']:6.2f}")
-    print(f"chain: {chain_mb} MB version, {chunk_mb} MB chunks, {link:.0f} MB/s per link")
+    print("stall = the learner's (HostCopy + wait_copied); d2h = jax.device_get; medians of interleaved reps")
+    print(f"chain: {chain_mb} MB version, {chunk / MB:.2f} MB chunks, {link:.0f} MB/s per link (median of timed versions)")
     for n, t in chain.items():
         print(f"  {n} relay(s): last relay has it after {t:6.2f} s  ({t / chain[1]:.2f}x one hop)")
 

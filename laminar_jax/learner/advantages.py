@@ -2,7 +2,9 @@
 
 Token layout (see batch.py): position t of a row holds what is needed to *predict* token t+1,
 so `mask[b, t] = 1` marks positions whose target is a response token. All estimators return
-f32[B, T] advantages and returns, zero where mask == 0.
+f32[B, T] advantages and returns, zero where mask == 0. Per-trajectory inputs are f32[S] over
+trajectory slots; `seq_ids` i32[B, T] maps each token to its slot (packed rows hold several
+trajectories; None means one trajectory per row, slot = row).
 """
 
 from __future__ import annotations
@@ -14,11 +16,12 @@ import jax.numpy as jnp
 
 
 class AdvantageInputs(NamedTuple):
-    rewards: jax.Array  # f32[B] scalar (verifiable) reward per trajectory
-    group_ids: jax.Array  # i32[B] dense group id in [0, B): trajectories of one prompt share it
+    rewards: jax.Array  # f32[S] scalar (verifiable) reward per trajectory
+    group_ids: jax.Array  # i32[S] dense group id in [0, S): trajectories of one prompt share it
     token_rewards: jax.Array  # f32[B, T] per-token rewards (terminal reward + optional KL penalty)
     values: Optional[jax.Array]  # f32[B, T] old critic values (None without a critic)
     mask: jax.Array  # f32[B, T] 1 on response-target positions
+    seq_ids: Optional[jax.Array] = None  # i32[B, T] trajectory slot per token (None: slot = row)
 
 
 class AdvantageParams(NamedTuple):
@@ -37,14 +40,28 @@ class AdvantageOutputs(NamedTuple):
 class _GaeCarry(NamedTuple):
     next_value: jax.Array  # f32[B] value of the next *response* position (0 past the end)
     next_adv: jax.Array  # f32[B]
+    next_seq: jax.Array  # i32[B] trajectory slot of that position (a different one: terminal)
+
+
+def row_seq_ids(mask: jax.Array) -> jax.Array:
+    """i32[B, T]: slot = row, the unpacked layout."""
+    return jnp.broadcast_to(jnp.arange(mask.shape[0], dtype=jnp.int32)[:, None], mask.shape)
+
+
+def per_token(x_s: jax.Array, seq_ids: Optional[jax.Array], mask: jax.Array) -> jax.Array:
+    """f32[S] per-trajectory values -> f32[B, T] on each trajectory's tokens (0 where mask = 0)."""
+    if seq_ids is None:
+        return x_s[:, None] * mask
+    return x_s[jnp.maximum(seq_ids, 0)] * mask
 
 
 def gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: float,
-        lam: float) -> tuple[jax.Array, jax.Array]:
+        lam: float, seq_ids: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """Token-level GAE as a reversed lax.scan over time.
 
-    Over the masked positions t of a row (masked-out positions are skipped, so "next" means the
-    next position with mask 1; the last response position is terminal, V_next = 0):
+    Over the masked positions t of a trajectory (masked-out positions are skipped, so "next" means
+    the next position with mask 1 of the same trajectory; the last response position is terminal,
+    V_next = 0; `seq_ids` tells packed trajectories apart, None = one per row):
 
         delta_t = r_t + gamma * V_next(t) - V_t
         A_t     = delta_t + gamma * lam * A_next(t)
@@ -54,16 +71,20 @@ def gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: flo
     """
 
     def body(carry: _GaeCarry, x):
-        r, v, m = x  # f32[B] each
-        delta = r + gamma * carry.next_value - v
-        adv = delta + gamma * lam * carry.next_adv
+        r, v, m, sid = x  # f32[B] x3, i32[B]
+        same = sid == carry.next_seq  # the next response position belongs to this trajectory
+        next_value = jnp.where(same, carry.next_value, 0.0)
+        delta = r + gamma * next_value - v
+        adv = delta + gamma * lam * jnp.where(same, carry.next_adv, 0.0)
         on = m > 0
-        new = _GaeCarry(jnp.where(on, v, carry.next_value), jnp.where(on, adv, carry.next_adv))
+        new = _GaeCarry(jnp.where(on, v, carry.next_value), jnp.where(on, adv, carry.next_adv),
+                        jnp.where(on, sid, carry.next_seq))
         return new, jnp.where(on, adv, 0.0)
 
     b = token_rewards.shape[0]
-    init = _GaeCarry(jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32))
-    xs = (token_rewards.T.astype(jnp.float32), values.T.astype(jnp.float32), mask.T)
+    seq_ids = row_seq_ids(mask) if seq_ids is None else seq_ids
+    init = _GaeCarry(jnp.zeros((b,), jnp.float32), jnp.zeros((b,), jnp.float32), jnp.full((b,), -2, jnp.int32))
+    xs = (token_rewards.T.astype(jnp.float32), values.T.astype(jnp.float32), mask.T, seq_ids.T)
     _, adv_tb = jax.lax.scan(body, init, xs, reverse=True)
     adv = adv_tb.T
     return adv, (adv + values) * mask
@@ -126,23 +147,23 @@ def rloo(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
 def _gae_estimator(inp: AdvantageInputs, hp: AdvantageParams) -> AdvantageOutputs:
     if inp.values is None:
         raise ValueError("adv_estimator='gae' needs critic values (learner.critic must not be 'none')")
-    adv, ret = gae(inp.token_rewards, inp.values, inp.mask, hp.gamma, hp.lam)
+    adv, ret = gae(inp.token_rewards, inp.values, inp.mask, hp.gamma, hp.lam, inp.seq_ids)
     if hp.whiten:
         adv = masked_whiten(adv, inp.mask, hp.eps)
     return AdvantageOutputs(adv, ret)
 
 
-def _broadcast(adv_b: jax.Array, mask: jax.Array) -> AdvantageOutputs:
-    adv = adv_b[:, None] * mask
+def _broadcast(adv_s: jax.Array, inp: AdvantageInputs) -> AdvantageOutputs:
+    adv = per_token(adv_s, inp.seq_ids, inp.mask)
     return AdvantageOutputs(adv, adv)
 
 
 def _grpo_estimator(inp: AdvantageInputs, hp: AdvantageParams) -> AdvantageOutputs:
-    return _broadcast(grpo(inp.rewards, inp.group_ids, hp.norm_adv_by_std, hp.eps), inp.mask)
+    return _broadcast(grpo(inp.rewards, inp.group_ids, hp.norm_adv_by_std, hp.eps), inp)
 
 
 def _rloo_estimator(inp: AdvantageInputs, hp: AdvantageParams) -> AdvantageOutputs:
-    return _broadcast(rloo(inp.rewards, inp.group_ids), inp.mask)
+    return _broadcast(rloo(inp.rewards, inp.group_ids), inp)
 
 
 AdvantageFn = Callable[[AdvantageInputs, AdvantageParams], AdvantageOutputs]
@@ -161,8 +182,17 @@ def compute_advantages(name: str, inp: AdvantageInputs, hp: AdvantageParams) -> 
     return ADVANTAGE_ESTIMATORS[name](inp, hp)
 
 
-def terminal_token_rewards(rewards: jax.Array, mask: jax.Array) -> jax.Array:
-    """f32[B, T]: reward r_b at the row's last mask position (the last response token), 0 elsewhere."""
+def terminal_token_rewards(rewards: jax.Array, mask: jax.Array, seq_ids: Optional[jax.Array] = None) -> jax.Array:
+    """f32[B, T]: reward r_s at trajectory s's last mask position (its last response token), 0 elsewhere.
+
+    Without seq_ids (one trajectory per row): the row's last mask position. With seq_ids: every
+    mask position whose successor is off-mask or another trajectory's (segments are contiguous).
+    """
+    if seq_ids is not None:
+        nxt_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
+        nxt_seq = jnp.pad(seq_ids[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
+        last = (mask > 0) & ((nxt_mask == 0) | (nxt_seq != seq_ids))
+        return jnp.where(last, rewards[jnp.maximum(seq_ids, 0)], 0.0).astype(jnp.float32)
     t = mask.shape[1]
     idx = jnp.arange(t)[None, :]
     last = jnp.max(jnp.where(mask > 0, idx, -1), axis=1)  # i32[B]; -1 for a fully masked row

@@ -1,8 +1,12 @@
 """TrainBatch (the learner's input pytree) and host-side collation of trajectories.
 
-Layout: one trajectory per row, prompt then response, right-padded to a bucketed length T.
-Position t holds token t and is scored on its *target*, token t+1. For a row with prompt length P
-and response length R (L = P + R tokens):
+Layout: each trajectory is one *segment* (prompt then response) of a row. Unpacked, a row holds one
+trajectory right-padded to a bucketed length T; packed (``pack_length``), rows of exactly
+``pack_length`` tokens hold several trajectories back to back (first-fit decreasing), told apart
+by segment_ids (1, 2, ... within a row), positions restarting at 0 for each, so long-tail batches
+do not pay for padding up to their longest response. Position t holds token t and is scored on
+its *target*, token t+1. For a segment starting at offset o with prompt length P and response
+length R (L = P + R tokens), relative positions t = 0..L-1 at o + t:
 
     tokens[t]   = seq[t]                     t < L
     targets[t]  = seq[t + 1]                 t < L - 1
@@ -16,7 +20,7 @@ device, once per Learner.step over the whole batch, before splitting it into min
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple, Sequence
+from typing import Any, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -30,9 +34,10 @@ class TrainBatch(NamedTuple):
     segment_ids: Any  # i32[B, T] 1 on real tokens, 0 on padding
     loss_mask: Any  # f32[B, T] 1 where targets[t] is a response token
     behaviour_logprobs: Any  # f32[B, T] rollout-recorded log-prob of targets[t] (0 off-mask)
-    rewards: Any  # f32[B] scalar reward per trajectory
-    group_ids: Any  # i32[B] dense group id per prompt_uid (padding rows get unique ids)
-    versions: Any  # i32[B] generating weight version (-1 on padding rows)
+    rewards: Any  # f32[S] scalar reward per trajectory slot (S = B unpacked)
+    group_ids: Any  # i32[S] dense group id per prompt_uid (padding slots get unique ids)
+    versions: Any  # i32[S] generating weight version (-1 on padding slots)
+    seq_ids: Any  # i32[B, T] trajectory slot of each token (-1 on padding)
     # Filled on device by the learner's prepare pass (zeros after collate):
     old_logprobs: Any  # f32[B, T] the PPO "old" log-probs (behaviour or proximal, see losses.py)
     prox_logprobs: Any  # f32[B, T] proximal log-probs (learner params at batch start)
@@ -40,6 +45,7 @@ class TrainBatch(NamedTuple):
     old_values: Any  # f32[B, T] critic values at batch start
     advantages: Any  # f32[B, T]
     returns: Any  # f32[B, T]
+    seq_tokens: Any  # f32[B, T] response-target count of the token's trajectory (0 off-mask)
 
 
 def bucket_length(n: int, buckets: Sequence[int]) -> int:
@@ -62,51 +68,100 @@ def _check(tr: Trajectory, i: int) -> None:
 
 
 def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_token_id: int = 0,
-            row_multiple: int = 1) -> TrainBatch:
-    """Pad trajectories into a numpy TrainBatch.
+            row_multiple: int = 1, pack_length: int = 0, mini_batches: int = 1,
+            order: Optional[Sequence[int]] = None) -> TrainBatch:
+    """Pad (or pack) trajectories into a numpy TrainBatch.
 
-    T = bucket_length(longest prompt+response). B = len(trajectories) rounded up to a multiple of
-    `row_multiple` with fully masked padding rows (so the batch divides over the mesh and the
-    micro/mini-batch split).
+    Unpacked (pack_length=0): T = bucket_length(longest prompt+response), one trajectory per row,
+    B = S = len(trajectories) rounded up to a multiple of `row_multiple` (fully masked padding rows,
+    so the batch divides over the mesh and the micro/mini-batch split).
+    Packed: T = pack_length. The trajectories, taken in `order` (a permutation; default as given),
+    are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
+    rows [j R, (j+1) R) where R = the most rows any part needs, rounded up to
+    row_multiple / mini_batches x a power of two (few distinct shapes -> few compilations). So a
+    mini-batch is a set of whole trajectories chosen without regard to the mesh: only the number
+    of fully masked padding rows depends on it. S = len(trajectories) rounded up to row_multiple.
     """
     if not trajectories:
         raise ValueError("collate: empty trajectory list")
     for i, tr in enumerate(trajectories):
         _check(tr, i)
     lengths = [tr.num_tokens for tr in trajectories]
-    try:
-        t = bucket_length(max(lengths), buckets)
-    except ValueError as e:
-        i = int(np.argmax(lengths))
-        raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {e}") from None
     n = len(trajectories)
-    b = -(-n // row_multiple) * row_multiple
+    s_slots = -(-n // row_multiple) * row_multiple
+    if pack_length:
+        too_long = [i for i, length in enumerate(lengths) if length > pack_length]
+        if too_long:
+            i = too_long[0]
+            raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {lengths[i]} tokens exceed "
+                             f"learner.pack_length={pack_length}")
+        t, placement, b = pack_length, *_pack_blocks(lengths, pack_length, row_multiple, mini_batches, order)
+    else:
+        try:
+            t = bucket_length(max(lengths), buckets)
+        except ValueError as e:
+            i = int(np.argmax(lengths))
+            raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {e}") from None
+        placement, b = [(i, 0) for i in range(n)], s_slots
     tokens = np.full((b, t), pad_token_id, np.int32)
     targets = np.full((b, t), pad_token_id, np.int32)
     positions = np.zeros((b, t), np.int32)
     segment_ids = np.zeros((b, t), np.int32)
+    seq_ids = np.full((b, t), -1, np.int32)
     loss_mask = np.zeros((b, t), np.float32)
     blp = np.zeros((b, t), np.float32)
-    rewards = np.zeros((b,), np.float32)
-    versions = np.full((b,), -1, np.int32)
+    rewards = np.zeros((s_slots,), np.float32)
+    versions = np.full((s_slots,), -1, np.int32)
     group_of: dict[str, int] = {}
-    group_ids = np.zeros((b,), np.int32)
-    for i, tr in enumerate(trajectories):
+    group_ids = np.zeros((s_slots,), np.int32)
+    for i, (tr, (row, o)) in enumerate(zip(trajectories, placement)):
         seq = np.concatenate([np.asarray(tr.prompt_ids, np.int32), np.asarray(tr.response_ids, np.int32)])
         p, length = len(tr.prompt_ids), len(seq)
-        tokens[i, :length] = seq
-        targets[i, :length - 1] = seq[1:]
-        positions[i, :length] = np.arange(length)
-        segment_ids[i, :length] = 1
-        loss_mask[i, p - 1:length - 1] = 1.0
-        blp[i, p - 1:length - 1] = np.asarray(tr.behaviour_logprobs, np.float32)
+        tokens[row, o:o + length] = seq
+        targets[row, o:o + length - 1] = seq[1:]
+        positions[row, o:o + length] = np.arange(length)
+        segment_ids[row, o:o + length] = segment_ids[row].max() + 1
+        seq_ids[row, o:o + length] = i
+        loss_mask[row, o + p - 1:o + length - 1] = 1.0
+        blp[row, o + p - 1:o + length - 1] = np.asarray(tr.behaviour_logprobs, np.float32)
         rewards[i] = tr.reward
         versions[i] = tr.version
         group_ids[i] = group_of.setdefault(tr.prompt_uid, len(group_of))
-    group_ids[n:] = len(group_of) + np.arange(b - n)  # padding rows: singleton groups (advantage 0)
+    group_ids[n:] = len(group_of) + np.arange(s_slots - n)  # padding slots: singleton groups (advantage 0)
     zeros = np.zeros((b, t), np.float32)
     return TrainBatch(tokens, targets, positions, segment_ids, loss_mask, blp, rewards, group_ids, versions,
-                      zeros, zeros, zeros, zeros, zeros, zeros)
+                      seq_ids, zeros, zeros, zeros, zeros, zeros, zeros, zeros)
+
+
+def _pack_blocks(lengths: Sequence[int], capacity: int, row_multiple: int, mini_batches: int,
+                 order: Optional[Sequence[int]]) -> tuple[list[tuple[int, int]], int]:
+    """(row, offset) per trajectory and the row count B for the packed layout (see collate)."""
+    if row_multiple % mini_batches:
+        raise ValueError(f"row_multiple={row_multiple} must be a multiple of mini_batches={mini_batches}")
+    order = np.arange(len(lengths)) if order is None else np.asarray(order)
+    parts = np.array_split(order, mini_batches)
+    fits = [_first_fit_decreasing([lengths[i] for i in part], capacity) for part in parts]
+    used = max((max(r for r, _ in fit) + 1 if fit else 1) for fit in fits)
+    unit = row_multiple // mini_batches
+    per_block = unit * (1 << max(0, (-(-used // unit) - 1).bit_length()))
+    placement: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for j, (part, fit) in enumerate(zip(parts, fits)):
+        for i, (row, off) in zip(part, fit):
+            placement[int(i)] = (j * per_block + row, off)
+    return placement, per_block * mini_batches
+
+
+def _first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[tuple[int, int]]:
+    """(row, offset) per item: longest first, each into the first row with room (a new row if none)."""
+    fill: list[int] = []
+    out: list[tuple[int, int]] = [(0, 0)] * len(lengths)
+    for i in sorted(range(len(lengths)), key=lambda j: (-lengths[j], j)):
+        row = next((r for r, used in enumerate(fill) if used + lengths[i] <= capacity), len(fill))
+        if row == len(fill):
+            fill.append(0)
+        out[i] = (row, fill[row])
+        fill[row] += lengths[i]
+    return out
 
 
 class Staleness(NamedTuple):

@@ -51,6 +51,8 @@ class LearnerSection:
       temperature: Sampling temperature the rollout used; log-probs are computed from logits / temperature.
       loss_agg: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' over a mini-batch.
       micro_batches: Gradient-accumulation micro-batches per optimizer update (lax.scan).
+      remat: Activation rematerialization per decoder layer in the training forward: 'none' (keep all activations), 'full' (keep each layer's input, recompute the layer in the backward pass), 'dots_saveable' (keep all matmul outputs, attention scores included) or 'dots_with_no_batch_dims_saveable' (keep the weight matmuls' outputs, recompute attention). Same values and gradients; less memory for more FLOPs.
+      logits_chunk_tokens: Tokens per device whose logits exist at once when the learner scores targets: log-probs/entropy are computed from the final hidden states in chunks of positions (all rows of a micro-batch) with the lm_head recomputed in the backward pass, so peak logits memory is ~ logits_chunk_tokens x vocab x 4 bytes (x3 in the backward) instead of rows x seq_len x vocab x 4. 0 = one chunk (full f32[B, T, V] logits).
       mini_batches: Optimizer updates per epoch over one `Learner.step` batch.
       ppo_epochs: Passes over one `Learner.step` batch.
       critic: 'none', 'shared' (value head on the actor trunk) or 'separate' (its own model).
@@ -62,6 +64,7 @@ class LearnerSection:
       async_checkpoint: Write checkpoints in the background (orbax async).
       seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.
       pad_token_id: Token id used for padding.
+      pack_length: 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       seed: Seed of the learner RNG and of the mini-batch shuffles.
     """
@@ -96,6 +99,8 @@ class LearnerSection:
     temperature: float = 1.0
     loss_agg: LossAgg = "token-mean"
     micro_batches: int = 1
+    remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
+    logits_chunk_tokens: int = 2048
     mini_batches: int = 1
     ppo_epochs: int = 1
     critic: Literal["none", "shared", "separate"] = "none"
@@ -107,6 +112,7 @@ class LearnerSection:
     async_checkpoint: bool = True
     seq_len_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
     pad_token_id: int = 0
+    pack_length: int = 0
     publish_timeout_s: float = 300.0
     seed: int = 0
 
@@ -137,7 +143,12 @@ class LearnerSection:
         for name in ("micro_batches", "mini_batches", "ppo_epochs", "max_consecutive_skips", "keep_checkpoints"):
             v = getattr(self, name)
             expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
+        expect(self.logits_chunk_tokens >= 0, f"{prefix}.logits_chunk_tokens", self.logits_chunk_tokens,
+               ">= 0 (0 = unchunked)")
+        remats = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+        expect(self.remat in remats, f"{prefix}.remat", self.remat, f"one of {list(remats)}")
         expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
+        expect(self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length, ">= 0 (0 disables packing)")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")

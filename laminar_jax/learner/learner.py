@@ -8,6 +8,7 @@ is `learner.version - trajectory.version` measured when the step starts.
 from __future__ import annotations
 
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
@@ -15,7 +16,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from laminar_jax.learner.batch import TrainBatch, collate, staleness
+from laminar_jax.learner.batch import TrainBatch, bucket_length, collate, staleness
 from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
 from laminar_jax.learner.mesh import (
@@ -99,6 +100,8 @@ class Learner:
         self.publisher = publisher
         self.version = 0
         self._pending: Optional[HostCopy] = None
+        # One worker: publishes run in version order, and no thread is started per step.
+        self._publish_worker = ThreadPoolExecutor(1, thread_name_prefix="publish")
         self._ckpt = Checkpointer(section.checkpoint_dir, section.keep_checkpoints, section.async_checkpoint) \
             if section.checkpoint_dir else None
 
@@ -118,7 +121,7 @@ class Learner:
         bs = batch_sharding(mesh)
         self.batch_shardings = TrainBatch(*([bs] * len(TrainBatch._fields)))
         ref_shard = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
-        self._prepare = jax.jit(make_prepare_fn(section, self.graphs),
+        self._prepare = jax.jit(make_prepare_fn(section, self.graphs, mesh),
                                 in_shardings=(p_shard, ref_shard, self.batch_shardings),
                                 out_shardings=self.batch_shardings)
         self._train_step = jax.jit(make_train_step(section, self.graphs, self.optimizer, mesh),
@@ -130,9 +133,10 @@ class Learner:
         self.row_multiple = shape["data"] * shape["fsdp"] * section.micro_batches * section.mini_batches
 
     # ----------------------------------------------------------------------------------- step
-    def collate(self, trajectories: Sequence[Trajectory]) -> TrainBatch:
+    def collate(self, trajectories: Sequence[Trajectory], order: Optional[np.ndarray] = None) -> TrainBatch:
         s = self.section
-        return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple)
+        return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple, s.pack_length,
+                       s.mini_batches, order)
 
     def step(self, trajectories: Sequence[Trajectory], publisher: Optional[Publisher] = None) -> dict:
         """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
@@ -141,18 +145,21 @@ class Learner:
         s = self.section
         if self._pending is not None:
             self._pending.check()
-        host = self.collate(trajectories)
+        rng = np.random.default_rng([s.seed, self.version])
+        # Packed: mini-batches are drawn over trajectories once per step (collate lays them out as
+        # row blocks); each epoch visits the blocks in a new order. Unpacked: rows are shuffled.
+        host = self.collate(trajectories, rng.permutation(len(trajectories)) if s.pack_length else None)
         stale = staleness(host.versions, self.version)
         batch = place(host, self.batch_shardings)
         prepared = self._prepare(self.state.params, self.ref_params, batch)
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
-        rng = np.random.default_rng([s.seed, self.version])
         if self._pending is not None:  # donation below would free buffers the host copy still reads
             self._pending.wait_copied(s.publish_timeout_s)
         per_update = []
         for _ in range(s.ppo_epochs):
-            perm = rng.permutation(b) if s.mini_batches > 1 or s.ppo_epochs > 1 else None
+            perm = _epoch_rows(rng, b, s.mini_batches, bool(s.pack_length)) \
+                if s.mini_batches > 1 or s.ppo_epochs > 1 else None
             for j in range(s.mini_batches):
                 mb = prepared if perm is None else self._select(
                     prepared, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
@@ -171,10 +178,47 @@ class Learner:
         n = len(trajectories)
         metrics.update(
             version=self.version, staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
-            num_tokens=int(host.segment_ids[:n].sum()), response_tokens=int(host.loss_mask.sum()),
-            seq_len=int(host.tokens.shape[1]), reward_mean=float(host.rewards[:n].mean()),
+            num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
+            seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
+            pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
             updates=len(per_update), step_s=time.perf_counter() - t0)
         return metrics
+
+    def warmup(self, num_trajectories: int, max_tokens: Optional[int] = None) -> int:
+        """Compile (ahead of time) the prepare pass, the train step and the mini-batch select for
+        every batch shape a step of ``num_trajectories`` trajectories of at most ``max_tokens``
+        tokens can take (each seq_len bucket; packed: each row bucket), so no training step pays
+        XLA compilation. Returns how many shapes were compiled."""
+        s = self.section
+        slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
+        if s.pack_length:
+            shapes, rows = [], self.row_multiple
+            while True:
+                shapes.append((rows, s.pack_length))
+                if rows // s.mini_batches >= -(-num_trajectories // s.mini_batches):  # a row each
+                    break
+                rows *= 2
+        else:
+            top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
+            shapes = [(slots, t) for t in s.seq_len_buckets if t <= top]
+        for b, t in shapes:
+            batch = self._abstract_batch(b, t, slots)
+            self._prepare.lower(self.state.params, self.ref_params, batch).compile()
+            mb = b // s.mini_batches
+            self._train_step.lower(self.state, self._abstract_batch(mb, t, mb)).compile()
+            if s.mini_batches > 1 or s.ppo_epochs > 1:
+                idx = jax.ShapeDtypeStruct((mb,), np.int32, sharding=replicated(self.mesh))
+                self._select.lower(batch, idx).compile()
+        return len(shapes)
+
+    def _abstract_batch(self, rows: int, t: int, slots: int) -> TrainBatch:
+        """ShapeDtypeStructs (with the batch shardings) of a collated TrainBatch."""
+        per_slot = ("rewards", "group_ids", "versions")
+        ints = {"tokens", "targets", "positions", "segment_ids", "group_ids", "versions", "seq_ids"}
+        return TrainBatch(*(
+            jax.ShapeDtypeStruct((slots,) if f in per_slot else (rows, t), np.int32 if f in ints else np.float32,
+                                 sharding=sh)
+            for f, sh in zip(TrainBatch._fields, self.batch_shardings)))
 
     # ------------------------------------------------------------------------------ publishing
     def _start_publish(self, publisher: Optional[Publisher]) -> None:
@@ -182,7 +226,7 @@ class Learner:
             self._pending = None
             return
         flat = flatten_params(self.state.params["actor"])
-        self._pending = HostCopy(self.version, flat, publisher)
+        self._pending = HostCopy(self.version, flat, publisher, self._publish_worker)
 
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat as published."""
@@ -215,6 +259,7 @@ class Learner:
 
     def close(self) -> None:
         self.flush()
+        self._publish_worker.shutdown(wait=False)
         if self._ckpt is not None:
             self._ckpt.close()
 
@@ -224,3 +269,12 @@ def _scalar(x: Any) -> float:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
     return float(np.asarray(x))
+
+
+def _epoch_rows(rng: np.random.Generator, b: int, mini_batches: int, packed: bool) -> np.ndarray:
+    """Row order of one epoch: mini-batch j takes rows [j b/m, (j+1) b/m) of it. Packed batches
+    keep their trajectory blocks whole (blocks shuffled); unpacked rows are shuffled freely."""
+    if not packed:
+        return rng.permutation(b)
+    per = b // mini_batches
+    return np.concatenate([np.arange(j * per, (j + 1) * per) for j in rng.permutation(mini_batches)])

@@ -24,23 +24,35 @@ class AggNorm(NamedTuple):
     seqs: jax.Array  # f32[] number of rows with at least one mask token (>= 1)
 
 
-def agg_norm(mask: jax.Array) -> AggNorm:
-    return AggNorm(jnp.maximum(mask.sum(), 1.0), jnp.maximum((mask.sum(-1) > 0).sum().astype(jnp.float32), 1.0))
+def agg_norm(mask: jax.Array, seq_tokens: Optional[jax.Array] = None) -> AggNorm:
+    """Denominators over `mask`; with `seq_tokens` (packed rows) sequences are counted per token:
+    S = sum_t m_t / n_seq(t), each trajectory's n tokens adding up to exactly 1."""
+    if seq_tokens is None:
+        seqs = (mask.sum(-1) > 0).sum().astype(jnp.float32)
+    else:
+        seqs = (mask / jnp.maximum(seq_tokens, 1.0)).sum()
+    return AggNorm(jnp.maximum(mask.sum(), 1.0), jnp.maximum(seqs, 1.0))
 
 
-def aggregate(x: jax.Array, mask: jax.Array, mode: str, norm: Optional[AggNorm] = None) -> jax.Array:
+def aggregate(x: jax.Array, mask: jax.Array, mode: str, norm: Optional[AggNorm] = None,
+              seq_tokens: Optional[jax.Array] = None) -> jax.Array:
     """Reduce per-token values f32[B, T] to a scalar.
 
         token-mean:          sum_{b,t} m x / sum_{b,t} m
-        seq-mean-token-mean: (1/S) sum_b [ sum_t m x / sum_t m ]      (S = rows with any mask)
-        seq-mean-token-sum:  (1/S) sum_b   sum_t m x
-    Fully masked rows contribute 0 and are not counted in S.
+        seq-mean-token-mean: (1/S) sum_s [ sum_{t in s} m x / n_s ]   (S = sequences with any mask)
+        seq-mean-token-sum:  (1/S) sum_s   sum_{t in s} m x
+    Sequences are rows, or with `seq_tokens` f32[B, T] (n_s of each token's trajectory; packed
+    rows) trajectories: then sum_s sum_{t in s} m x / n_s = sum_t m x / seq_tokens, so the
+    aggregate stays a per-token sum that any row split (micro-batches) preserves.
+    Fully masked sequences contribute 0 and are not counted in S.
     """
-    norm = agg_norm(mask) if norm is None else norm
+    norm = agg_norm(mask, seq_tokens) if norm is None else norm
     xm = x * mask
     if mode == "token-mean":
         return xm.sum() / norm.tokens
     if mode == "seq-mean-token-mean":
+        if seq_tokens is not None:
+            return (xm / jnp.maximum(seq_tokens, 1.0)).sum() / norm.seqs
         return (xm.sum(-1) / jnp.maximum(mask.sum(-1), 1.0)).sum() / norm.seqs
     if mode == "seq-mean-token-sum":
         return xm.sum() / norm.seqs

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import traceback
+from concurrent.futures import Executor
 from typing import Any, Optional, Protocol, runtime_checkable
 
 import jax
@@ -74,31 +75,49 @@ def flatten_params(state: Any, drop: tuple[str, ...] = ("value_head",)) -> dict[
 
 
 class HostCopy:
-    """One in-flight publish: D2H copies started now, numpy + publish on a worker thread."""
+    """One in-flight publish: D2H copies started now; numpy conversion + publish on a worker.
 
-    def __init__(self, version: int, flat: dict[str, jax.Array], publisher: Optional[Publisher]):
+    The learner's stall is `wait_copied`, which converts in the caller when the worker has not
+    yet: on busy cores a hand-off to a thread that still has to be scheduled costs milliseconds,
+    more than the copy itself. With an `executor` (one worker, so versions stay in order) no
+    thread is started per publish either.
+    """
+
+    def __init__(self, version: int, flat: dict[str, jax.Array], publisher: Optional[Publisher],
+                 executor: Optional[Executor] = None):
         self.version = version
         self._copied = threading.Event()
         self._done = threading.Event()
+        self._lock = threading.Lock()
         self._error: Optional[str] = None
         self.host: Optional[dict[str, np.ndarray]] = None
         if all(x.is_fully_addressable for x in flat.values()):
             for x in flat.values():
-                x.copy_to_host_async()
-            self._thread = threading.Thread(target=self._run, args=(flat, publisher), daemon=True,
-                                            name=f"publish-v{version}")
-            self._thread.start()
-        else:  # multi-process: gather the global value (blocking; see report)
+                if x.devices() and next(iter(x.devices())).platform != "cpu":  # a view on CPU already
+                    x.copy_to_host_async()
+            self._flat = flat
+        else:  # multi-process: gather the global value (blocking)
             from jax.experimental import multihost_utils
-            host = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
-            self._thread = threading.Thread(target=self._run, args=(host, publisher), daemon=True,
-                                            name=f"publish-v{version}")
-            self._thread.start()
+            self._flat = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
+        if executor is not None:
+            executor.submit(self._run, publisher)
+        else:
+            threading.Thread(target=self._run, args=(publisher,), daemon=True, name=f"publish-v{version}").start()
 
-    def _run(self, flat: dict[str, Any], publisher: Optional[Publisher]) -> None:
+    def _convert(self, timeout: Optional[float] = None) -> None:
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            raise TimeoutError(f"weight version {self.version}: device-to-host copy not done after {timeout}s")
         try:
-            self.host = {k: np.asarray(v) for k, v in flat.items()}
+            if self.host is None:
+                self.host = {k: np.asarray(v) for k, v in self._flat.items()}
+                self._flat = None
+        finally:
+            self._lock.release()
             self._copied.set()
+
+    def _run(self, publisher: Optional[Publisher]) -> None:
+        try:
+            self._convert()
             if publisher is not None:
                 publisher.publish(self.version, self.host)
         except BaseException:  # recorded; the owner re-raises it in check()
@@ -109,8 +128,8 @@ class HostCopy:
 
     def wait_copied(self, timeout: float) -> None:
         """Block until the host copy exists (device buffers may then be donated)."""
-        if not self._copied.wait(timeout):
-            raise TimeoutError(f"weight version {self.version}: device-to-host copy not done after {timeout}s")
+        if not self._copied.is_set():
+            self._convert(timeout)
         self.check()
 
     def wait_done(self, timeout: float) -> None:

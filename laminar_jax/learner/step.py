@@ -23,10 +23,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from laminar_jax.learner.advantages import AdvantageInputs, AdvantageParams, compute_advantages, terminal_token_rewards
 from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.config import LearnerSection
+from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tokens
 from laminar_jax.learner.losses import (
-    AggNorm, aggregate, agg_norm, entropy_from_logits, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
+    AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
 from laminar_jax.learner.mesh import BATCH_AXES
-from laminar_jax.model.build import token_logprobs
 
 
 class TrainState(NamedTuple):
@@ -47,17 +47,37 @@ class Graphs(NamedTuple):
 
 
 class ForwardOut(NamedTuple):
-    logp: jax.Array  # f32[B, T] log-prob of targets
-    entropy: jax.Array  # f32[B, T]
+    logp: jax.Array  # f32[B, T] log-prob of targets (zeros when not scored)
+    entropy: jax.Array  # f32[B, T] (zeros unless asked for)
     values: Optional[jax.Array]  # f32[B, T] or None
 
 
-def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, temperature: float) -> ForwardOut:
-    """Merge the model inside the trace and score the batch's targets."""
+def batch_shards(mesh: Optional[Mesh]) -> int:
+    """Number of row shards of a batch: the product of the ('data', 'fsdp') mesh axes (1 without a mesh)."""
+    if mesh is None:
+        return 1
+    shape = dict(mesh.shape)
+    return int(shape["data"] * shape["fsdp"])
+
+
+def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
+            score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None) -> ForwardOut:
+    """Merge the model inside the trace and score the batch's targets.
+
+    Layers run under `remat` (default `section.remat`; passes without a gradient use 'none'); log-probs/entropy come from the final hidden states in chunks
+    of `section.logits_chunk_tokens` tokens per device (`shards` row shards), never as full
+    f32[B, T, V] logits when the chunk is smaller than the batch. score=False: values only.
+    """
     model = nnx.merge(graphdef, params)
-    out = model.forward(batch.tokens, batch.positions, batch.segment_ids)
-    logits = out.logits.astype(jnp.float32) / temperature
-    return ForwardOut(token_logprobs(logits, batch.targets), entropy_from_logits(logits), out.values)
+    remat = section.remat if remat is None else remat
+    out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False)
+    if not score:
+        zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
+        return ForwardOut(zeros, zeros, out.values)
+    rows, t = batch.tokens.shape
+    chunk = chunk_positions(section.logits_chunk_tokens, rows // shards, t)
+    scores = score_tokens(model.logits_from_hidden, out.hidden, batch.targets, section.temperature, chunk, entropy)
+    return ForwardOut(scores.logp, scores.entropy, out.values)
 
 
 def make_optimizer(section: LearnerSection) -> optax.GradientTransformation:
@@ -76,15 +96,16 @@ def make_optimizer(section: LearnerSection) -> optax.GradientTransformation:
 
 
 def _values(section: LearnerSection, graphs: Graphs, params: dict, batch: TrainBatch,
-            actor_out: Optional[ForwardOut]) -> Optional[jax.Array]:
+            actor_out: Optional[ForwardOut], shards: int) -> Optional[jax.Array]:
     if section.critic == "shared":
         return actor_out.values
     if section.critic == "separate":
-        return forward(graphs.critic, params["critic"], batch, section.temperature).values
+        return forward(graphs.critic, params["critic"], batch, section, shards, score=False).values
     return None
 
 
-def make_prepare_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, Any, TrainBatch], TrainBatch]:
+def make_prepare_fn(section: LearnerSection, graphs: Graphs,
+                    mesh: Optional[Mesh] = None) -> Callable[[dict, Any, TrainBatch], TrainBatch]:
     """prepare(params, ref_params, batch) -> batch with the once-per-batch fields filled.
 
     proximal log-probs come from the actor params at batch start (only computed when off_policy
@@ -92,45 +113,64 @@ def make_prepare_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, 
     terminal reward at the last response target, minus kl_coef * KL(old || ref) per token when
     kl_mode == 'reward'.
     """
+    shards = batch_shards(mesh)
 
     def prepare(params: dict, ref_params: Any, batch: TrainBatch) -> TrainBatch:
         mask = batch.loss_mask
         need_actor = section.off_policy != "none" or section.critic == "shared"
-        actor_out = forward(graphs.actor, params["actor"], batch, section.temperature) if need_actor else None
+        actor_out = forward(graphs.actor, params["actor"], batch, section, shards,
+                            score=section.off_policy != "none", remat="none") if need_actor else None
         prox = actor_out.logp if section.off_policy != "none" else batch.behaviour_logprobs
         old = off_policy_correction(section.off_policy, prox, batch.behaviour_logprobs, section.tis_cap).logp_old
-        values = _values(section, graphs, params, batch, actor_out)
+        values = _values(section, graphs, params, batch, actor_out, shards)
         ref = jnp.zeros_like(mask)
         if section.use_kl:
-            ref = forward(graphs.ref, ref_params, batch, section.temperature).logp
-        token_rewards = terminal_token_rewards(batch.rewards, mask)
+            ref = forward(graphs.ref, ref_params, batch, section, shards, remat="none").logp
+        token_rewards = terminal_token_rewards(batch.rewards, mask, batch.seq_ids)
         if section.kl_mode == "reward" and section.kl_coef != 0.0:
             token_rewards = token_rewards - section.kl_coef * kl_penalty(section.kl_estimator, old, ref) * mask
         hp = AdvantageParams(section.gamma, section.lam, section.norm_adv_by_std, section.whiten_advantages,
                              section.adv_eps)
         adv = compute_advantages(section.adv_estimator,
-                                 AdvantageInputs(batch.rewards, batch.group_ids, token_rewards, values, mask), hp)
+                                 AdvantageInputs(batch.rewards, batch.group_ids, token_rewards, values, mask,
+                                                 batch.seq_ids), hp)
         return batch._replace(
             old_logprobs=old * mask, prox_logprobs=prox * mask, ref_logprobs=ref * mask,
             old_values=(jnp.zeros_like(mask) if values is None else values * mask),
-            advantages=adv.advantages, returns=adv.returns)
+            advantages=adv.advantages, returns=adv.returns,
+            seq_tokens=trajectory_tokens(batch.seq_ids, mask, batch.rewards.shape[0]))
 
     return prepare
 
 
-def make_loss_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
-    """loss(params, micro_batch, norm) -> (scalar, metrics); norm spans the whole mini-batch."""
+def trajectory_tokens(seq_ids: jax.Array, mask: jax.Array, s: int) -> jax.Array:
+    """f32[B, T]: the response-target count of each token's trajectory (0 off-mask; `s` slots), so
+    that per-sequence aggregation survives packing and any row split (see losses.aggregate)."""
+    slot = jnp.where(seq_ids >= 0, seq_ids, s)
+    counts = jax.ops.segment_sum(mask.reshape(-1), slot.reshape(-1), num_segments=s + 1)
+    return counts[slot] * mask
+
+
+def make_loss_fn(section: LearnerSection, graphs: Graphs,
+                 shards: int = 1) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
+    """loss(params, micro_batch, norm) -> (scalar, metrics); norm spans the whole mini-batch.
+
+    shards: row shards of the batch (see `batch_shards`), for the per-device logits chunk size.
+    """
     agg = section.loss_agg
+    # The entropy is always reported; it is differentiated only when it is in the loss.
+    entropy_mode: EntropyMode = "grad" if section.entropy_coef != 0.0 else "value"
 
     def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm):
         mask = mb.loss_mask
-        out = forward(graphs.actor, params["actor"], mb, section.temperature)
+        out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode)
         corr = off_policy_correction(section.off_policy, mb.prox_logprobs, mb.behaviour_logprobs, section.tis_cap)
         pg = ppo_clip_loss(out.logp, mb.old_logprobs, mb.advantages, section.clip_eps_low, section.clip_eps_high,
                            section.dual_clip_c)
         tok_mean = lambda x: aggregate(x, mask, "token-mean", norm)
-        pg_loss = aggregate(pg.loss * corr.weight, mask, agg, norm)
-        ent = aggregate(out.entropy, mask, agg, norm)
+        seq_agg = lambda x: aggregate(x, mask, agg, norm, mb.seq_tokens)
+        pg_loss = seq_agg(pg.loss * corr.weight)
+        ent = seq_agg(out.entropy)
         total = pg_loss - section.entropy_coef * ent
         metrics = {"pg_loss": pg_loss, "entropy": tok_mean(out.entropy), "clipfrac": tok_mean(pg.clipped),
                    "dual_clipfrac": tok_mean(pg.dual_clipped), "ratio_mean": tok_mean(pg.ratio),
@@ -140,11 +180,11 @@ def make_loss_fn(section: LearnerSection, graphs: Graphs) -> Callable[[dict, Tra
             kl = kl_penalty(section.kl_estimator, out.logp, mb.ref_logprobs)
             metrics["kl_ref"] = tok_mean(kl)
             if section.kl_mode == "loss":
-                total = total + section.kl_coef * aggregate(kl, mask, agg, norm)
-        values = _values(section, graphs, params, mb, out)
+                total = total + section.kl_coef * seq_agg(kl)
+        values = _values(section, graphs, params, mb, out, shards)
         if values is not None:
             vl, vclip = value_loss(values, mb.old_values, mb.returns, section.value_clip)
-            vf = aggregate(vl, mask, agg, norm)
+            vf = seq_agg(vl)
             total = total + section.vf_coef * vf
             metrics.update(vf_loss=vf, vf_clipfrac=tok_mean(vclip), value_mean=tok_mean(values))
         metrics["loss"] = total
@@ -180,13 +220,13 @@ def split_micro(batch: TrainBatch, m: int, mesh: Optional[Mesh]) -> TrainBatch:
 def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] = None):
     """grads(params, batch) -> (grads, metrics): summed over micro-batches (lax.scan); with the
     mini-batch-wide AggNorm the sum equals the gradient of the mini-batch loss."""
-    loss_fn = make_loss_fn(section, graphs)
+    loss_fn = make_loss_fn(section, graphs, batch_shards(mesh))
     m = section.micro_batches
 
     def grads(params: dict, batch: TrainBatch):
         if batch.tokens.shape[0] % m:
             raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into micro_batches={m}")
-        norm = agg_norm(batch.loss_mask)
+        norm = agg_norm(batch.loss_mask, batch.seq_tokens)
         vg = jax.value_and_grad(loss_fn, has_aux=True)
         if m == 1:
             (_, metrics), g = vg(params, batch, norm)

@@ -3,6 +3,11 @@
 Parameters carry logical axis names (metadata ``out_sharding``) so the learner can map them
 onto a mesh: 'vocab', 'embed', 'heads', 'kv_heads', 'mlp', 'norm', 'head_dim'.
 Kernels are stored [in, out] (HF stores [out, in]; loading transposes).
+
+Training-path knobs (the decode path `forward_cached` never uses them): `forward(..., remat=...)`
+rematerializes each decoder layer in the backward pass (see REMAT_POLICIES), and
+`forward(..., with_logits=False)` + `logits_from_hidden` let a caller project the final hidden
+states to logits a chunk of tokens at a time instead of materializing f32[B, T, V].
 """
 
 from __future__ import annotations
@@ -126,8 +131,31 @@ class DecoderLayer(nnx.Module):
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 
 
+# Per-layer activation checkpointing for the training forward (jax.checkpoint policies):
+#   none: keep every activation for the backward pass (fastest, most memory);
+#   full: keep only each layer's input, recompute the whole layer in the backward pass;
+#   dots_saveable: keep all matmul outputs, incl. attention scores f32[B, H, T, T] (large at long T);
+#   dots_with_no_batch_dims_saveable: keep the weight matmuls' outputs (q/k/v/o, MLP), recompute
+#     attention and the elementwise ops.
+REMAT_POLICIES = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
+
+
+def remat_policy(name: str) -> Optional[Any]:
+    """The jax.checkpoint policy for a REMAT_POLICIES name (None for 'none')."""
+    policies = jax.checkpoint_policies
+    table = {"none": None, "full": policies.nothing_saveable, "dots_saveable": policies.dots_saveable,
+             "dots_with_no_batch_dims_saveable": policies.dots_with_no_batch_dims_saveable}
+    if name not in table:
+        raise ValueError(f"remat={name!r}: must be one of {list(REMAT_POLICIES)}")
+    return table[name]
+
+
+def _train_layer(layer: "DecoderLayer", x, positions, inv_freq, segment_ids):
+    return layer(x, positions, inv_freq, segment_ids)[0]
+
+
 class ModelOutput(NamedTuple):
-    logits: jax.Array  # f32[B, T, V]
+    logits: Optional[jax.Array]  # f32[B, T, V] (None when forward(with_logits=False))
     values: Optional[jax.Array]  # f32[B, T] when the model has a value head
     hidden: jax.Array  # f[B, T, D] final-normed hidden states
 
@@ -163,26 +191,48 @@ class Transformer(nnx.Module):
             new_cache.append(c)
         return self.norm(x), new_cache
 
+    def _train_trunk(self, tokens, positions, segment_ids, remat: str):
+        """Training trunk (no cache) with each layer wrapped in nnx.remat under the named policy."""
+        policy = remat_policy(remat)
+        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
+        x = self.embed_tokens(tokens)
+        # prevent_cse=True (the default): layers are unrolled here, not inside a scan.
+        layer_fn = nnx.remat(_train_layer, policy=policy)
+        for layer in self.layers:
+            x = layer_fn(layer, x, positions, inv_freq, segment_ids)
+        return self.norm(x)
+
+    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+        """lm_head projection of final-normed hidden states: f[..., D] -> f32[..., V] (as `forward`)."""
+        return self._logits(h)
+
     def _logits(self, h):
         if self.cfg.tie_word_embeddings:
             return self.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)
 
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
-                segment_ids: Optional[jax.Array] = None) -> ModelOutput:
+                segment_ids: Optional[jax.Array] = None, *, remat: str = "none",
+                with_logits: bool = True) -> ModelOutput:
         """Training forward over a padded or packed batch.
 
         tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
         segment_ids: i32[B, T], 0 = padding (default all ones).
+        remat: per-layer activation checkpointing, one of REMAT_POLICIES (same values, less memory
+          in the backward pass). with_logits=False skips the f32[B, T, V] projection (logits=None);
+          use `logits_from_hidden` on chunks of `hidden` instead.
         """
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
-        h, _ = self._trunk(tokens, positions, segment_ids, None, None)
+        if remat == "none":
+            h, _ = self._trunk(tokens, positions, segment_ids, None, None)
+        else:
+            h = self._train_trunk(tokens, positions, segment_ids, remat)
         values = self.value_head(h)[..., 0].astype(jnp.float32) if self.has_value_head else None
-        return ModelOutput(self._logits(h), values, h)
+        return ModelOutput(self._logits(h) if with_logits else None, values, h)
 
     def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
         return self.forward(tokens, positions, segment_ids).logits

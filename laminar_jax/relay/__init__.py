@@ -13,7 +13,11 @@ Interfaces (import from here or from the named module):
   ``.lease(version, holder, ttl_s=None) -> Lease`` (context manager; ``renew()``, ``release()``),
   ``.gc() -> GcReport``. Missing versions raise ``VersionNotFound``.
 - ``publisher.Publisher(config, store=None, relay_addresses=None)``: ``.publish(version, params) -> stall_s``
-  (returns once the host copy is taken), ``.flush(timeout)``, ``.close()``, ``.check()``, ``.stats()``.
+  (returns once the host copy is taken; read-only host arrays such as ``np.asarray(jax.Array)`` are
+  taken by reference, writeable ones copied), ``.flush(timeout)``, ``.close()``, ``.check()``, ``.stats()``.
+- ``manifest.choose_chunk_bytes(total, max_chunk, min_chunk, link_rate, chunk_time_s, pipeline_chunks)``
+  (pure) and ``publisher.chunk_bytes_for(config, total)``: the chunk size a version is cut into on
+  relay links (about one ``chunk_time_s`` per link on rate-limited links, >= ``pipeline_chunks`` chunks).
 - ``server.RelayServer(config, successors=(), port=None)``: ``.start()``, ``.stop()``, ``.address``,
   ``.versions_held()``, ``.set_successors(addresses)``, ``.check()``, ``.stats()``.
 - ``client.RelayClient(addresses, store=None, config=RelaySection())``:

@@ -94,7 +94,8 @@ def start_local_chain(n: int, config: RelaySection = RelaySection(), startup_tim
     config.validate("relay")
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    cmd = [*python, "-m", "laminar_jax.relay.worker", "--port", "0", "--config-json", config_json(config)]
+    cmd = [*python, "-m", "laminar_jax.relay.worker", "--port", "0", "--config-json", config_json(config),
+           "--parent-pid", str(os.getpid())]
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=_REPO) for _ in range(n)]
     chain = LocalChain(procs, [], config)
     try:

@@ -19,6 +19,7 @@ import numpy as np
 
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, views
+from laminar_jax.relay.store import VersionNotFound
 from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
 
 
@@ -169,8 +170,11 @@ class RelayClient:
         while True:
             v = self.store.latest()
             if v is not None and v > newer_than:
-                with self.store.lease(v, self.holder):
-                    flat = self.store.read(v)
+                try:
+                    with self.store.lease(v, self.holder):
+                        flat = self.store.read(v)
+                except VersionNotFound:  # collected between latest() and the lease: a newer one exists
+                    continue
                 self.last_source = self.store.url
                 return v, flat
             left = deadline - time.monotonic()

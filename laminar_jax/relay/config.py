@@ -20,7 +20,10 @@ class RelaySection:
       verify_reads: Check every array's checksum from the manifest when reading from the store.
       keep_in_memory: Complete versions each relay keeps in host memory (newest first).
       spare_buffers: Evicted version buffers a relay keeps (already faulted in) for reuse by the next versions; 0 frees them at once.
-      chunk_bytes: Size of the fixed chunks a version is cut into on relay links (pipelining unit).
+      chunk_bytes: Largest chunk a version is cut into on relay links (the pipelining unit: a relay forwards a chunk once it holds all of it). The size used for a version is chosen by the publisher (manifest.choose_chunk_bytes) from min_chunk_bytes, chunk_time_s and pipeline_chunks, never above this.
+      min_chunk_bytes: Smallest chunk the publisher picks (bounds the per-chunk cost: one header and one checksum call per chunk and hop); chunk_bytes still caps it.
+      chunk_time_s: On rate-limited links, longest a chunk may take to cross one link, in seconds; each extra relay in a chain adds about one chunk time to delivery.
+      pipeline_chunks: A version is cut into at least about this many chunks (within min_chunk_bytes..chunk_bytes), so filling the chain's pipeline costs a small fraction of one hop.
       max_inflight_versions: Versions the publisher may hold queued (host copies) besides the one it is sending; a newer publish supersedes the oldest unsent one.
       link_rate_bytes_per_s: Token-bucket limit on every outgoing relay link (publisher -> master and relay -> successor), bytes/s; 0 = unlimited.
       link_burst_bytes: Token-bucket depth of that limiter, in bytes.
@@ -44,6 +47,9 @@ class RelaySection:
     keep_in_memory: int = 2
     spare_buffers: int = 1
     chunk_bytes: int = 32 << 20
+    min_chunk_bytes: int = 256 << 10
+    chunk_time_s: float = 0.005
+    pipeline_chunks: int = 64
     max_inflight_versions: int = 2
     link_rate_bytes_per_s: int = 0
     link_burst_bytes: int = 4 << 20
@@ -64,6 +70,9 @@ class RelaySection:
         expect(self.keep_in_memory >= 1, f"{prefix}.keep_in_memory", self.keep_in_memory, ">= 1")
         expect(self.spare_buffers >= 0, f"{prefix}.spare_buffers", self.spare_buffers, ">= 0")
         expect(self.chunk_bytes >= 4096, f"{prefix}.chunk_bytes", self.chunk_bytes, ">= 4096")
+        expect(self.min_chunk_bytes >= 4096, f"{prefix}.min_chunk_bytes", self.min_chunk_bytes, ">= 4096")
+        expect(self.chunk_time_s > 0, f"{prefix}.chunk_time_s", self.chunk_time_s, "> 0 seconds")
+        expect(self.pipeline_chunks >= 1, f"{prefix}.pipeline_chunks", self.pipeline_chunks, ">= 1")
         expect(self.max_inflight_versions >= 1, f"{prefix}.max_inflight_versions",
                self.max_inflight_versions, ">= 1")
         expect(self.link_rate_bytes_per_s >= 0, f"{prefix}.link_rate_bytes_per_s",

@@ -8,10 +8,12 @@ cut that buffer into fixed-size chunks ``[k*C, min((k+1)*C, total))``. Checksums
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import json
 import zlib
-from typing import Any, Iterable, Mapping, Optional
+from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -197,13 +199,36 @@ def chunk_span(index: int, total_bytes: int, chunk_bytes: int) -> tuple[int, int
     return start, min(start + chunk_bytes, total_bytes)
 
 
-def chunk_segments(arrays: Iterable[tuple[ArrayEntry, np.ndarray]], start: int, stop: int) -> list[Any]:
+def choose_chunk_bytes(total_bytes: int, max_chunk: int, min_chunk: int, link_rate: float,
+                       chunk_time_s: float, pipeline_chunks: int) -> int:
+    """Chunk size C for a version of ``total_bytes`` sent over links of ``link_rate`` bytes/s (0 = unlimited).
+
+        C = min(max_chunk, max(min_chunk, min(ceil(total / pipeline_chunks), link_rate * chunk_time_s)))
+
+    rounded up to a multiple of 4096 (never above ``max_chunk``). Why: a relay forwards a chunk
+    only once it holds all of it, so a chain of n relays delivers in about
+    ``total / rate + (n - 1) * C / rate``: the per-hop cost is one chunk time. ``chunk_time_s`` bounds
+    it on rate-limited links; ``pipeline_chunks`` keeps the fill a small fraction of a hop when the
+    link is unlimited; ``min_chunk`` bounds the per-chunk overhead (one header, one checksum call).
+    """
+    want = -(-max(1, total_bytes) // max(1, pipeline_chunks))
+    if link_rate > 0:
+        want = min(want, int(link_rate * chunk_time_s))
+    c = max(min_chunk, want)
+    c = -(-c // 4096) * 4096
+    return max(1, min(max_chunk, c))
+
+
+def chunk_segments(arrays: Sequence[tuple[ArrayEntry, np.ndarray]], start: int, stop: int,
+                   first: int = 0) -> list[Any]:
     """Buffers whose concatenation is packed[start:stop], built without copying array data.
 
-    ``arrays`` yields (entry, contiguous array) in layout order; alignment gaps become zero bytes.
+    ``arrays`` holds (entry, contiguous array) in layout order; alignment gaps become zero bytes.
+    ``first``: index of an array at or before the one holding ``start`` (see ``first_array``), so
+    cutting a version into k chunks costs O(k + arrays), not O(k * arrays).
     """
     segs, pos = [], start
-    for e, a in arrays:
+    for e, a in itertools.islice(arrays, first, None):
         lo, hi = max(e.offset, start), min(e.offset + e.nbytes, stop)
         if hi <= lo:
             if e.offset >= stop:
@@ -217,3 +242,8 @@ def chunk_segments(arrays: Iterable[tuple[ArrayEntry, np.ndarray]], start: int, 
     if stop > pos:
         segs.append(bytes(stop - pos))
     return segs
+
+
+def first_array(offsets: Sequence[int], start: int) -> int:
+    """Index of the last array whose offset is <= start (0 if none): where a chunk's segments begin."""
+    return max(0, bisect.bisect_right(offsets, start) - 1)

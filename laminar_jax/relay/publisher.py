@@ -1,9 +1,16 @@
 """Learner side: ``publish(version, params)`` takes a host copy and returns; the rest is background.
 
+The caller's stall is the device-to-host copy and nothing more: device leaves get all their
+copies started before the first is awaited (none on the CPU backend, where ``np.asarray`` is a
+zero-copy view), and host arrays nobody can change (read-only all the way down, such as
+``np.asarray`` of a ``jax.Array``) are taken by reference, not copied.
+
 The background worker writes the version to the store and pushes it to the master relay (the
 first live one of ``relay_addresses``) at the same time. Memory is bounded: at most
 ``max_inflight_versions`` host copies wait; a newer publish supersedes the oldest waiting one,
-and the worker always takes the newest waiting version (older waiting ones are dropped).
+and the worker always takes the newest waiting version (older waiting ones are dropped). Several
+threads may publish at once (e.g. one per learner step): a version whose host copy completes
+after a newer one was queued or taken is superseded, never sent after it.
 """
 
 from __future__ import annotations
@@ -19,9 +26,32 @@ from typing import Any, NamedTuple, Optional, Sequence
 import numpy as np
 
 from laminar_jax.relay.config import RelaySection
-from laminar_jax.relay.manifest import contiguous, plan_layout
+from laminar_jax.relay.manifest import choose_chunk_bytes, contiguous, plan_layout
 from laminar_jax.relay.push import ArraysSource, Downstream, NoRelayReachable
 from laminar_jax.relay.ratelimit import make_limiter
+
+
+def is_immutable(a: np.ndarray) -> bool:
+    """True when nobody can change ``a``'s bytes: it and every array it views are read-only, and
+    the memory at the bottom is a read-only buffer or owned by a read-only array (what
+    ``np.asarray(jax.Array)`` returns, and read-only mappings). Such arrays need no defensive copy."""
+    x: Any = a
+    while isinstance(x, np.ndarray):
+        if x.flags.writeable:
+            return False
+        x = x.base
+    if x is None:
+        return True
+    try:
+        return memoryview(x).readonly
+    except TypeError:  # not a buffer: unknown owner, assume it may change
+        return False
+
+
+def chunk_bytes_for(cfg: RelaySection, total_bytes: int) -> int:
+    """The chunk size the publisher cuts a version of ``total_bytes`` into (see choose_chunk_bytes)."""
+    return choose_chunk_bytes(total_bytes, cfg.chunk_bytes, cfg.min_chunk_bytes, cfg.link_rate_bytes_per_s,
+                              cfg.chunk_time_s, cfg.pipeline_chunks)
 
 
 class _Job(NamedTuple):
@@ -64,7 +94,8 @@ class Publisher:
         self._busy: Optional[int] = None
         self._closed = False
         self._errors: list[str] = []
-        self._last_version = -1
+        self._last_version = -1  # newest number handed to publish()
+        self._newest_queued = -1  # newest version queued (or taken by the worker)
         self._counts = collections.Counter()
         self._stalls: list[float] = []
         self._relay_failures: list[str] = []
@@ -83,20 +114,28 @@ class Publisher:
         self.check()
         if self._closed:
             raise RuntimeError("Publisher.publish: publisher is closed")
-        if not isinstance(version, int) or isinstance(version, bool) or version <= self._last_version:
+        if not isinstance(version, int) or isinstance(version, bool):
             raise ValueError(f"Publisher.publish(version={version!r}): must be an int > last version "
                              f"{self._last_version}")
+        with self._cond:  # reserve the number first: concurrent publishers keep versions increasing
+            if version <= self._last_version:
+                raise ValueError(f"Publisher.publish(version={version!r}): must be an int > last version "
+                                 f"{self._last_version}")
+            self._last_version = version
         items = tree_items(params)
         start_host_copies([leaf for _, leaf in items])
         host = {name: self._host_copy(name, leaf) for name, leaf in items}
         with self._cond:
-            self._pending.append(_Job(version, host, t0))
-            while len(self._pending) > self.cfg.max_inflight_versions:
-                self._pending.pop(0)
-                self._counts["superseded"] += 1
-            self._last_version = version
             self._counts["published"] += 1
-            self._cond.notify_all()
+            if version < self._newest_queued:  # a newer one overtook this copy: it supersedes it
+                self._counts["superseded"] += 1
+            else:
+                self._newest_queued = version
+                self._pending.append(_Job(version, host, t0))
+                while len(self._pending) > self.cfg.max_inflight_versions:
+                    self._pending.pop(0)
+                    self._counts["superseded"] += 1
+                self._cond.notify_all()
         stall = time.perf_counter() - t0
         self._stalls = (self._stalls + [stall])[-256:]
         self._timings[version] = {"stall": stall}
@@ -106,7 +145,9 @@ class Publisher:
 
     def _host_copy(self, name: str, leaf: Any) -> np.ndarray:
         if isinstance(leaf, np.ndarray):
-            return leaf.copy(order="C") if self.copy_numpy else contiguous(leaf)
+            if self.copy_numpy and not is_immutable(leaf):
+                return leaf.copy(order="C")
+            return contiguous(leaf)
         a = np.asarray(leaf)  # jax.Array: waits for its copy_to_host_async; immutable on host
         if a.dtype == object:
             raise TypeError(f"Publisher.publish: leaf {name!r} of type {type(leaf).__name__} is not an array")
@@ -177,7 +218,8 @@ class Publisher:
         if self._down is not None:
             manifest = plan_layout(job.host, job.version)
             try:
-                self._down.deliver(ArraysSource(manifest, job.host, self.cfg.chunk_bytes))
+                chunk = chunk_bytes_for(self.cfg, manifest.total_bytes)
+                self._down.deliver(ArraysSource(manifest, job.host, chunk))
                 t["relay_visible"] = time.perf_counter() - job.t_publish
                 self._counts["relayed"] += 1
             except NoRelayReachable as e:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
-from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, num_chunks
+from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, first_array, num_chunks
 from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
 
 
@@ -34,7 +34,10 @@ class ChunkSource(Protocol):
     manifest: Manifest
     chunk_bytes: int
 
-    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]: ...
+    def ready_since(self, pos: int, timeout: float) -> list[int]:
+        """Chunks that became sendable after the first ``pos`` of them, in the order they did
+        (waiting up to ``timeout`` for one); every chunk appears once in this log."""
+        ...
 
     def chunk(self, index: int) -> tuple[list[Any], int]: ...
 
@@ -47,14 +50,15 @@ class ArraysSource:
     def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int):
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
+        self._offsets = [e.offset for e in manifest.entries]
         self.n = num_chunks(manifest.total_bytes, chunk_bytes)
 
-    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]:
-        return next((i for i in range(self.n) if i not in exclude), None)
+    def ready_since(self, pos: int, timeout: float) -> list[int]:
+        return list(range(pos, self.n))
 
     def chunk(self, index: int) -> tuple[list[Any], int]:
         start, stop = chunk_span(index, self.manifest.total_bytes, self.chunk_bytes)
-        segs = chunk_segments(self._pairs, start, stop)
+        segs = chunk_segments(self._pairs, start, stop, first_array(self._offsets, start))
         crc = 0
         for s in segs:
             crc = crc32_of(s, crc)
@@ -66,7 +70,11 @@ class ArraysSource:
 
 def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float, io_timeout_s: float,
                  max_retries: int) -> str:
-    """Deliver one version over ``peer``; returns 'delivered', 'skipped' or 'superseded'."""
+    """Deliver one version over ``peer``; returns 'delivered', 'skipped' or 'superseded'.
+
+    Chunks go out in the order the source makes them ready (a relay forwards each chunk as soon as
+    it has verified it), skipping those the receiver already holds.
+    """
     m, v = src.manifest, src.manifest.version
     n = num_chunks(m.total_bytes, src.chunk_bytes)
     reply, _ = peer.request({"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes},
@@ -74,10 +82,11 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
     if reply.get("complete") or reply.get("obsolete"):
         return "skipped"
     sent = set(int(i) for i in reply.get("chunks", ()))
+    pos = 0  # how much of the source's ready log has been walked
     last_progress = time.monotonic()
     while len(sent) < n:
-        idx = src.next_ready(sent, heartbeat_s)
-        if idx is None:
+        ready = src.ready_since(pos, heartbeat_s)
+        if not ready:
             if src.superseded():
                 peer.send({"op": "abort", "version": v})
                 return "superseded"
@@ -86,8 +95,11 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
                                       f" of version {v} from upstream")
             peer.send({"op": "keepalive"})
             continue
-        _send_chunk(peer, src, v, idx, limiter)
-        sent.add(idx)
+        pos += len(ready)
+        for idx in ready:
+            if idx not in sent:
+                _send_chunk(peer, src, v, idx, limiter)
+                sent.add(idx)
         last_progress = time.monotonic()
     for _ in range(max_retries + 1):
         reply, _ = peer.request({"op": "end", "version": v}, "missing", f"end-of-push ack of version {v}")
@@ -170,7 +182,9 @@ class Downstream:
     def deliver(self, src: ChunkSource) -> tuple[str, str]:
         """Push ``src`` to the nearest live relay, failing over along the list; (address, outcome)."""
         v = src.manifest.version
+        stale_ok = True  # one reconnect for a kept-open link the relay closed while idle
         while True:
+            reused = self._link is not None
             lk = self.link()
             if lk is None:
                 raise NoRelayReachable(f"{self.name}: no relay reachable for version {v} among "
@@ -183,4 +197,9 @@ class Downstream:
                 self.close()  # the link is mid-version; start clean next time
                 raise
             except (OSError, WireError, RemoteError) as e:
+                if reused and stale_ok and isinstance(e, (OSError, WireError)) and not isinstance(e, RemoteError):
+                    stale_ok = False
+                    self.errors = (self.errors + [f"{addr}: {e} (idle link; reconnecting)"])[-20:]
+                    self.close()
+                    continue
                 self.mark_dead(addr, e)

@@ -56,6 +56,7 @@ class VersionBuf:
         self.have = [False] * self.n
         self.crcs: list[Optional[int]] = [None] * self.n
         self.nhave = 0
+        self.order: list[int] = []  # verified chunks in arrival order (what the forwarder walks)
         self.pins = 0  # users of the bytes: receivers, the forwarder, TCP reads, client mappings
         self.evicted = False
 
@@ -86,14 +87,12 @@ class _BufSource:
         self.server, self.buf = server, buf
         self.manifest, self.chunk_bytes = buf.manifest, buf.chunk_bytes
 
-    def next_ready(self, exclude: set[int], timeout: float) -> Optional[int]:
-        def ready():
-            return next((i for i in range(self.buf.n) if self.buf.have[i] and i not in exclude), None)
-
+    def ready_since(self, pos: int, timeout: float) -> list[int]:
+        order = self.buf.order
         with self.server._cond:
-            self.server._cond.wait_for(lambda: ready() is not None or self.superseded()
+            self.server._cond.wait_for(lambda: len(order) > pos or self.superseded()
                                        or self.server._stopping.is_set(), timeout)
-            return ready()
+            return order[pos:]
 
     def chunk(self, index: int) -> tuple[list[Any], int]:
         return [self.buf.view(index)], self.buf.crcs[index]
@@ -403,6 +402,9 @@ class RelayServer:
         v = int(h["version"])
         m = Manifest.from_dict(h["manifest"], f"push of version {v} from {peer.name}")
         chunk_bytes = int(h["chunk_bytes"])
+        if chunk_bytes < 1:
+            peer.send(error_frame("bad_request", f"push of version {v}: chunk_bytes={chunk_bytes}: must be >= 1"))
+            return
         with self._cond:
             buf = self._versions.get(v)
             complete = sorted((x for x, b in self._versions.items() if b.complete), reverse=True)
@@ -465,6 +467,7 @@ class RelayServer:
             if not buf.have[idx]:
                 buf.have[idx], buf.crcs[idx] = True, crc
                 buf.nhave += 1
+                buf.order.append(idx)
                 self.counters["chunks_in"] += 1
                 if buf.complete:
                     self.counters["versions_in"] += 1

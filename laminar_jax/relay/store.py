@@ -238,7 +238,14 @@ class WeightStore:
         if not _HOLDER.match(holder):
             raise ValueError(f"lease holder {holder!r}: must match {_HOLDER.pattern}")
         lease = Lease(self, version, holder, ttl_s or self.lease_ttl_s)
-        lease.renew()
+        for attempt in range(3):
+            try:
+                lease.renew()
+                break
+            except ValueError as e:  # gc removed this version's lease folder under the write
+                self.manifest(version)  # raises VersionNotFound when the version is gone
+                if attempt == 2:
+                    raise ValueError(f"{self.url}: could not write lease {lease.key}: {e}") from e
         try:
             self.manifest(version)  # after the lease is written: gc re-checks leases before deleting
         except VersionNotFound:

@@ -1,8 +1,11 @@
-"""Relay worker process: ``python -m laminar_jax.relay.worker [--port P] [--config-json J] [--successors a,b]``.
+"""Relay worker process: ``python -m laminar_jax.relay.worker [--port P] [--config-json J] [--successors a,b]
+[--parent-pid P]``.
 
 Prints one JSON line ``{"address": "host:port", "pid": ...}`` on stdout once listening, then
 serves until SIGTERM/SIGINT or a ``stop`` request. A background failure is printed to stderr
-and ends the process with status 1. Imports no jax (fast start).
+and ends the process with status 1. With ``--parent-pid`` it also exits (within ~0.2 s) once
+that process stops being its parent, so a crashed or OOM-killed owner leaves no relay behind.
+Imports no jax (fast start).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import signal
 import sys
 import threading
@@ -24,6 +28,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=None, help="TCP port (default: config base_port; 0 = ephemeral)")
     p.add_argument("--config-json", default="{}", help="RelaySection fields as a JSON object")
     p.add_argument("--successors", default="", help="comma-separated host:port of the next relays, nearest first")
+    p.add_argument("--parent-pid", type=int, default=None,
+                   help="exit when this process is no longer our parent (it died: no orphaned relays)")
     return p.parse_args(argv)
 
 
@@ -35,11 +41,15 @@ def main(argv: list[str]) -> int:
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    print(json.dumps({"address": server.address, "pid": __import__("os").getpid(),
+    print(json.dumps({"address": server.address, "pid": os.getpid(),
                       "relay_id": server.relay_id}), flush=True)
     try:
         while not done.wait(0.2) and not server.stopped:
             server.check()
+            if args.parent_pid is not None and os.getppid() != args.parent_pid:
+                print(f"relay worker {server.address}: parent {args.parent_pid} is gone; exiting",
+                      file=sys.stderr, flush=True)
+                break
     except RuntimeError as e:
         print(f"relay worker {server.address}: {e}", file=sys.stderr, flush=True)
         return 1

@@ -28,6 +28,7 @@ class RolloutSection:
       queue_capacity: Bound of the request queue; submit() blocks (with a timeout) when it is full.
       attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
       decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
+      decode_chunk: Rows per decode chunk; 0 = off (every slot goes through the model on every step). With c > 0, generate() gathers only the slots that hold a sequence into chunks of c rows and loops over as many chunks as needed (a dynamic trip count), so decode cost follows the live slots; every chunk has the same shape, so a sequence's tokens and log-probs do not depend on how many others are live (or on num_slots). Small c suits CPUs; accelerators want 0 or a large c.
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
       seed: Base seed for requests that carry neither a seed nor a key.
       server_id: Name reported in stats and stamped into trajectories' extra.
@@ -48,6 +49,7 @@ class RolloutSection:
     queue_capacity: int = 1024
     attention_impl: str = "live_pages"
     decode_steps_per_call: int = 1
+    decode_chunk: int = 0
     batching: Literal["continuous", "static"] = "continuous"
     seed: int = 0
     server_id: str = "rollout-0"
@@ -81,6 +83,8 @@ class RolloutSection:
         expect(self.attention_impl in backends, f"{prefix}.attention_impl", self.attention_impl,
                f"one of {sorted(backends)}")
         expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
+        expect(0 <= self.decode_chunk <= self.num_slots, f"{prefix}.decode_chunk", self.decode_chunk,
+               f"in [0, num_slots={self.num_slots}] (0 = no compaction)")
 
     def buckets(self) -> tuple[int, ...]:
         """The prefill buckets in use (explicit, or powers of two 16, 32, ... >= max_prompt_len)."""

@@ -10,6 +10,14 @@ Compiled programs: one prefill per prompt bucket, one insert per bucket, one gen
 live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
 export/import page copies.
 
+Batch compaction (``rollout.decode_chunk`` = c > 0): generate() takes the slots that hold a
+sequence (host bookkeeping, no device read), lays them out as chunks of c rows (padding rows
+point past the last slot and are inactive), and runs the model once per chunk in a loop whose
+trip count is a runtime value, so one program serves every live count and the cost follows the
+live slots, not num_slots. A row's result must not depend on the others: XLA:CPU (like GPU BLAS)
+picks different matmul kernels for different row counts, so a [n, K] x [K, N] product is not
+row-wise identical across n; every chunk is the same [c, K] shape instead, which is.
+
 Live-page buckets: the engine keeps, per slot, an upper bound on the device's cached length
 (set at insert/import, + decode_steps_per_call after every generate(), whether or not the slot
 still runs), so it knows without reading the device how many pages the next call can attend;
@@ -71,12 +79,15 @@ class Engine:
         self._attend = backends[section.attention_impl]
         self.steps_per_call = section.decode_steps_per_call
         self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
-        self.live_buckets = _live_buckets(self.num_slots * self.pages_per_seq) if self.uses_live_pages else (0,)
+        self.chunk = section.decode_chunk  # 0 = no compaction (one batch of num_slots rows)
+        rows_per_call = self.chunk or self.num_slots
+        self.live_buckets = _live_buckets(rows_per_call * self.pages_per_seq) if self.uses_live_pages else (0,)
+        self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
-                           section.decode_steps_per_call, jnp.dtype(kv_dtype))
+                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk)
         self._params_cache: tuple = (None, None, None)  # (params, leaves, programs) of the last params seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -146,13 +157,47 @@ class Engine:
         return _insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
                            prefix.last_token, np.int32(slot), self._page_row(pages), *self._init_arrays(init))
 
+    def prefill_insert(self, params: Any, decode_state: DecodeState, slot: int, prompt_ids,
+                       init: SlotInit) -> DecodeState:
+        """prefill() + insert() of one prompt in one jitted call (half the dispatches; the Prefix stays on device).
+
+        Same pages and state as the two calls, the KV up to float rounding (XLA fuses one program
+        differently from two), so the server admits every sequence through this one path; raises
+        OutOfPages (state untouched) like insert().
+        """
+        if slot in self.slot_pages:
+            raise ValueError(f"slot {slot} is occupied; free_resource({slot}) first")
+        padded, n = self.pad_prompt(prompt_ids)
+        leaves, progs = self._bind(params)
+        pages = self.allocator.allocate(self.reserve_pages(n, init.max_new))
+        self.slot_pages[slot] = pages
+        self._cached_hi[slot] = n - 1
+        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot), self._page_row(pages),
+                                    *self._init_arrays(init))
+
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
         leaves, progs = self._bind(params)
         bucket = self.live_bucket()
+        rows, n_chunks = self._rows()
         for slot in self._cached_hi:
             self._cached_hi[slot] += self.steps_per_call
-        return progs.generate(leaves, decode_state, bucket)
+        return progs.generate(leaves, decode_state, rows, n_chunks, bucket)
+
+    def _rows(self) -> tuple[np.ndarray, np.int32]:
+        """(i32[num_rows] slots in chunk order, padded with num_slots; number of chunks to run).
+
+        Without compaction every slot is a row and there is one chunk. With it, the slots that
+        hold a sequence (some may have finished on the device since; they compute masked rows),
+        in slot order.
+        """
+        rows = np.full((self._num_rows,), self.num_slots, np.int32)
+        if not self.chunk:
+            rows[:self.num_slots] = np.arange(self.num_slots)
+            return rows, np.int32(1)
+        live = sorted(self._cached_hi)
+        rows[:len(live)] = live
+        return rows, np.int32(-(-len(live) // self.chunk))
 
     def live_bucket(self) -> int:
         """Static live-page count the next generate() compiles for (0 when the backend does not use it).
@@ -166,25 +211,33 @@ class Engine:
         return next(b for b in self.live_buckets if b >= need)
 
     def live_pages_bound(self) -> int:
-        """Upper bound on the KV pages the next generate() call attends (summed over slots)."""
+        """Upper bound on the KV pages one chunk of the next generate() call attends (summed over its slots)."""
         k, ps = self.steps_per_call, self.page_size
-        return sum(min(len(self.slot_pages[s]), (c + k - 1) // ps + 1) for s, c in self._cached_hi.items())
+        per_slot = [min(len(self.slot_pages[s]), (self._cached_hi[s] + k - 1) // ps + 1)
+                    for s in sorted(self._cached_hi)]
+        if not self.chunk:
+            return sum(per_slot)
+        return max((sum(per_slot[i:i + self.chunk]) for i in range(0, len(per_slot), self.chunk)), default=0)
 
     def warmup(self, params: Any) -> None:
-        """Compile every prefill/insert bucket and every generate variant now (on a throwaway state)."""
+        """Compile every prefill_insert bucket (what the server admits with) and every generate variant now.
+
+        Runs on a throwaway state; a busy engine (no free slot or pages) compiles prefill() instead.
+        """
         state = self.init_decode_state()
         free_slot = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
         init = SlotInit(np.zeros(self._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
         for b in self.buckets:
-            if free_slot is None or self.allocator.num_free < 1:  # busy engine: prefill only
+            if free_slot is None or self.allocator.num_free < self.reserve_pages(b, 1):
                 jax.block_until_ready(self.prefill(params, np.zeros((1, b), np.int32), 1))
                 continue
-            state = self.insert(self.prefill(params, np.zeros((1, b), np.int32), 1), state, free_slot, init)
+            state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
         leaves, progs = self._bind(params)
+        rows, n_chunks = np.full((self._num_rows,), self.num_slots, np.int32), np.int32(1)
         for bucket in self.live_buckets:
-            state, out = progs.generate(leaves, state, bucket)
+            state, out = progs.generate(leaves, state, rows, n_chunks, bucket)
         jax.block_until_ready(out)
 
     def free_resource(self, slot: int) -> None:
@@ -251,6 +304,7 @@ class _Spec(NamedTuple):
     attend: Callable
     steps_per_call: int
     kv_dtype: Any
+    chunk: int  # rows per decode chunk; 0 = no compaction
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -331,17 +385,55 @@ def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[Dec
     return state, StepOutput(tok, lp, emitted, done, stopped, overflow)
 
 
-def _generate_impl(spec: _Spec, params, state, live_bucket: int):
+# Per-slot fields _step changes (the rest of a slot's state is read-only during decode).
+_STEPPED = ("lengths", "last_token", "num_generated", "active")
+_PER_SLOT = _STEPPED + ("page_table", "max_new", "keys", "temperature", "top_k", "top_p", "stop_ids")
+
+
+def _chunked_step(spec: _Spec, model, state: DecodeState, rows, n_chunks, live_bucket: int):
+    """_step over the slots ``rows`` (i32[R], R a multiple of spec.chunk; entries >= num_slots are
+    padding), one chunk of spec.chunk rows at a time, for the first ``n_chunks`` chunks (traced).
+
+    Each chunk gathers its slots' state into a batch of spec.chunk rows (padding rows inactive:
+    their KV writes go to the null page), runs _step, and scatters the results back (padding rows
+    dropped). Chunks hold distinct slots, so their order does not matter; every chunk is the
+    same program on the same shapes, so a row's result does not depend on the other rows.
+    """
+    c = spec.chunk
+    s = state.lengths.shape[0]
+
+    def body(i, carry):
+        state, out = carry
+        r = jax.lax.dynamic_slice_in_dim(rows, i * c, c)  # i32[c]
+        safe = jnp.minimum(r, s - 1)
+        sub = state._replace(**{f: getattr(state, f)[safe] for f in _PER_SLOT})
+        sub, o = _step(spec, model, sub._replace(active=sub.active & (r < s)), live_bucket)
+        state = state._replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
+                               **{f: getattr(state, f).at[r].set(getattr(sub, f), mode="drop") for f in _STEPPED})
+        out = StepOutput(*(x.at[r].set(y, mode="drop") for x, y in zip(out[:-1], o[:-1])), out.overflow | o.overflow)
+        return state, out
+
+    zeros = StepOutput(jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32), jnp.zeros((s,), bool),
+                       jnp.zeros((s,), bool), jnp.zeros((s,), bool), jnp.zeros((), bool))
+    return jax.lax.fori_loop(0, n_chunks, body, (state, zeros))
+
+
+def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int):
     model = nnx.merge(spec.graphdef, params)
+    if spec.chunk:
+        step = lambda s: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
+    else:
+        step = lambda s: _step(spec, model, s, live_bucket)  # noqa: E731
     if spec.steps_per_call == 1:
-        state, out = _step(spec, model, state, live_bucket)
+        state, out = step(state)
         return state, jax.tree.map(lambda x: x[None], out)
-    return jax.lax.scan(lambda s, _: _step(spec, model, s, live_bucket), state, None, length=spec.steps_per_call)
+    return jax.lax.scan(lambda s, _: step(s), state, None, length=spec.steps_per_call)
 
 
 class _Programs(NamedTuple):
     prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
-    generate: Callable  # (param leaves, state, live bucket: static int) -> (state, StepOutput); state donated
+    prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
+    generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
 
 
 @functools.lru_cache(maxsize=32)
@@ -352,8 +444,12 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
 
     return _Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
-        generate=jax.jit(lambda leaves, state, bucket: _generate_impl(spec, unflatten(leaves), state, bucket),
-                         static_argnums=(2,), donate_argnums=(1,)))
+        prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: _insert_impl(
+            spec.page_size, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
+            tokens[0, n - 1], slot, row, *init), donate_argnums=(1,)),
+        generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
+                                                                               bucket),
+                         static_argnums=(4,), donate_argnums=(1,)))
 
 
 def _live_buckets(max_entries: int, smallest: int = 16) -> tuple[int, ...]:

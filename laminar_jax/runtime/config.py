@@ -32,6 +32,9 @@ class RuntimeSection:
       max_wall_s: Stop (checkpointed, resumable) after this many seconds of RL; None = run total_steps.
       wait_timeout_s: Upper bound on any single wait inside the runtime; exceeded waits fail the run naming what they waited for.
       address: Ray cluster address for kind='ray' (None starts a local cluster).
+      learner_processes: Learner processes joined by jax.distributed into one mesh (kind='ray' only; 1 = the learner runs in the driver process). mesh spans every process's devices.
+      learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
+      learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 
     kind: Literal["local", "ray"] = "local"
@@ -51,6 +54,9 @@ class RuntimeSection:
     max_wall_s: Optional[float] = None
     wait_timeout_s: float = 600.0
     address: Optional[str] = None
+    learner_processes: int = 1
+    learner_gpus_per_process: int = 1
+    learner_resource: Optional[str] = None
 
     def validate(self, prefix: str) -> None:
         for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):
@@ -61,5 +67,12 @@ class RuntimeSection:
         expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
         expect(self.mode != "stream" or self.max_staleness is not None, f"{prefix}.max_staleness",
                self.max_staleness, "set (an int >= 0) when runtime.mode='stream'")
+        expect(self.learner_processes >= 1, f"{prefix}.learner_processes", self.learner_processes, ">= 1")
+        expect(self.learner_processes == 1 or self.kind == "ray", f"{prefix}.learner_processes",
+               self.learner_processes, "1 unless runtime.kind='ray' (the local runtime has one learner process)")
+        expect(self.learner_gpus_per_process >= 0, f"{prefix}.learner_gpus_per_process",
+               self.learner_gpus_per_process, ">= 0")
+        expect(self.learner_resource is None or self.learner_resource.strip() != "", f"{prefix}.learner_resource",
+               self.learner_resource, "a Ray resource name or None")
         if self.max_staleness is not None:
             expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0 or None")

@@ -88,6 +88,7 @@ class Dispatcher:
         self.max_inflight_batches = max_inflight_batches
         self.lock = threading.RLock()
         self.dispatched = 0  # prompts ever dispatched (new ones, not re-dispatches)
+        self.enqueued_at: dict[str, float] = {}  # sample uid -> monotonic time of its first dispatch
         self.exhausted = False
 
     def pump(self, learner_version: int) -> int:
@@ -125,6 +126,9 @@ class Dispatcher:
             items.append(WorkItem(uid, record["uid"], i, tuple(record["prompt_ids"]),
                                   _sample_seed(self.seed, record["uid"], i), record["data_source"],
                                   record["ground_truth"], record["extra_info"]))
+        now = time.monotonic()
+        for it in items:  # first dispatch only: a requeued sample keeps its original start
+            self.enqueued_at.setdefault(it.uid, now)
         self.queue.put_many(items, front=front)
 
     def requeue(self, items: list[WorkItem]) -> None:

@@ -52,6 +52,9 @@ class _NoPublish:
 class LocalRun:
     """Builds every plane from the config; `run()` trains and returns the summary dict."""
 
+    # What `_learner_step` treats as a dead learner: restart it from its checkpoint and replay.
+    LEARNER_FAILURES: tuple = (InjectedFault,)
+
     def __init__(self, cfg: Config, run_dir: str, stop: Optional[threading.Event] = None):
         from laminar_jax.data import RewardPool, build_prompt_source
         from laminar_jax.learner.learner import Learner
@@ -222,6 +225,8 @@ class LocalRun:
     # ------------------------------------------------------------------------------ data flow
     def _on_complete(self, traj: Trajectory) -> None:
         """A server finished a trajectory: store its fields now, score it off the critical path."""
+        start = self.dispatcher.enqueued_at.pop(traj.uid, None)
+        self.monitor.on_trajectory(len(traj.response_ids), None if start is None else time.monotonic() - start)
         self.store.put_many(traj.uid, {"response_ids": traj.response_ids,
                                        "behaviour_logprobs": traj.behaviour_logprobs,
                                        "finish_reason": traj.finish_reason})
@@ -274,7 +279,20 @@ class LocalRun:
             self.dispatcher.pump(self.board.learner_version)
             time.sleep(0.01)
 
+    def _warm_up(self) -> None:
+        """Compile the learner's programs for every sequence bucket a batch can reach, and one
+        engine's (the servers share compiled programs), before the RL clock starts: steady-state
+        throughput is what the run reports, and a mid-run compile stalls its plane for seconds."""
+        rt = self.cfg.runtime
+        t0 = time.time()
+        self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
+        if self.workers:
+            server = self.workers[0].server
+            server.engine.warmup(server._params)
+        log.info("compiled learner and engine programs in %.1fs", time.time() - t0)
+
     def run(self) -> dict:
+        self._warm_up()
         for w in self.workers:
             self._spawn_worker(w)
         self.sup.spawn("dispatcher", self._dispatch_loop)
@@ -355,7 +373,7 @@ class LocalRun:
                 self._crash_learner = False
                 raise InjectedFault("injected learner crash")
             return self.learner.step(trajs)
-        except InjectedFault as e:
+        except self.LEARNER_FAILURES as e:
             t_fail = time.time()
             log.warning("learner died (%r); restarting from its checkpoint", e)
             self._restart_learner()

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
+
+
+def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
+    return None if x is None else round(float(x), nd)
 
 
 class Monitor:
@@ -14,6 +19,9 @@ class Monitor:
         self.cfg, self.run_dir, self.run = cfg, run_dir, run
         self.steps: list[dict] = []
         self.duplicates = 0
+        self._traj_lock = threading.Lock()
+        self.generated_tokens = 0
+        self.latencies: list[float] = []
         self.trained_uids: set[str] = set()
         self.duplicate_trajectories = 0
         self._tb = None
@@ -29,6 +37,13 @@ class Monitor:
             from rich.console import Console
 
             self._console = Console()
+
+    def on_trajectory(self, response_tokens: int, latency_s: Optional[float]) -> None:
+        """A server finished a trajectory (generation-side counters; any thread)."""
+        with self._traj_lock:
+            self.generated_tokens += response_tokens
+            if latency_s is not None:
+                self.latencies.append(latency_s)
 
     def on_step(self, metrics: dict, trajs) -> None:
         now = time.time()
@@ -82,6 +97,8 @@ class Monitor:
             "wall_s": round(wall, 2),
             "rl_wall_s": round(rl_wall, 2),
             "train_tokens_per_s": round(sum(s["tokens"] for s in self.steps) / rl_wall, 2),
+            # Share of RL wall-clock the learner spent in its step (1.0 = learner-bound).
+            "learner_busy_frac": round(sum(s.get("step_s", 0.0) for s in self.steps) / rl_wall, 4),
             "reward_first": round(float(np.mean(rewards[:k])), 4) if rewards else None,
             "reward_last": round(float(np.mean(rewards[-k:])), 4) if rewards else None,
             "mean_staleness": round(float(np.mean([s.get("staleness_mean", 0.0) for s in self.steps])), 3)
@@ -93,6 +110,12 @@ class Monitor:
             "dropped_prompts": self.run.ledger.summary()["dropped"],
             "in_flight_prompts": self.run.ledger.summary()["in_flight"],
             "slot_util": round(self.run.timeline.slot_utilization(), 4),
+            "kv_util": _round(self.run.timeline.kv_utilization()),
+            # Generation side: response tokens finished per second of RL, and each sample's time
+            # from dispatch to completion (queueing included).
+            "gen_tokens_per_s": round(self.generated_tokens / rl_wall, 2) if self.generated_tokens else None,
+            "latency_p50_s": _round(np.percentile(self.latencies, 50) if self.latencies else None),
+            "latency_p99_s": _round(np.percentile(self.latencies, 99) if self.latencies else None),
             "sft_loss": [round(self.run.sft_losses[0], 4), round(self.run.sft_losses[-1], 4)]
             if self.run.sft_losses else None,
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],

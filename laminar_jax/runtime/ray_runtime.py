@@ -1,6 +1,8 @@
 """The `ray` runtime: the roles of the local runtime as Ray actors.
 
-  driver (this process)  learner (+ SFT warm-start, checkpoints, publisher), health loop, repack
+  driver (this process)  learner (+ SFT warm-start, checkpoints, publisher), health loop, repack;
+                         with runtime.learner_processes > 1 the learner is a LearnerGroup instead:
+  LearnerProcess x P     one jax.distributed process each, one global mesh (runtime/ray_learner.py)
   BufferActor            prompt source, ledger, experience store, dispatcher, work queue, rewards,
                          the board, and which server owns each sample (runtime/ray_buffer.py)
   RolloutActor x N       one RolloutServer driven by the same RolloutWorker as the local runtime
@@ -29,25 +31,30 @@ from laminar_jax.configlib import to_json
 from laminar_jax.rollout.records import ServerStats
 from laminar_jax.runtime.local import LocalRun, _rows_to_trajectories
 from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.runtime.ray_learner import GroupPublisherProxy, LearnerGroup, LearnerGroupError, model_params
 from laminar_jax.runtime.repack import RepackLoop
+from laminar_jax.runtime.rollout_worker import InjectedFault
 from laminar_jax.runtime.threads import Supervisor
 from laminar_jax.runtime.timeline import Timeline
 from laminar_jax.scheduler.modes import get_policy
 
 log = logging.getLogger(__name__)
 
-# Ray resources per role. Rollout actors also ask for one GPU when the cluster has GPUs; the buffer
-# and relays are light (threads waiting on sockets and locks) and take no CPU slot.
-ROLE_RESOURCES = {"rollout": {"num_cpus": 1}, "buffer": {"num_cpus": 0}, "relay": {"num_cpus": 0}}
+# Ray resources per role. Rollout actors also ask for one GPU when the cluster has GPUs, learner
+# processes runtime.learner_gpus_per_process; the buffer and relays are light (threads waiting on
+# sockets and locks) and take no CPU slot.
+ROLE_RESOURCES = {"rollout": {"num_cpus": 1}, "learner": {"num_cpus": 1}, "buffer": {"num_cpus": 0},
+                  "relay": {"num_cpus": 0}}
 HEALTH_POLL_S = 0.25
 BUFFER_CONCURRENCY = 32  # threads of the buffer actor: the learner's wait + every server's calls
 
 
-def role_options(role: str, cluster_gpus: float) -> dict:
-    """Ray actor options of a role: ROLE_RESOURCES, plus a GPU per rollout actor on GPU clusters."""
+def role_options(role: str, cluster_gpus: float, gpus: int = 1) -> dict:
+    """Ray actor options of a role: ROLE_RESOURCES, plus `gpus` GPUs per rollout actor or learner
+    process on GPU clusters."""
     opts = dict(ROLE_RESOURCES[role])
-    if role == "rollout" and cluster_gpus >= 1:
-        opts["num_gpus"] = 1
+    if role in ("rollout", "learner") and cluster_gpus >= 1 and gpus:
+        opts["num_gpus"] = gpus
     return opts
 
 
@@ -69,9 +76,10 @@ def connect(rt) -> bool:
     if rt.address:
         ray.init(address=rt.address, runtime_env={"env_vars": env})
     else:
-        # A slot per rollout actor and one spare, so a replacement can start before the dead
-        # actor's slot is given back.
-        ray.init(num_cpus=rt.num_servers + 1, include_dashboard=False, log_to_driver=False,
+        # A slot per rollout actor (and learner process) and one spare, so a replacement can
+        # start before the dead actor's slot is given back.
+        learners = rt.learner_processes if rt.learner_processes > 1 else 0
+        ray.init(num_cpus=rt.num_servers + learners + 1, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": env})
     return True
 
@@ -192,13 +200,17 @@ class RayRun(LocalRun):
     """Builds the actors and the learner from the config; `run()` trains and returns the summary.
 
     Reuses LocalRun's learner side (SFT warm-start, learner restart + replay, checkpoints) and
-    replaces everything that crossed threads with actor calls.
+    replaces everything that crossed threads with actor calls. With runtime.learner_processes > 1
+    `self.learner` is a LearnerGroup (the same calls, run by every learner process), and a dead
+    learner process takes the learner-crash path: the group restarts from its checkpoint.
     """
+
+    # A dead learner process surfaces as LearnerGroupError: restart the group and replay.
+    LEARNER_FAILURES = (InjectedFault, LearnerGroupError)
 
     def __init__(self, cfg: Config, run_dir: str, stop: Optional[threading.Event] = None):
         import ray
 
-        from laminar_jax.learner.learner import Learner
         from laminar_jax.model import build_model, load_tokenizer
 
         self.cfg, self.run_dir = cfg, run_dir
@@ -209,14 +221,19 @@ class RayRun(LocalRun):
         self.policy = get_policy(rt.mode, cfg.scheduler.repack)
         self.rpc_timeout_s = min(rt.wait_timeout_s, 120.0)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
-        self.model = build_model(cfg.model)
         self.sft_losses: list[float] = []
-        ckpt_dir, resuming = _checkpoint_dir(cfg.learner.checkpoint_dir, run_dir)
-        if rt.sft_warmup_steps and not resuming:
+        self._ckpt_dir, resuming = _checkpoint_dir(cfg.learner.checkpoint_dir, run_dir)
+        sft = bool(rt.sft_warmup_steps and not resuming)
+        # A learner group's processes build their own model; the driver needs one only to train
+        # in-process or to warm it up (the group then starts from these weights).
+        self.model = build_model(cfg.model) if rt.learner_processes == 1 or sft else None
+        self._init_params = None
+        if sft:
             self._sft_warmup()
-        lsec = dataclasses.replace(cfg.learner, checkpoint_dir=ckpt_dir, total_steps=rt.total_steps)
-        self.learner = Learner(lsec, self.model, cfg.mesh)
-        self.extra = self.learner.restore_latest()
+            if rt.learner_processes > 1:
+                self._init_params = model_params(self.model)
+        self._learner_generation = 0
+        self.learner = None
         self.failures: list[dict] = []
         self._fail_lock = threading.RLock()
         self.actors: list = []
@@ -229,6 +246,8 @@ class RayRun(LocalRun):
         try:
             self._gpus = float(ray.cluster_resources().get("GPU", 0))
             self.cfg_json = to_json(cfg)
+            self.learner = self._make_learner()
+            self.extra = self.learner.restore_latest()
             here = ray.get_runtime_context().get_node_id()
             self.buffer = _remote(_buffer_cls(), "buffer", self._gpus, max_concurrency=BUFFER_CONCURRENCY,
                                   scheduling_strategy=_node_affinity(here, soft=True)).remote(
@@ -240,7 +259,7 @@ class RayRun(LocalRun):
             self._build_weights_plane()
             self._build_servers()
         except BaseException:
-            self._teardown(closing=(self.learner.close,))
+            self._teardown(closing=(self.learner.close,) if self.learner is not None else ())
             raise
         self.monitor = RayMonitor(cfg, run_dir, self)
         self.on_step_hooks: list = []
@@ -248,6 +267,57 @@ class RayRun(LocalRun):
         self._crash_learner = False
         self._last_ckpt = self.learner.version if self.extra else None
         self.repacker = None
+
+    # ------------------------------------------------------------------------------ learner
+    def _make_learner(self):
+        """The in-driver Learner, or (runtime.learner_processes > 1) a LearnerGroup of actors."""
+        import ray
+
+        from laminar_jax.learner.learner import Learner
+
+        rt = self.cfg.runtime
+        lsec = dataclasses.replace(self.cfg.learner, checkpoint_dir=self._ckpt_dir, total_steps=rt.total_steps)
+        if rt.learner_processes == 1:
+            return Learner(lsec, self.model, self.cfg.mesh)
+        one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
+        options = role_options("learner", self._gpus, rt.learner_gpus_per_process)
+        if rt.learner_resource:
+            options["resources"] = {rt.learner_resource: 1}
+        return LearnerGroup(self.cfg_json, rt.learner_processes, self._ckpt_dir, actor_options=options,
+                            init_params=self._init_params, coordinator_host="127.0.0.1" if one_node else None,
+                            timeout_s=rt.wait_timeout_s, rpc_timeout_s=self.rpc_timeout_s,
+                            name="learner" if not self._learner_generation else f"learner.{self._learner_generation}")
+
+    def _restart_learner(self) -> None:
+        """As LocalRun's (fresh learner from the last checkpoint, replay, nothing published again),
+        for a learner group: every process is ended (survivors block in collectives) and a new
+        group starts; process 0 publishes the current version again only if it never reached the
+        weight store (the old process 0 died before writing it)."""
+        if not isinstance(self.learner, LearnerGroup):
+            return super()._restart_learner()
+        old = self.learner
+        old.kill()
+        self._learner_generation += 1
+        fresh = self._make_learner()
+        try:
+            fresh.restore_latest()
+            for batch in self._replay:
+                fresh.step(batch, publish=False)
+            if fresh.version != old.version:
+                raise RuntimeError(f"learner restart reached version {fresh.version}, expected {old.version}")
+            fresh.attach_publisher(self.store_url, list(self.relay_addresses.values()))
+            if self.weight_store.latest() != fresh.version:
+                fresh.publish_current()
+        except BaseException:
+            fresh.kill()
+            raise
+        self.learner = fresh
+
+    def kill_learner_process(self, i: int) -> None:
+        """Fault injection: `ray.kill` learner process i (runtime.learner_processes > 1)."""
+        if not isinstance(self.learner, LearnerGroup):
+            raise RuntimeError("runtime.learner_processes=1: the learner is the driver process")
+        self.learner.kill_process(i)
 
     # ------------------------------------------------------------------------------ helpers
     def _get(self, ref, what: str, timeout: Optional[float] = None):
@@ -295,6 +365,12 @@ class RayRun(LocalRun):
             self._get(a.set_successors.remote(chain[i + 1:]), "a relay actor to take its successors")
         # A resumed learner re-publishes the numbers after its checkpoint with new weights.
         self.weight_store.retract_newer_than(self.learner.version)
+        if isinstance(self.learner, LearnerGroup):  # process 0 publishes; weights skip the driver
+            self.learner.attach_publisher(self.store_url, chain)
+            self.learner.publish_current(relays_only=self.weight_store.latest() == self.learner.version)
+            self.publisher = GroupPublisherProxy(self)
+            self.publish_times = [(time.time(), self.learner.version)]
+            return
         self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=chain)
         if self.weight_store.latest() != self.learner.version:
             self.publisher.publish(self.learner.version, self.learner.policy_params())
@@ -498,6 +574,7 @@ class RayRun(LocalRun):
     def summary(self, stopped_early: bool) -> dict:
         s = self.monitor.summary(stopped_early)
         s["ray"] = {"address": self.cfg.runtime.address or "local", "rollout_actors": sum(h is not None for h in self.actors),
+                    "learner_processes": self.cfg.runtime.learner_processes,
                     "relays": list(self.relay_addresses.values()),
                     "requeued_samples": self.buffer_stats.get("requeued", 0),
                     "dropped_late_results": self.buffer_stats.get("dropped_late_results", 0),

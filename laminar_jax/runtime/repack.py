@@ -63,7 +63,10 @@ class RepackLoop:
             slot = {uid: s for s, uid, _ in src.server.live_sequences()}.get(move.seq_uid)
             if slot is None or src.server.version != dst.server.version:
                 return False  # finished (or the server swapped) since the plan was made
-            state = src.server.export_sequence(slot)
+            try:
+                state = src.server.export_sequence(slot)
+            except KeyError:  # it finished in the step that was still in flight: nothing to move
+                return False
             try:
                 dst.server.import_sequence(state)
             except Exception:  # noqa: BLE001 - the sequence goes back where it was; counted

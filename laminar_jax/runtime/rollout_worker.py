@@ -130,7 +130,8 @@ class RolloutWorker:
             self.board.update(self.index, s.version, s.num_live)
             if self.timeline is not None:
                 st = s.stats()
-                self.timeline.sample(time.time(), st.server_id, st.slots_used, st.slots_total, s.version)
+                self.timeline.sample(time.time(), st.server_id, st.slots_used, st.slots_total, s.version,
+                                     st.kv_pages_used, st.kv_pages_total)
             return bool(done) or s.num_live > 0
 
     def run(self, stop: threading.Event) -> None:

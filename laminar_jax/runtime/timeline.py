@@ -3,21 +3,41 @@
 from __future__ import annotations
 
 import threading
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 class Timeline:
-    """Samples of (t, server, slots_used, version) plus publish events; thread-safe."""
+    """Samples of (t, server, slots_used, version[, KV pages used/total]) plus publish events; thread-safe."""
 
     def __init__(self, t0: float):
         self.t0 = t0
         self._lock = threading.Lock()
         self.samples: list[tuple[float, str, int, int, int]] = []  # t, server, used, total, version
         self.publishes: list[tuple[float, int]] = []
+        self.kv: list[tuple[float, str, int, int]] = []  # t, server, pages used, pages total
+        # Only change points are kept (a run samples every server iteration, ~1e5/min): the
+        # latest sample time per server closes each server's last interval.
+        self._state: dict[str, tuple] = {}
+        self._last_t: dict[str, float] = {}
 
-    def sample(self, t: float, server: str, used: int, total: int, version: int) -> None:
+    def sample(self, t: float, server: str, used: int, total: int, version: int,
+               kv_used: Optional[int] = None, kv_total: Optional[int] = None) -> None:
+        t = t - self.t0
         with self._lock:
-            self.samples.append((t - self.t0, server, used, total, version))
+            prev = self._state.get(server, (None, None))
+            self._last_t[server] = t
+            if prev[0] != (used, total, version):
+                self.samples.append((t, server, used, total, version))
+            if kv_used is not None and kv_total and prev[1] != (kv_used, kv_total):
+                self.kv.append((t, server, kv_used, kv_total))
+            self._state[server] = ((used, total, version), (kv_used, kv_total))
+
+    def _closed(self, points: list) -> list:
+        """points plus one closing point per server at its latest sample time (lock held)."""
+        last: dict[str, tuple] = {}
+        for p in points:
+            last[p[1]] = p
+        return points + [(self._last_t[s], *p[1:]) for s, p in last.items() if self._last_t[s] > p[0]]
 
     def publish(self, t: float, version: int) -> None:
         with self._lock:
@@ -26,32 +46,32 @@ class Timeline:
     def slot_utilization(self) -> float:
         """Time-weighted mean of used/total slots over all servers."""
         with self._lock:
-            by_server: dict[str, list[tuple[float, int, int]]] = {}
-            for t, s, used, total, _ in self.samples:
-                by_server.setdefault(s, []).append((t, used, total))
-        num = den = 0.0
-        for pts in by_server.values():
-            for (t0, u, tot), (t1, _, _) in zip(pts, pts[1:]):
-                num += (t1 - t0) * u
-                den += (t1 - t0) * tot
-        return num / den if den else 0.0
+            return _time_weighted([(t, s, used, total) for t, s, used, total, _ in self._closed(self.samples)])
+
+    def kv_utilization(self) -> Optional[float]:
+        """Time-weighted mean of used/total KV pages over all servers (None without KV samples)."""
+        with self._lock:
+            return _time_weighted(self._closed(self.kv)) if self.kv else None
 
     def render(self, path: str, title: str = "") -> str:
         import matplotlib
         import matplotlib.patches
 
         with self._lock:
-            samples, publishes = list(self.samples), list(self.publishes)
+            samples, publishes = self._closed(list(self.samples)), list(self.publishes)
         servers = sorted({s for _, s, *_ in samples})
         versions = sorted({v for *_, v in samples}) or [0]
         cmap = matplotlib.colormaps["viridis"].resampled(max(2, len(versions)))
         color = {v: cmap(i) for i, v in enumerate(versions)}
         fig, ax = _figure((10, 1.0 + 0.8 * len(servers)))
         for row, server in enumerate(servers):
-            pts = [(t, u, tot, v) for t, s, u, tot, v in samples if s == server]
+            pts = sorted((t, u, tot, v) for t, s, u, tot, v in samples if s == server)
+            bars: dict[tuple, list] = {}  # one collection per (height, version), not one per interval
             for (t0, u, tot, v), (t1, *_rest) in zip(pts, pts[1:]):
                 if u:
-                    ax.broken_barh([(t0, t1 - t0)], (row, 0.9 * u / max(tot, 1)), color=color[v], linewidth=0)
+                    bars.setdefault((u / max(tot, 1), v), []).append((t0, t1 - t0))
+            for (h, v), xr in bars.items():
+                ax.broken_barh(xr, (row, 0.9 * h), color=color[v], linewidth=0)
         for t, v in publishes:
             ax.axvline(t, color="red", linewidth=0.6, alpha=0.6)
         ax.set_yticks([i + 0.45 for i in range(len(servers))], servers)
@@ -62,6 +82,19 @@ class Timeline:
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         return path
+
+
+def _time_weighted(samples: Sequence[tuple[float, str, int, int]]) -> float:
+    """sum over servers and sample intervals of dt * used / sum of dt * total."""
+    by_server: dict[str, list[tuple[float, int, int]]] = {}
+    for t, s, used, total in samples:
+        by_server.setdefault(s, []).append((t, used, total))
+    num = den = 0.0
+    for pts in by_server.values():
+        for (t0, u, tot), (t1, _, _) in zip(pts, pts[1:]):
+            num += (t1 - t0) * u
+            den += (t1 - t0) * tot
+    return num / den if den else 0.0
 
 
 def _figure(size):

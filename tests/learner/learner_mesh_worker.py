@@ -6,6 +6,8 @@ starts). Multi-process mode joins `jax.distributed` on CPU (gloo collectives); p
   python learner_mesh_worker.py --mesh D,F,T[:K] [--mesh ...] --out DIR
                                 [--num-processes 2 --process-id i --port P]
   (:K = use only the first K devices). Writes DIR/mesh_D_F_T.npz per mesh.
+  A spec ending in +chunked runs with learner.remat='full' and logits_chunk_tokens=16 (the scan over
+  logits chunks on sharded rows and vocab) and writes DIR/mesh_D_F_T_chunked.npz.
 """
 
 import argparse
@@ -36,19 +38,22 @@ def main() -> None:
     from jax.sharding import Mesh
 
     for spec in args.mesh:
+        spec, chunked = (spec[:-len("+chunked")], True) if spec.endswith("+chunked") else (spec, False)
         shape_s, _, k = spec.partition(":")
         shape = tuple(int(x) for x in shape_s.split(","))
         devices = jax.devices()[: int(k) if k else None]
         mesh = Mesh(np.asarray(devices, dtype=object).reshape(shape), ("data", "fsdp", "tensor"))
-        out = run_one(mesh)
+        out = run_one(mesh, chunked)
         if jax.process_index() == 0:
-            np.savez(os.path.join(args.out, "mesh_%d_%d_%d.npz" % shape), **out)
+            np.savez(os.path.join(args.out, "mesh_%d_%d_%d%s.npz" % (*shape, "_chunked" if chunked else "")), **out)
         print("OK", len(devices), shape, float(out["loss"]), flush=True)
     if args.num_processes > 1:
         multihost_utils.sync_global_devices("worker done")
 
 
-def run_one(mesh):
+def run_one(mesh, chunked=False):
+    import dataclasses
+
     import jax
     import numpy as np
     from flax import nnx
@@ -64,6 +69,8 @@ def run_one(mesh):
     section = LearnerSection(lr=1e-3, critic="shared", adv_estimator="gae", lam=0.95, kl_mode="loss", kl_coef=0.05,
                              off_policy="tis", micro_batches=2, loss_agg="seq-mean-token-mean",
                              adam_eps=1e-4)  # eps >> |grad noise|: see test_learner_mesh.py
+    if chunked:
+        section = dataclasses.replace(section, remat="full", logits_chunk_tokens=16)
     model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), value_head=True)
     learner = Learner(section, model, mesh=mesh)
 

@@ -51,7 +51,8 @@ def _compare(ref_path, got_path):
 @pytest.fixture(scope="module")
 def mesh_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("mesh")
-    _run(["--mesh", "1,1,1:1", "--mesh", "1,8,1", "--mesh", "2,2,2", "--out", str(out)], 8)
+    _run(["--mesh", "1,1,1:1", "--mesh", "1,8,1", "--mesh", "2,2,2", "--mesh", "2,2,2+chunked",
+          "--out", str(out)], 8)
     return out
 
 
@@ -71,6 +72,12 @@ def test_data2_fsdp2_tensor2_matches_single_device(mesh_results):
     _compare(mesh_results / "mesh_1_1_1.npz", mesh_results / "mesh_2_2_2.npz")
     for key in ("spec_embed", "spec_mu_embed"):
         assert _spec(mesh_results / "mesh_2_2_2.npz", key) == "('tensor', 'fsdp')"
+
+
+def test_chunked_logits_and_remat_on_a_mesh_match_single_device(mesh_results):
+    """learner.remat='full' + logits_chunk_tokens=16 on data2 x fsdp2 x tensor2 (rows and vocab sharded
+    inside the chunk scan) against the unchunked, no-remat single-device step; same tolerances."""
+    _compare(mesh_results / "mesh_1_1_1.npz", mesh_results / "mesh_2_2_2_chunked.npz")
 
 
 def _free_port() -> int:

@@ -40,9 +40,11 @@ def _assert_same(traj, ref):
     assert traj.finish_reason == ref.finish_reason and traj.version == ref.version
 
 
-@pytest.mark.parametrize("impl", ["live_pages", "gather_dense", "pool_scan"])
-def test_moved_twice_between_engines_continues_identically(impl):
-    section = dataclasses.replace(SECTION, attention_impl=impl)
+@pytest.mark.parametrize("impl,chunk", [("live_pages", 0), ("gather_dense", 0), ("pool_scan", 0), ("live_pages", 2)])
+def test_moved_twice_between_engines_continues_identically(impl, chunk):
+    """chunk > 0 (batch compaction): the reference runs alone (one chunk), the moved run in company
+    (two chunks, different rows), so this also proves a row's result does not depend on the others."""
+    section = dataclasses.replace(SECTION, attention_impl=impl, decode_chunk=chunk)
     ref = _reference(section)
     a, b = make_server(section), make_server(section)
     for i in range(3):  # company on both servers, so the sequence lands in a different slot and pages

@@ -35,6 +35,10 @@ def test_demo_short_runs_and_accounts_for_every_prompt(mode, tmp_path):
     assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
     assert s["consumed_prompts"] == c.runtime.total_steps * c.runtime.prompts_per_step
     assert s["reward_first"] is not None and 0.0 <= s["reward_last"] <= 1.0
+    # Generation-side measurements (repack on/off is compared on these in bench e2e).
+    assert 0.0 < s["kv_util"] <= 1.0 and 0.0 < s["slot_util"] <= 1.0
+    assert s["gen_tokens_per_s"] > 0 and 0.0 < s["latency_p50_s"] <= s["latency_p99_s"]
+    assert 0.0 < s["learner_busy_frac"] < 1.0
     if mode == "sync":
         assert s["mean_staleness"] == 0.0  # sync is on-policy by construction
     for f in ("config.json", "summary.json", "timeline.png"):

@@ -78,3 +78,28 @@ def test_failed_import_leaves_sequence_on_source():
     ref = _reference(1)[uid]
     got = run_until(a, 1)[uid]
     np.testing.assert_array_equal(got.response_ids, ref.response_ids)
+
+
+def test_move_of_a_sequence_finishing_in_flight_is_skipped():
+    """The planner saw a sequence live whose last token was in the step still in flight: the move
+    is skipped (not an error that stops the scheduler) and the trajectory comes out exactly once."""
+    from laminar_jax.scheduler import Move
+
+    raced = 0
+    for steps in range(1, 6):
+        a, b = server("rollout-0"), server("rollout-1")
+        a.submit(request(0, max_new=3))
+        out = []
+        for _ in range(steps):
+            out += a.step()
+        uid = request(0).uid
+        if out or uid not in a.live_slots().values():
+            continue  # finished before the move was planned: nothing to race with
+        loop = RepackLoop([_worker(0, a), _worker(1, b)], SchedulerSection(max_batch=4), board=None)
+        moved = loop.execute(Move(uid, "rollout-0", "rollout-1"))
+        assert loop.failed == 0
+        for _ in range(50):
+            out += a.step() + b.step()
+        assert [t.uid for t in out] == [uid]
+        raced += not moved
+    assert raced >= 1, "no case exercised a sequence finishing inside the in-flight step"

@@ -1,0 +1,424 @@
+"""A learner spread over several processes: one Ray actor per process, joined by `jax.distributed`.
+
+  driver            LearnerGroup: the Learner interface the runtime uses (version, step, save,
+                    restore_latest, policy_params, flush, close) as calls to every process
+  LearnerProcess i  jax.distributed.initialize(coordinator, N, i), then the same `Learner` over the
+                    global mesh (`cfg.mesh` spans every process's devices)
+
+Every call that runs a collective (step, save, restore, gathering the weights) goes to all N
+processes at once, with the same arguments: each process collates the same trajectories and
+`place` keeps the shards it owns. Metrics come from process 0.
+
+Weights: parameters sharded across processes are not fully addressable, so the learner's host copy
+gathers them (`multihost_utils.process_allgather`, a collective every process joins); process 0
+alone hands the full copy to its relay `Publisher` (weight store + relay chain). Weights never
+travel through Ray, except the initial (SFT warm-started) parameters the driver hands the group.
+
+Checkpoints: orbax multi-process save/restore, every process taking part; the directory must be
+one that every learner host reaches (local disk on one machine, a shared filesystem or gs://).
+
+A process that dies or stops answering makes the whole group unusable (its peers block in
+collectives): every wait is bounded, and a dead process or an exceeded wait raises
+`LearnerGroupError` naming what it waited for; the runtime then kills the group and starts a new
+one from the last checkpoint (`RayRun._restart_learner`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import socket
+import time
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from laminar_jax.types import Trajectory
+
+
+class LearnerGroupError(RuntimeError):
+    """A learner process died or did not answer in time: the group must be restarted."""
+
+
+# ----------------------------------------------------------------------------------- plain data
+def traj_to_row(t: Trajectory) -> dict:
+    """A scored Trajectory as plain data (the buffer's row format, read back by _rows_to_trajectories)."""
+    return {"uid": t.uid, "prompt_uid": t.prompt_uid, "sample_index": int(t.sample_index),
+            "prompt_ids": np.asarray(t.prompt_ids, np.int32), "response_ids": np.asarray(t.response_ids, np.int32),
+            "behaviour_logprobs": np.asarray(t.behaviour_logprobs, np.float32), "version": int(t.version),
+            "finish_reason": t.finish_reason, "reward": float(t.reward)}
+
+
+def model_params(model) -> dict[str, np.ndarray]:
+    """Every parameter of an nnx model (value head included), flat and on the host."""
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+
+    return {k: np.asarray(v) for k, v in flatten_params(nnx.split(model)[1], drop=()).items()}
+
+
+def load_model_params(model, flat: dict[str, np.ndarray]) -> None:
+    """Inverse of model_params: overwrite `model`'s parameters in place (names and shapes must match)."""
+    import jax
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+
+    state = nnx.split(model)[1]
+    names = list(flatten_params(state, drop=()).keys())
+    leaves, treedef = jax.tree_util.tree_flatten(state)
+    missing = sorted(set(names) - set(flat))
+    if missing or len(names) != len(leaves):
+        raise ValueError(f"initial learner params: {len(missing)} parameters missing (e.g. {missing[:3]})")
+    for n, leaf in zip(names, leaves):
+        if tuple(np.shape(flat[n])) != tuple(np.shape(leaf)):
+            raise ValueError(f"initial learner params: {n} has shape {np.shape(flat[n])}, the model {np.shape(leaf)}")
+    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[n]) for n in names]))
+
+
+def _use_gloo_on_cpu(jax) -> None:
+    """CPU collectives across processes need gloo (GPU uses NCCL whatever this says)."""
+    try:
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except (AttributeError, KeyError, ValueError):  # renamed / default in a later jax
+        pass
+
+
+class _Discard:
+    """Publisher of processes > 0: they join the gather of the weights, process 0 publishes."""
+
+    def publish(self, version: int, params) -> None:
+        pass
+
+
+# ------------------------------------------------------------------------------ the actor side
+class LearnerProcess:
+    """One process of the learner group (plain Python; the group wraps it with `ray.remote`).
+
+    Calls arrive in the same order at every process (the driver sends each to all of them); those
+    marked *collective* block until every process has made them.
+    """
+
+    def __init__(self, cfg_json: str, index: int, num_processes: int):
+        self.cfg_json, self.index, self.n = cfg_json, index, num_processes
+        self.learner = None
+        self.publisher = None  # process 0 only: relay Publisher, or an in-memory one (tests)
+        self._relays: list[str] = []
+
+    def coordinator_address(self, host: Optional[str] = None) -> str:
+        """host:port for the jax.distributed coordinator (process 0's node, a free port).
+
+        The port is free when picked and bound by the coordinator moments later: if another
+        process takes it in between, the group's start fails (bounded) and says so."""
+        import ray
+
+        host = host or ray.util.get_node_ip_address()
+        with socket.socket() as s:
+            s.bind(("", 0))
+            return f"{host}:{s.getsockname()[1]}"
+
+    def start(self, coordinator: str, checkpoint_dir: Optional[str], init_params: Optional[dict],
+              timeout_s: float) -> dict:
+        """Collective: join jax.distributed, build the model (or load `init_params`) and the Learner."""
+        import jax
+
+        from laminar_jax.config import finalize
+        from laminar_jax.learner.learner import Learner
+        from laminar_jax.learner.publish import LocalPublisher
+        from laminar_jax.model import build_model
+
+        _use_gloo_on_cpu(jax)
+        jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
+                                   initialization_timeout=max(1, int(timeout_s)))
+        cfg = finalize(json.loads(self.cfg_json))
+        model = build_model(cfg.model)
+        if init_params is not None:
+            load_model_params(model, init_params)
+        section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir, total_steps=cfg.runtime.total_steps)
+        self.learner = Learner(section, model, cfg.mesh)
+        self.publisher = LocalPublisher(keep=1) if self.index == 0 else _Discard()
+        return {"process": jax.process_index(), "devices": jax.device_count(),
+                "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
+
+    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str]) -> None:
+        """Process 0 publishes each version to the weight store and the relay chain."""
+        if self.index != 0:
+            return
+        from laminar_jax.config import finalize
+        from laminar_jax.relay import Publisher, WeightStore
+
+        rcfg = finalize(json.loads(self.cfg_json)).relay
+        store = WeightStore(store_url, keep_last=rcfg.keep_last) if store_url else None
+        self._relays = list(relay_addresses)
+        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays)
+
+    def _gather_policy(self) -> dict[str, np.ndarray]:
+        """Collective: the full host copy of the policy weights, flat as published."""
+        from jax.experimental import multihost_utils
+
+        from laminar_jax.learner.publish import flatten_params
+
+        flat = flatten_params(self.learner.state.params["actor"])
+        return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
+
+    def step(self, rows: list[dict], publish: bool) -> dict:
+        """Collective: one Learner.step on the batch; publishing (process 0) unless `publish` is False."""
+        from laminar_jax.runtime.local import _rows_to_trajectories
+
+        metrics = self.learner.step(_rows_to_trajectories(rows), publisher=self.publisher if publish else None)
+        return {"version": self.learner.version, "metrics": metrics if self.index == 0 else None}
+
+    def publish_current(self, relays_only: bool, timeout_s: float) -> int:
+        """Collective: gather the current weights; process 0 publishes them (to the relays only when
+        the store holds this version already, as on resume)."""
+        host = self._gather_policy()
+        if self.index == 0:
+            pub = self.publisher
+            if relays_only:
+                from laminar_jax.config import finalize
+                from laminar_jax.relay import Publisher
+
+                pub = Publisher(finalize(json.loads(self.cfg_json)).relay, store=None, relay_addresses=self._relays)
+            try:
+                pub.publish(self.learner.version, host)
+                if relays_only:
+                    pub.flush(timeout=timeout_s)
+            finally:
+                if relays_only:
+                    pub.close()
+        return self.learner.version
+
+    def policy_params(self) -> Optional[dict]:
+        """Collective: the gathered policy weights (returned by process 0 only)."""
+        host = self._gather_policy()
+        return host if self.index == 0 else None
+
+    def published(self) -> Optional[tuple]:
+        """Process 0's last published (version, weights) when it has no relay publisher (tests)."""
+        latest = getattr(self.publisher, "latest", None)
+        return latest() if callable(latest) else None
+
+    def save(self, step: int, extra: Optional[dict]) -> None:
+        """Collective: orbax multi-process save (async; `flush` waits for it)."""
+        self.learner.save(step, extra=extra)
+
+    def restore_latest(self) -> dict:
+        """Collective: restore the newest checkpoint; process 0 returns its `extra`."""
+        extra = self.learner.restore_latest()
+        return {"version": self.learner.version, "extra": extra if self.index == 0 else None}
+
+    def warmup(self, *args) -> int:
+        return self.learner.warmup(*args)
+
+    def flush(self, timeout: float) -> None:
+        self.learner.flush(timeout)
+
+    def publisher_stats(self) -> Optional[dict]:
+        stats = getattr(self.publisher, "stats", None)
+        return dataclasses.asdict(stats()) if callable(stats) else None
+
+    def close_publisher(self, timeout: float) -> None:
+        close = getattr(self.publisher, "close", None)
+        if callable(close):
+            close(timeout=timeout)
+
+    def close(self) -> None:
+        if self.learner is not None:
+            self.learner.close()
+
+
+# ----------------------------------------------------------------------------- the driver side
+class LearnerGroup:
+    """`num_processes` LearnerProcess actors behaving, to the runtime, like one `Learner`.
+
+    cfg_json: the resolved config (its learner, mesh and model sections); checkpoint_dir: shared by
+    every process; actor_options: Ray options per actor (resources, scheduling, runtime_env);
+    init_params: flat weights every process starts from (e.g. after the SFT warm-start; None =
+    build the model from the config in each process); coordinator_host: the coordinator's address
+    (None = process 0's node IP); timeout_s bounds every collective call (start, step, save, ...);
+    rpc_timeout_s the small ones.
+    """
+
+    def __init__(self, cfg_json: str, num_processes: int, checkpoint_dir: Optional[str], *,
+                 actor_options: Optional[dict] = None, init_params: Optional[dict] = None,
+                 coordinator_host: Optional[str] = None, timeout_s: float = 600.0, rpc_timeout_s: float = 120.0,
+                 name: str = "learner"):
+        import ray
+
+        if num_processes < 1:
+            raise ValueError(f"LearnerGroup: num_processes={num_processes}, expected >= 1")
+        self.n, self.timeout_s, self.rpc_timeout_s = num_processes, timeout_s, rpc_timeout_s
+        self.version = 0
+        self.broken: Optional[str] = None
+        cls = ray.remote(LearnerProcess)
+        self.actors = [cls.options(**(actor_options or {})).remote(cfg_json, i, num_processes)
+                       for i in range(num_processes)]
+        self.names = [f"{name}-{i}" for i in range(num_processes)]
+        try:
+            coordinator = self._wait([self.actors[0].coordinator_address.remote(coordinator_host)],
+                                     "learner process 0 to start and pick the jax.distributed coordinator address",
+                                     self.timeout_s)[0]
+            init_ref = ray.put(init_params) if init_params is not None else None
+            self.info = self._all("start", "the learner processes to join jax.distributed at "
+                                  f"{coordinator} and build the learner", coordinator, checkpoint_dir,
+                                  init_ref, timeout_s)
+        except BaseException:
+            self.kill()
+            raise
+        self.coordinator = coordinator
+
+    # ------------------------------------------------------------------------------ waiting
+    def _all(self, method: str, what: str, *args, timeout: Optional[float] = None) -> list:
+        refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return self._wait(refs, what, self.timeout_s if timeout is None else timeout)
+
+    def _wait(self, refs: list, what: str, timeout: float) -> list:
+        """Every ref's value; the first dead process (or an exceeded wait) raises LearnerGroupError
+        at once: its peers would wait in a collective forever."""
+        import ray
+
+        if self.broken:
+            raise LearnerGroupError(f"learner group is broken ({self.broken}); not waiting for {what}")
+        index = {r: i for i, r in enumerate(refs)}
+        pending, deadline = list(refs), time.monotonic() + timeout
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                late = [self.names[index[r]] for r in pending]
+                self.broken = f"{late} did not answer within {timeout:.0f}s"
+                raise LearnerGroupError(f"waited {timeout:.1f}s for {what}; no answer from {late}")
+            name = self.names[index[ready[0]]]
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayTaskError as e:
+                # An error in one process; if a peer died meanwhile (its collective broke), that
+                # is the cause: the group is restartable.
+                dead = self._dead_peers(pending, index)
+                self.broken = f"{name} raised"
+                if dead:
+                    raise LearnerGroupError(f"learner process(es) {dead} died while waiting for {what}") from e
+                raise RuntimeError(f"learner process {name} failed during {what}: {e}") from e
+            except ray.exceptions.RayError as e:  # the process is gone: died, killed, OOM-killed, node lost
+                self.broken = f"{name} died"
+                raise LearnerGroupError(f"learner process {name} died while waiting for {what}: "
+                                        f"{type(e).__name__}: {e}") from e
+        return ray.get(refs)
+
+    def _dead_peers(self, pending: list, index: dict, grace_s: float = 5.0) -> list[str]:
+        """Names of the processes among `pending` that die within `grace_s` (bounded)."""
+        import ray
+
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=grace_s) if pending else ([], [])
+        dead = []
+        for r in ready:
+            try:
+                ray.get(r)
+            except ray.exceptions.RayTaskError:
+                pass
+            except ray.exceptions.RayError:
+                dead.append(self.names[index[r]])
+        return dead
+
+    # ---------------------------------------------------------------------- Learner interface
+    def step(self, trajectories: Sequence[Trajectory], publish: bool = True) -> dict:
+        """One learner step on every process (the same batch); process 0's metrics."""
+        import ray
+
+        rows = ray.put([traj_to_row(t) for t in trajectories])
+        out = self._all("step", f"learner step {self.version + 1} on every process", rows, publish)
+        versions = {o["version"] for o in out}
+        if versions != {self.version + 1}:
+            self.broken = f"versions {sorted(versions)}"
+            raise LearnerGroupError(f"learner processes disagree after step {self.version + 1}: versions {versions}")
+        self.version += 1
+        return out[0]["metrics"]
+
+    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str]) -> None:
+        self._all("attach_publisher", "learner process 0 to build its weight publisher", store_url,
+                  list(relay_addresses), timeout=self.rpc_timeout_s)
+
+    def publish_current(self, relays_only: bool = False) -> None:
+        """Publish the current version (gathered; process 0 publishes)."""
+        self._all("publish_current", f"the learner processes to publish version {self.version}", relays_only,
+                  self.rpc_timeout_s)
+
+    def policy_params(self) -> dict[str, np.ndarray]:
+        """Host copy of the current policy weights (gathered across processes)."""
+        return self._all("policy_params", "the learner processes to gather the policy weights")[0]
+
+    def published(self) -> Optional[tuple]:
+        return self._wait([self.actors[0].published.remote()], "learner process 0's last published weights",
+                          self.rpc_timeout_s)[0]
+
+    def save(self, step: int, extra: Optional[dict] = None) -> None:
+        import ray
+
+        self._all("save", f"the learner processes to start checkpoint {step}", step, ray.put(extra or {}))
+
+    def restore_latest(self) -> Optional[dict]:
+        out = self._all("restore_latest", "the learner processes to restore the latest checkpoint")
+        versions = {o["version"] for o in out}
+        if len(versions) != 1:
+            raise LearnerGroupError(f"learner processes restored different versions: {versions}")
+        self.version = versions.pop()
+        return out[0]["extra"]
+
+    def warmup(self, *args) -> int:
+        return self._all("warmup", "the learner processes to compile their step", *args)[0]
+
+    def flush(self, timeout: Optional[float] = None) -> None:
+        t = timeout or self.timeout_s
+        self._all("flush", "the learner processes' last publish and checkpoint", t, timeout=t + 10)
+
+    def publisher_stats(self) -> Optional[dict]:
+        return self._wait([self.actors[0].publisher_stats.remote()], "learner process 0's publisher stats",
+                          self.rpc_timeout_s)[0]
+
+    def close_publisher(self, timeout: float = 60.0) -> None:
+        self._wait([self.actors[0].close_publisher.remote(timeout)], "learner process 0 to close its publisher",
+                   timeout + 10)
+
+    def close(self) -> None:
+        """Flush and close every process (bounded), then end the actors."""
+        try:
+            if not self.broken:
+                self._all("close", "the learner processes to close", timeout=self.rpc_timeout_s)
+        finally:
+            self.kill()
+
+    def kill(self) -> None:
+        """End every process now (a broken group's survivors may be stuck in a collective)."""
+        import ray
+
+        for a in self.actors:
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - already gone
+                pass
+        self.broken = self.broken or "killed"
+
+    def kill_process(self, i: int) -> None:
+        """Fault injection: `ray.kill` learner process i (as a lost host would)."""
+        import ray
+
+        ray.kill(self.actors[i], no_restart=True)
+
+
+class GroupPublisherProxy:
+    """What the driver's runtime holds as `publisher` when process 0 of a group publishes."""
+
+    def __init__(self, run: Any):
+        self.run = run
+
+    def stats(self):
+        from laminar_jax.relay.publisher import PublisherStats
+
+        d = self.run.learner.publisher_stats()
+        if d is None:
+            return None
+        d["relay_failures"] = tuple(d["relay_failures"])
+        return PublisherStats(**d)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.run.learner.close_publisher(timeout)

@@ -1,0 +1,31 @@
+"""The learner benchmark's FLOP count: matmul weights only (no embedding lookup), recompute kept apart."""
+
+import dataclasses
+
+from laminar_jax.benchmarks.learner import flops_per_token, matmul_params
+from laminar_jax.model import PRESETS
+
+
+def test_matmul_params_excludes_lookup_and_norms():
+    for name in ("qwen2.5-0.5b", "qwen2.5-7b", "tiny"):
+        cfg = PRESETS[name]
+        d, v, L = cfg.hidden_size, cfg.vocab_size, cfg.num_layers
+        norms = 2 * d * L + d
+        lookup = 0 if cfg.tie_word_embeddings else v * d  # a tied matrix is counted once, as the lm_head
+        assert matmul_params(cfg) == cfg.num_params() - norms - lookup, name
+    untied = dataclasses.replace(PRESETS["qwen2.5-0.5b"], tie_word_embeddings=False)
+    assert matmul_params(untied) == matmul_params(PRESETS["qwen2.5-0.5b"])  # same FLOPs either way
+
+
+def test_model_flops_ignore_recompute_hardware_flops_count_it():
+    cfg = PRESETS["qwen2.5-0.5b"]
+    seq = 1024
+    base = flops_per_token(cfg, seq, "none", lm_head_recomputed=False)
+    attn = 12 * cfg.num_layers * cfg.num_heads * cfg.head_dim * seq
+    assert base.model == base.hardware == 6 * matmul_params(cfg) + attn
+    full = flops_per_token(cfg, seq, "full", lm_head_recomputed=True)
+    assert full.model == base.model
+    layer_fwd = 2 * (matmul_params(cfg) - cfg.vocab_size * cfg.hidden_size) + attn / 3
+    assert full.hardware == base.model + layer_fwd + 2 * cfg.vocab_size * cfg.hidden_size
+    dots = flops_per_token(cfg, seq, "dots_with_no_batch_dims_saveable", lm_head_recomputed=False)
+    assert dots.hardware == base.model + attn / 3

@@ -1,0 +1,122 @@
+"""Sequence packing: collate places every trajectory once, and a packed step equals an unpacked one."""
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from laminar_jax.learner import Learner, LearnerSection, collate
+from laminar_jax.model import PRESETS, Transformer
+from laminar_jax.types import Trajectory
+
+
+def _batch(seed: int, n: int = 12, group: int = 4):
+    """Long-tail response lengths (1..40 tokens) so packing has something to do."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        r = rng.integers(3, 100, int(rng.choice([1, 2, 3, 5, 8, 40])))
+        p = rng.integers(3, 100, int(rng.integers(1, 6)))
+        out.append(Trajectory(f"s{seed}p{i // group}/{i % group}", f"s{seed}p{i // group}", i % group, p, r,
+                              rng.normal(-4.8, 0.3, len(r)).astype(np.float32), 0, reward=float(rng.random())))
+    return out
+
+
+def test_packed_collate_places_every_trajectory_once():
+    trajs = _batch(0)
+    b = collate(trajs, (64,), row_multiple=2, pack_length=48)
+    assert b.tokens.shape[1] == 48 and b.tokens.shape[0] % 2 == 0
+    assert b.tokens.shape[0] < len(trajs)  # fewer rows than trajectories
+    for i, tr in enumerate(trajs):
+        where = b.seq_ids == i
+        rows = np.unique(np.nonzero(where)[0])
+        assert len(rows) == 1, f"trajectory {i} split over rows {rows}"
+        seq = np.concatenate([tr.prompt_ids, tr.response_ids])
+        np.testing.assert_array_equal(b.tokens[where], seq)
+        np.testing.assert_array_equal(b.positions[where], np.arange(len(seq)))
+        assert b.loss_mask[where].sum() == len(tr.response_ids)
+        np.testing.assert_allclose(b.behaviour_logprobs[where][len(tr.prompt_ids) - 1:-1], tr.behaviour_logprobs)
+        assert len(np.unique(b.segment_ids[where])) == 1  # one segment id, distinct within its row
+    for row in range(b.tokens.shape[0]):
+        segs = b.segment_ids[row][b.segment_ids[row] > 0]
+        assert len(np.unique(segs)) == len(np.unique(b.seq_ids[row][b.seq_ids[row] >= 0]))
+    assert (b.seq_ids >= 0).sum() == sum(t.num_tokens for t in trajs)
+
+
+def test_overlong_trajectory_names_itself():
+    trajs = _batch(1)
+    with pytest.raises(ValueError, match=r"trajectory\[\d+\] uid='s1p\d/\d': \d+ tokens exceed learner.pack_length=16"):
+        collate(trajs, (64,), pack_length=16)
+
+
+@pytest.mark.parametrize("kind", ["grpo", "gae"])
+def test_packed_step_equals_unpacked(kind):
+    base = dict(lr=1e-3, mini_batches=1, micro_batches=2, seq_len_buckets=(16, 32, 64), seed=3)
+    if kind == "grpo":
+        base.update(adv_estimator="grpo", loss_agg="seq-mean-token-mean", off_policy="tis")
+        model = lambda: Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    else:
+        base.update(adv_estimator="gae", critic="shared", loss_agg="seq-mean-token-sum", kl_mode="reward",
+                    kl_coef=0.05, whiten_advantages=False)
+        model = lambda: Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), value_head=True)
+    plain = Learner(LearnerSection(**base), model())
+    packed = Learner(LearnerSection(**base, pack_length=64), model())
+    for seed in (5, 6):
+        trajs = _batch(seed)
+        m_plain, m_packed = plain.step(trajs), packed.step(trajs)
+        assert m_packed["rows"] < m_plain["rows"]
+        for k in ("loss", "pg_loss", "entropy", "reward_mean"):
+            np.testing.assert_allclose(m_packed[k], m_plain[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    a, b = plain.policy_params(), packed.policy_params()
+    for name in a:
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+    assert any(not np.array_equal(a[n], Learner(LearnerSection(**base), model()).policy_params()[n]) for n in a)
+
+
+def test_packed_mini_batches_are_whole_trajectory_blocks():
+    trajs = _batch(2, n=16)
+    order = np.random.default_rng(0).permutation(16)
+    b = collate(trajs, (64,), row_multiple=8, pack_length=48, mini_batches=4, order=order)
+    per = b.tokens.shape[0] // 4
+    assert per % 2 == 0  # row_multiple / mini_batches
+    for j, part in enumerate(np.array_split(order, 4)):
+        block = b.seq_ids[j * per:(j + 1) * per]
+        assert set(np.unique(block[block >= 0])) == set(part.tolist())
+
+
+MESH_SCRIPT = r"""
+import os, sys
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+sys.path.insert(0, sys.argv[1]); sys.path.insert(0, os.path.join(sys.argv[1], "tests", "learner"))
+import jax, numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+from test_learner_packing import _batch
+from laminar_jax.learner import Learner, LearnerSection
+from laminar_jax.model import PRESETS, Transformer
+sec = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=2, ppo_epochs=2, off_policy="tis",
+                     loss_agg="seq-mean-token-mean", pack_length=64, seq_len_buckets=(64,))
+out = []
+for n, shape in ((1, (1, 1, 1)), (4, (1, 4, 1))):
+    mesh = Mesh(np.asarray(jax.devices()[:n], dtype=object).reshape(shape), ("data", "fsdp", "tensor"))
+    learner = Learner(sec, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), mesh=mesh)
+    losses = [learner.step(_batch(s, n=16))["loss"] for s in range(3)]
+    out.append((losses, learner.policy_params()))
+np.testing.assert_allclose(out[1][0], out[0][0], rtol=1e-4)
+for k in out[0][1]:
+    np.testing.assert_allclose(out[1][1][k], out[0][1][k], atol=5e-5, err_msg=k)
+print("PACKED_MESH_OK")
+"""
+
+
+def test_packed_steps_on_a_mesh_match_one_device():
+    """Packed mini-batches are chosen over trajectories, not rows: fsdp=4 (more padding rows)
+    trains exactly what one device trains (fp32, 3 steps x 2 epochs x 2 mini-batches)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, root], capture_output=True, text=True, timeout=600,
+                          env=env)
+    assert "PACKED_MESH_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]

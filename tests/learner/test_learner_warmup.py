@@ -1,0 +1,50 @@
+"""Learner.warmup: every bucket's programs are compiled ahead, so the steps after it compile nothing."""
+
+import numpy as np
+from flax import nnx
+from jax import monitoring
+
+from laminar_jax.learner import Learner, LearnerSection
+from laminar_jax.model import PRESETS, Transformer
+from laminar_jax.types import Trajectory
+
+
+def _batch(seed: int, length: int, n: int = 8, group: int = 4):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        r = rng.integers(3, 100, length)
+        out.append(Trajectory(f"s{seed}p{i // group}/{i % group}", f"s{seed}p{i // group}", i % group,
+                              np.array([1, 5, 6]), r, rng.normal(-4.8, 0.3, length).astype(np.float32), 0,
+                              reward=float(rng.random())))
+    return out
+
+
+def test_warmup_compiles_every_bucket_ahead():
+    section = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=2, seq_len_buckets=(16, 32, 64))
+    learner = Learner(section, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        _check(learner, compiles)
+    finally:
+        unregister = getattr(monitoring, "_unregister_event_duration_listener_by_callback", None)
+        if unregister is not None:
+            unregister(listen)
+
+
+def _check(learner, compiles):
+    assert learner.warmup(8, max_tokens=32) == 2  # buckets 16 and 32
+    warm = len(compiles)
+    assert warm >= 4  # prepare + train step (+ select) per bucket
+    before = len(compiles)
+    learner.step(_batch(0, 5))  # 8 tokens -> bucket 16
+    learner.step(_batch(1, 20))  # 23 tokens -> bucket 32
+    assert len(compiles) == before, f"steps after warmup compiled {len(compiles) - before} programs"
+    learner.step(_batch(2, 50))  # 53 tokens -> bucket 64, not warmed: compiles (the check can fail)
+    assert len(compiles) > before
