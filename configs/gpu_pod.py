@@ -43,6 +43,7 @@ def get_config(variant: str = ""):
     c.learner.micro_batches = 64
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
     c.learner.pack_length = 18432  # = rollout.max_total_len: pack the long-tail batch instead of padding it
+    c.learner.remat = "full"  # 7B at 16K tokens per row: recompute each layer in the backward pass
 
     c.relay.chunk_bytes = 32 << 20
 
