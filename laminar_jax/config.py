@@ -78,6 +78,20 @@ def default_config() -> ml_collections.ConfigDict:
     return to_config_dict(Config())
 
 
+def repo_config(name: str, variant: str = "") -> ml_collections.ConfigDict:
+    """``get_config(variant)`` of the repository's ``configs/<name>.py`` (benchmarks and tests)."""
+    import importlib.util
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    path = os.path.join(root, "configs", f"{name}.py")
+    spec = importlib.util.spec_from_file_location(f"laminar_configs_{name}", path)
+    if spec is None or not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such config file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.get_config(variant)
+
+
 def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError."""
     cfg = from_config_dict(Config, cd)

@@ -21,13 +21,9 @@ MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
 
 
 def _demo_config():
-    import importlib.util
+    from laminar_jax.config import repo_config
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(root, "configs", "demo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config("")
+    return repo_config("demo")
 
 
 def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:

@@ -9,7 +9,6 @@ and whether any prompt was lost or trained on twice.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -19,11 +18,9 @@ import time
 
 
 def chaos_config(steps: int, run_dir: str):
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(root, "configs", "demo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    c = mod.get_config("short")
+    from laminar_jax.config import repo_config
+
+    c = repo_config("demo", "short")
     c.runtime.total_steps = steps
     c.runtime.checkpoint_every = max(2, steps // 2)  # the learner crash lands between checkpoints: replay
     c.runtime.run_dir = run_dir

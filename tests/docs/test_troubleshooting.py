@@ -23,6 +23,7 @@ from laminar_jax.model import from_pretrained, load_hf_config, load_tokenizer
 from laminar_jax.relay import RelayClient
 from laminar_jax.rollout import Request
 from laminar_jax.rollout.paged import PageAllocator
+from laminar_jax.runtime.rollout_worker import RolloutWorker
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "TROUBLESHOOTING.md")
@@ -206,7 +207,9 @@ TRIGGERS = {
         Request(uid="long", prompt_ids=list(range(1, 30))), timeout=0.1)),
     "prompt-limits": lambda t, m, c: raised(lambda: _demo_run(
         t, "overlong", **{"rollout.max_prompt_len": 4, "rollout.max_total_len": 160})),
-    "learner-wait": lambda t, m, c: raised(lambda: _demo_run(t, "wait", **{"runtime.wait_timeout_s": 1.0})),
+    # Servers that never take work (as when they wait for weights that do not come): no batch ever.
+    "learner-wait": lambda t, m, c: (m.setattr(RolloutWorker, "_admit", lambda self: None), raised(
+        lambda: _demo_run(t, "wait", **{"runtime.wait_timeout_s": 1.0})))[1],
     "buffer-timeout": lambda t, m, c: raised(lambda: ExperienceStore(
         group_size=4).get("learner", 2, ["reward", "version"], timeout=0.1)),
     "relay-pull-timeout": lambda t, m, c: raised(

@@ -23,16 +23,27 @@ def test_hung_server_is_declared_dead_by_heartbeat_and_replaced(tmp_path):
     c = faults.chaos_config(8, str(tmp_path / "run"))
     c.scheduler.heartbeat_timeout_s = 1.5
     run = LocalRun(finalize(c), c.runtime.run_dir)
-    original = run.workers[1].server.step
+    worker = run.workers[1]
+    original = worker.server.step
     state = {"hung": False}
 
-    def hang_once():
+    def hang_until_declared_dead():
         if not state["hung"]:
             state["hung"] = True
-            time.sleep(4.0)  # silent for longer than the heartbeat timeout
+            deadline = time.monotonic() + 30.0  # silent for longer than the heartbeat timeout
+            while not worker.killed.is_set() and time.monotonic() < deadline:
+                time.sleep(0.05)
         return original()
 
-    run.on_step_hooks.append(lambda v: setattr(run.workers[1].server, "step", hang_once) if v == 1 else None)
+    def after_step(v):
+        if v == 1:
+            worker.server.step = hang_until_declared_dead
+        if v == 2:  # the learner may outrun the heartbeat on the healthy server: let detection land
+            deadline = time.monotonic() + 30.0
+            while not any(f.get("server") == "rollout-1" for f in run.failures) and time.monotonic() < deadline:
+                time.sleep(0.05)
+
+    run.on_step_hooks.append(after_step)
     s = run.run()
     assert s["steps"] == 8 and s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
     hung = [f for f in s["failures"] if f.get("server") == "rollout-1"]

@@ -1,7 +1,6 @@
 """The local runtime end to end on the demo's short variant: every mode runs, nothing is lost or
 repeated, and a SIGTERM-killed run resumes from its checkpoint without losing or repeating a prompt."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -11,16 +10,13 @@ import time
 
 import pytest
 
-from laminar_jax.config import finalize
+from laminar_jax.config import finalize, repo_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def demo(variant="short"):
-    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(ROOT, "configs", "demo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(variant)
+    return repo_config("demo", variant)
 
 
 @pytest.mark.parametrize("mode", ["laminar", "sync"])

@@ -15,7 +15,6 @@
 """
 
 import dataclasses
-import importlib.util
 import os
 
 import numpy as np
@@ -23,17 +22,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from laminar_jax.config import finalize
+from laminar_jax.config import finalize, repo_config
 from laminar_jax.configlib import to_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def demo(variant="short"):
-    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(ROOT, "configs", "demo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(variant)
+    return repo_config("demo", variant)
 
 
 def _batches(n_batches=3, n=16, seed=0):

@@ -3,7 +3,6 @@ sequence moved between them, then one killed mid-run while it owns work) complet
 or repeating a prompt; the buffer actor's ownership logic (requeue on failure, late results
 dropped, repack moves, admission)."""
 
-import importlib.util
 import os
 import time
 
@@ -12,17 +11,11 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from laminar_jax.config import finalize
+from laminar_jax.config import finalize, repo_config
 from laminar_jax.configlib import to_json
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 def demo(variant="short"):
-    spec = importlib.util.spec_from_file_location("demo_cfg", os.path.join(ROOT, "configs", "demo.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config(variant)
+    return repo_config("demo", variant)
 
 
 def _wait(cond, timeout, what):
