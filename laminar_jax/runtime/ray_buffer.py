@@ -77,7 +77,8 @@ class BufferActor:
         self._owner: dict[str, tuple[str, WorkItem]] = {}  # sample uid -> (server name, its work item)
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
-        self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0}
+        self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0}
+        self._latencies: list[float] = []  # dispatch -> completion of each accepted sample
         self._stop = threading.Event()
         self._error: Optional[str] = None
         self._thread = threading.Thread(target=self._dispatch_loop, name="buffer-dispatcher", daemon=True)
@@ -159,6 +160,10 @@ class BufferActor:
                 self.counters["dropped_late_results"] += 1
                 return False
             del self._owner[uid]
+            start = self.dispatcher.enqueued_at.pop(uid, None)
+            if start is not None:
+                self._latencies.append(time.monotonic() - start)
+            self.counters["generated_tokens"] += len(traj["response_ids"])
         try:
             self.store.put_many(uid, {"response_ids": traj["response_ids"],
                                       "behaviour_logprobs": traj["behaviour_logprobs"],
@@ -258,11 +263,13 @@ class BufferActor:
             owned: dict[str, int] = {}
             for name, _ in self._owner.values():
                 owned[name] = owned.get(name, 0) + 1
+            lat = np.percentile(self._latencies, [50, 99]).tolist() if self._latencies else [None, None]
         return {"queue": len(self.queue), "ledger": self.ledger.summary(),
                 "lost_prompts": sum(1 for uid, _ in in_flight if uid not in groups),
                 "ready_groups": self.store.ready_groups("learner", REQUIRED), "owned": owned,
                 "redispatched": self.redispatched, "board_versions": list(self.board.versions),
-                "board_live": list(self.board.live), "newest": self.board.newest, **self.counters}
+                "board_live": list(self.board.live), "newest": self.board.newest,
+                "latency_p50_s": lat[0], "latency_p99_s": lat[1], **self.counters}
 
     def close(self) -> None:
         self._stop.set()

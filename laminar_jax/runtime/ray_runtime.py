@@ -573,6 +573,12 @@ class RayRun(LocalRun):
 
     def summary(self, stopped_early: bool) -> dict:
         s = self.monitor.summary(stopped_early)
+        # Completions land in the buffer actor: the generation-side figures come from there.
+        gen = self.buffer_stats.get("generated_tokens", 0)
+        s["gen_tokens_per_s"] = round(gen / max(s["rl_wall_s"], 1e-9), 2) if gen else None
+        for k in ("latency_p50_s", "latency_p99_s"):
+            v = self.buffer_stats.get(k)
+            s[k] = None if v is None else round(float(v), 4)
         s["ray"] = {"address": self.cfg.runtime.address or "local", "rollout_actors": sum(h is not None for h in self.actors),
                     "learner_processes": self.cfg.runtime.learner_processes,
                     "relays": list(self.relay_addresses.values()),

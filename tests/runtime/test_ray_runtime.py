@@ -54,11 +54,14 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
         if version != 1:
             return
         _wait(lambda: force_a_move() or moved, 60, "two actors at one version, one with a free slot")
-        # Then wait (bounded) until rollout-1 holds samples, and kill it.
-        owned = lambda: ray.get(run.buffer.stats.remote(), timeout=30)["owned"].get("rollout-1", 0)
-        _wait(lambda: owned() > 0, 60, "rollout-1 to take work after the first step")
-        killed["owned"] = owned()
-        run.kill_server(1)
+        # Then wait (bounded) until an actor holds samples, and kill it. (Not always rollout-1: the
+        # forced move may have taken its last sequence, and with the learner held here no new work
+        # is dispatched.)
+        owned = lambda: ray.get(run.buffer.stats.remote(), timeout=30)["owned"]
+        _wait(lambda: any(n > 0 for n in owned().values()), 60, "a rollout actor to hold work after the first step")
+        name, n = max(owned().items(), key=lambda kv: kv[1])
+        killed.update(name=name, owned=n)
+        run.kill_server(int(name.split("-")[1].split(".")[0]))
 
     run.on_step_hooks.append(kill_once_it_owns_work)
     s = run.run()
@@ -66,10 +69,11 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     assert s["steps"] == rt.total_steps and not s["stopped_early"]
     assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
     assert s["consumed_prompts"] == rt.total_steps * rt.prompts_per_step
-    fails = [f for f in s["failures"] if f.get("server") == "rollout-1"]
+    assert s["gen_tokens_per_s"] > 0 and 0.0 < s["latency_p50_s"] <= s["latency_p99_s"]  # from the buffer actor
+    fails = [f for f in s["failures"] if f.get("server") == killed["name"]]
     assert len(fails) == 1 and "ActorDied" in fails[0]["error"], s["failures"]
     assert fails[0]["requeued"] >= 1 and killed["owned"] >= 1  # its unfinished samples were requeued
-    assert not [f for f in s["failures"] if f.get("server") != "rollout-1"], s["failures"]
+    assert not [f for f in s["failures"] if f.get("server") != killed["name"]], s["failures"]
     assert len(moved) == 1 and s["repack_moves"] >= 1  # a live sequence moved between actors
     # The same summary as the local runtime (plus a 'ray' section).
     for key in ("mode", "steps", "wall_s", "train_tokens_per_s", "reward_first", "reward_last", "mean_staleness",
