@@ -1,6 +1,6 @@
 """CPU demo: tiny Llama-style model, synthetic task with heavily skewed response lengths.
 
-python launch/run.py --config=configs/demo.py            # laminar mode, ~3-4 min on 2 cores
+python launch/run.py --config=configs/demo.py            # laminar mode, ~1 min on 2 cores
 python launch/run.py --config=configs/demo.py:short      # a short smoke variant (tests use it)
 python launch/run.py --config=configs/demo.py --config.runtime.mode=sync
 """
