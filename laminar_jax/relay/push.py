@@ -197,7 +197,7 @@ class Downstream:
                 self.close()  # the link is mid-version; start clean next time
                 raise
             except (OSError, WireError, RemoteError) as e:
-                if reused and stale_ok and isinstance(e, (OSError, WireError)) and not isinstance(e, RemoteError):
+                if reused and stale_ok and not isinstance(e, RemoteError):  # a transport error, not the relay's answer
                     stale_ok = False
                     self.errors = (self.errors + [f"{addr}: {e} (idle link; reconnecting)"])[-20:]
                     self.close()

@@ -94,6 +94,11 @@ class RolloutServer:
         self._error_tb = ""
         self._out: queue.Queue = queue.Queue()
 
+    def warmup(self) -> None:
+        """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
+        with self._lock:
+            self.engine.warmup(self._params)
+
     @classmethod
     def from_model(cls, model, section, version: int = 0, **engine_kwargs) -> "RolloutServer":
         from laminar_jax.rollout.engine import make_engine

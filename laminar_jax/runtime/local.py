@@ -287,8 +287,7 @@ class LocalRun:
         t0 = time.time()
         self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
         if self.workers:
-            server = self.workers[0].server
-            server.engine.warmup(server._params)
+            self.workers[0].server.warmup()
         log.info("compiled learner and engine programs in %.1fs", time.time() - t0)
 
     def run(self) -> dict:
