@@ -65,7 +65,7 @@ class LocalRun:
         self.sup = Supervisor()
         if stop is not None:
             self.sup.stop = stop
-        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.model = build_model(cfg.model)
         self.source = build_prompt_source(cfg.data, self.tokenizer)

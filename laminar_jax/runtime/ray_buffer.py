@@ -60,7 +60,7 @@ class BufferActor:
 
         self.cfg = cfg = finalize(json.loads(cfg_json))
         rt = cfg.runtime
-        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.source = build_prompt_source(cfg.data, self.tokenizer)
         self.ledger, self.store = PromptLedger(), ExperienceStore(group_size=rt.samples_per_prompt)

@@ -159,7 +159,7 @@ class RolloutActor:
         queue = _QueueProxy(buffer, index, name, rpc_timeout_s)
         queue.server = server
         self.buffer, self.rpc_timeout_s = buffer, rpc_timeout_s
-        self.worker = RolloutWorker(index, server, client, queue, get_policy(cfg.runtime.mode, cfg.scheduler.repack),
+        self.worker = RolloutWorker(index, server, client, queue, get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag),
                                     self.board, self._on_complete, _make_request, from_flat, timeline=None,
                                     pull_timeout_s=pull_timeout)
         import ray
@@ -198,7 +198,7 @@ class RolloutActor:
         s = self.worker.server
         return {"stats": dataclasses.asdict(s.stats()), "seqs": [(uid, pages) for _, uid, pages in s.live_sequences()],
                 "beat_age": time.monotonic() - self.worker.last_beat, "error": self._error,
-                "swaps": self.worker.swaps, "dropped": self.dropped}
+                "swaps": self.worker.swaps, "dropped": self.dropped, "draining": not self.worker.admitting()}
 
     def export_sequence(self, uid: str, version: int) -> Optional[bytes]:
         """Take live sequence `uid` out as bytes (`SequenceState.to_bytes`); None if it finished,

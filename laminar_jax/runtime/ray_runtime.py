@@ -152,7 +152,8 @@ class RayRepackLoop(RepackLoop):
             s = st["stats"]
             sid, used = s["server_id"], s["kv_pages_used"]
             out.append(ServerView(sid, s["version"], s["kv_pages_total"], used, self._prev_used.get(sid, used + 1),
-                                  tuple((u, int(p)) for u, p in st["seqs"])))
+                                  tuple((u, int(p)) for u, p in st["seqs"]),
+                                  draining=st.get("draining", False), max_live=s["slots_total"]))
             self._prev_used[sid] = used
             by_id[sid] = (h, s["version"])
         self._by_id = by_id
@@ -218,7 +219,7 @@ class RayRun(LocalRun):
         self.sup = Supervisor()
         if stop is not None:
             self.sup.stop = stop
-        self.policy = get_policy(rt.mode, cfg.scheduler.repack)
+        self.policy = get_policy(rt.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.rpc_timeout_s = min(rt.wait_timeout_s, 120.0)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
         self.sft_losses: list[float] = []

@@ -101,9 +101,13 @@ class RolloutWorker:
         s.set_params(version, self.params_from_flat(flat))  # applied by the next step()
         self.swaps += 1
 
+    def admitting(self) -> bool:
+        """Whether the mode lets this server take new prompts now (else it drains to swap)."""
+        return server_may_admit(self.policy, self.server.version, self.board.newest, self.board.global_pending())
+
     def _admit(self) -> None:
         s = self.server
-        if not server_may_admit(self.policy, s.version, self.board.newest, self.board.global_pending()):
+        if not self.admitting():
             return
         st = s.stats()
         free = st.slots_total - st.slots_used - st.queue_length

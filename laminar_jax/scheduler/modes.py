@@ -25,6 +25,8 @@ class ModePolicy:
       repack: Whether dynamic repack runs in this mode.
       batches_ahead: For sync/one_step: how many batches dispatch may run ahead of the learner.
       bounded_staleness: Dispatch obeys the AReaL capacity rule with max_staleness.
+      admit_lag: Per-server swap only: a server keeps admitting new prompts while its version is at
+        most this many versions behind the newest (0: it stops as soon as a newer one exists).
     """
 
     name: str
@@ -32,6 +34,7 @@ class ModePolicy:
     repack: bool
     batches_ahead: Optional[int]
     bounded_staleness: bool
+    admit_lag: int = 0
 
 
 POLICIES = {
@@ -42,11 +45,15 @@ POLICIES = {
 }
 
 
-def get_policy(mode: str, repack: bool = True) -> ModePolicy:
+def get_policy(mode: str, repack: bool = True, admit_lag: int = 0) -> ModePolicy:
+    """The mode's policy; `admit_lag` applies to per-server swapping (laminar) only."""
     if mode not in POLICIES:
         raise ValueError(f"runtime.mode={mode!r}: must be one of {sorted(POLICIES)}")
+    if admit_lag < 0:
+        raise ValueError(f"scheduler.admit_lag={admit_lag}: must be >= 0")
     p = POLICIES[mode]
-    return dataclasses.replace(p, repack=p.repack and repack)
+    return dataclasses.replace(p, repack=p.repack and repack,
+                               admit_lag=admit_lag if p.swap == "per_server" else 0)
 
 
 def dispatch_allowance(p: ModePolicy, learner_version: int, dispatched: int, prompts_per_step: int,
@@ -74,14 +81,17 @@ def dispatch_allowance(p: ModePolicy, learner_version: int, dispatched: int, pro
 
 
 def server_may_admit(p: ModePolicy, server_version: int, newest_version: int, global_pending: bool) -> bool:
-    """A server admits new prompts only while it runs the newest version it could take.
+    """A server admits new prompts only while it runs the newest version it could take (per-server
+    swap: or one at most `admit_lag` versions older).
 
     A server that knows of a newer version stops admitting so it drains and can swap (or, in
-    laminar mode, is emptied sooner by repack). In global modes a pending barrier stops everyone.
+    laminar mode, is emptied sooner by repack). When the learner publishes faster than the long
+    tail drains, admit_lag > 0 keeps slots filled between publishes at the price of staleness
+    (each trajectory still uses one version). In global modes a pending barrier stops everyone.
     """
     if p.swap == "global":
         return not global_pending
-    return server_version >= newest_version
+    return server_version >= newest_version - p.admit_lag
 
 
 def swap_now(p: ModePolicy, server_live: int, live_per_server: Sequence[int]) -> bool:

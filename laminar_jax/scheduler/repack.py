@@ -7,7 +7,7 @@ scheduler and the simulator call this same function.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +22,10 @@ class ServerView:
       kv_pages_used_prev: Pages in use at the previous poll (to tell 'falling').
       seq_pages: Pages held by each live sequence, keyed by sequence uid.
       alive: False for a server that stopped answering (never a source or destination).
+      draining: The server knows of a newer version, so it admits nothing and its batch can only
+        shrink: a source even when its KV use has not fallen since the last poll (a poll right
+        after a publish would otherwise see the admissions before it as 'rising').
+      max_live: Sequences the server can hold at once (its slots) when it is a destination; None = only max_batch bounds it.
     """
 
     server_id: str
@@ -31,6 +35,8 @@ class ServerView:
     kv_pages_used_prev: int
     seq_pages: tuple[tuple[str, int], ...]
     alive: bool = True
+    draining: bool = False
+    max_live: Optional[int] = None
 
     @property
     def live(self) -> int:
@@ -62,7 +68,7 @@ class Move:
 
 
 def is_source(s: ServerView, p: RepackParams) -> bool:
-    falling = s.kv_pages_used < s.kv_pages_used_prev or not p.require_falling
+    falling = s.kv_pages_used < s.kv_pages_used_prev or s.draining or not p.require_falling
     return s.alive and s.live > 0 and s.kv_frac < p.c_max and falling and s.live < p.max_batch
 
 
@@ -71,7 +77,7 @@ def plan_repack(servers: Sequence[ServerView], params: RepackParams) -> list[Mov
 
     Sources (see :func:`is_source`) are taken in ascending KV use; each source's live sequences
     all go to the one feasible destination of the same version that ends up fullest, where
-    feasible means pages_after <= c_max * capacity and live_after <= max_batch. A server that
+    feasible means pages_after <= c_max * capacity and live_after <= min(max_batch, max_live). A server that
     received sequences is not emptied later in the same plan, and an emptied one receives none.
     """
     moves: list[Move] = []
@@ -94,7 +100,8 @@ def plan_repack(servers: Sequence[ServerView], params: RepackParams) -> list[Mov
                     continue
                 pages_after = used[dst.server_id] + need_pages
                 live_after = live[dst.server_id] + src.live
-                if pages_after > params.c_max * dst.kv_pages_total or live_after > params.max_batch:
+                cap = params.max_batch if dst.max_live is None else min(params.max_batch, dst.max_live)
+                if pages_after > params.c_max * dst.kv_pages_total or live_after > cap:
                     continue
                 fill = pages_after / dst.kv_pages_total
                 if fill > best_fill:

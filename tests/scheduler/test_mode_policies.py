@@ -52,3 +52,15 @@ def test_laminar_servers_swap_on_their_own_when_drained():
 def test_unknown_mode_is_named():
     with pytest.raises(ValueError, match="runtime.mode='fast'"):
         get_policy("fast")
+
+
+def test_admit_lag_lets_a_laminar_server_admit_until_it_falls_that_far_behind():
+    p = get_policy("laminar", admit_lag=2)
+    assert server_may_admit(p, 3, 5, global_pending=True)  # 2 behind: still admitting
+    assert not server_may_admit(p, 2, 5, global_pending=True)  # 3 behind: drains, then swaps
+    assert swap_now(p, 0, [0, 4])  # an empty server still takes the newest at once
+    # global modes have one barrier for all: the lag does not apply to them
+    assert get_policy("stream", admit_lag=2).admit_lag == 0
+    assert not server_may_admit(get_policy("one_step", admit_lag=2), 4, 5, global_pending=True)
+    with pytest.raises(ValueError, match="admit_lag=-1"):
+        get_policy("laminar", admit_lag=-1)

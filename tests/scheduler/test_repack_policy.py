@@ -41,3 +41,22 @@ def test_rising_server_is_not_a_source_and_ascending_order():
     # a server that received sequences is never emptied afterwards; each sequence moves once
     assert len({m.seq_uid for m in moves}) == len(moves)
     assert not any(m.src == "z" for m in moves)
+
+
+def test_a_server_draining_for_a_newer_version_is_a_source_even_when_its_kv_rose():
+    # Polled right after a publish: the admissions since the last poll make KV look rising, but the
+    # server admits nothing more (it knows of a newer version), so its batch can only shrink.
+    rising = [sv("a", 1, 10, 5, [5, 5]), sv("b", 1, 50, 50, [10] * 5)]
+    assert plan_repack(rising, P) == []
+    draining = [ServerView("a", 1, 100, 10, 5, (("a:0", 5), ("a:1", 5)), draining=True),
+                ServerView("b", 1, 100, 50, 50, tuple((f"b:{i}", 10) for i in range(5)), draining=True)]
+    assert {(m.src, m.dst) for m in plan_repack(draining, P)} == {("a", "b")}
+
+
+def test_destination_never_gets_more_sequences_than_its_slots():
+    # B=8 would allow 5 + 2 = 7 live on b, but b has only 6 slots: the move would fail on import.
+    servers = [ServerView("a", 1, 100, 10, 20, (("a:0", 5), ("a:1", 5))),
+               ServerView("b", 1, 100, 50, 50, tuple((f"b:{i}", 10) for i in range(5)), max_live=6)]
+    assert plan_repack(servers, P) == []
+    servers[1] = ServerView("b", 1, 100, 50, 50, tuple((f"b:{i}", 10) for i in range(5)), max_live=7)
+    assert {(m.src, m.dst) for m in plan_repack(servers, P)} == {("a", "b")}
