@@ -47,6 +47,10 @@ def get_config(variant: str = ""):
     c.runtime.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
 
     c.scheduler.max_batch = 16
+    # The learner publishes every ~0.1-0.3 s here, faster than the long tail drains: a server keeps
+    # admitting until it is 2 versions behind, and repack plans often enough to matter.
+    c.scheduler.admit_lag = 1
+    c.scheduler.repack_interval_s = 0.1
     if variant == "short":
         c.runtime.samples_per_prompt = 4
         c.runtime.total_steps = 4

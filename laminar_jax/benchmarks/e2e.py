@@ -59,7 +59,6 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
     c.rollout.num_slots = args.slots
     c.runtime.prompts_per_step = args.prompts_per_step
     c.runtime.run_dir = os.path.join(run_root, mode)
-    c.scheduler.repack_interval_s = 1.0
     cfg = finalize(c)
     return LocalRun(cfg, cfg.runtime.run_dir).run()
 
@@ -95,13 +94,13 @@ def main(argv: list[str]) -> dict:
     plot = plot_curves(os.path.join(out, "reward_vs_wallclock.png"),
                        {m: r["reward_curve"] for m, r in results.items()}, "seconds of RL", "batch mean reward")
     print(f"{'mode':18s} {'steps':>6s} {'tok/s':>9s} {'gen tok/s':>9s} {'slot_util':>9s} {'kv_util':>8s} "
-          f"{'lat p50':>8s} {'lat p99':>8s} {'stale':>6s} {'reward first->last':>19s} {'moves':>6s} {'learner':>8s}")
+          f"{'lat p50':>8s} {'lat p99':>8s} {'stale':>6s} {'reward first->last':>19s} {'moves':>6s} {'learner':>8s} {'cores':>6s}")
     for m, r in results.items():
         print(f"{m:18s} {r['steps_this_run']:6d} {r['train_tokens_per_s']:9.1f} {r['gen_tokens_per_s'] or 0:9.1f} "
               f"{r['slot_util']:9.3f} {r['kv_util'] or 0:8.3f} {r['latency_p50_s'] or 0:8.2f} "
               f"{r['latency_p99_s'] or 0:8.2f} {(r['mean_staleness'] or 0):6.2f} "
               f"{str(r['reward_first']):>9s}->{str(r['reward_last']):<9s} {r['repack_moves']:6d} "
-              f"{r['learner_busy_frac']:8.3f}")
+              f"{r['learner_busy_frac']:8.3f} {r['cpu_cores_busy'] or 0:6.2f}")
     tps = {m: r["train_tokens_per_s"] for m, r in results.items()}
 
     def ratio(a, b):
@@ -122,6 +121,7 @@ def main(argv: list[str]) -> dict:
         "latency_p50_s": {m: r["latency_p50_s"] for m, r in results.items()},
         "latency_p99_s": {m: r["latency_p99_s"] for m, r in results.items()},
         "learner_busy": {m: r["learner_busy_frac"] for m, r in results.items()},
+        "cpu_cores_busy": {m: r["cpu_cores_busy"] for m, r in results.items()},
         "repack_moves": {m: r["repack_moves"] for m, r in results.items()},
         "reward_at_budget": {m: reward_at(r["reward_curve"], budget) for m, r in results.items()},
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},

@@ -24,6 +24,8 @@ class Monitor:
         self.latencies: list[float] = []
         self.trained_uids: set[str] = set()
         self.duplicate_trajectories = 0
+        self._cpu_first: Optional[tuple[float, float]] = None  # (wall, process CPU) at the first/last step
+        self._cpu_last: Optional[tuple[float, float]] = None
         self._tb = None
         try:
             from tensorboardX import SummaryWriter
@@ -47,6 +49,9 @@ class Monitor:
 
     def on_step(self, metrics: dict, trajs) -> None:
         now = time.time()
+        self._cpu_last = (now, time.process_time())
+        if self._cpu_first is None:
+            self._cpu_first = self._cpu_last
         for t in trajs:
             if t.uid in self.trained_uids:
                 self.duplicate_trajectories += 1
@@ -80,6 +85,13 @@ class Monitor:
         groups = self.run.store.groups()
         return sum(1 for uid, _ in self.run.ledger.in_flight() if uid not in groups)
 
+    def cpu_cores_busy(self) -> Optional[float]:
+        """CPU seconds this process spent per second of RL, first step to last (how many cores the
+        run kept busy). Local runtime only: under Ray the planes run in other processes."""
+        if self.cfg.runtime.kind != "local" or self._cpu_first is None or self._cpu_last[0] <= self._cpu_first[0]:
+            return None
+        return round((self._cpu_last[1] - self._cpu_first[1]) / (self._cpu_last[0] - self._cpu_first[0]), 3)
+
     def summary(self, stopped_early: bool) -> dict:
         rt = self.cfg.runtime
         wall = time.time() - self.run.t0
@@ -110,6 +122,7 @@ class Monitor:
             "dropped_prompts": self.run.ledger.summary()["dropped"],
             "in_flight_prompts": self.run.ledger.summary()["in_flight"],
             "slot_util": round(self.run.timeline.slot_utilization(), 4),
+            "cpu_cores_busy": self.cpu_cores_busy(),
             "kv_util": _round(self.run.timeline.kv_utilization()),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).

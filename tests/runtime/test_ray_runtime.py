@@ -33,6 +33,9 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     c.runtime.num_servers = 2
     c.runtime.run_dir = str(tmp_path / "run")
     c.runtime.wait_timeout_s = 240.0
+    # With the learner held in the hook below, a server allowed to lag would keep admitting at v0
+    # until the queue ran dry, and the forced move would never find two servers at one version.
+    c.scheduler.admit_lag = 0
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved = []
@@ -137,8 +140,10 @@ def test_buffer_actor_ownership_requeue_and_admission():
         uid2 = again[1]["uid"]
         assert b.requeue_uid(uid2, "rollout-1") and b.take_work(0, "rollout-0.1", 0, 1)[0]["uid"] == uid2
 
-        # Admission is re-checked here: a server behind the newest version gets no work (laminar).
-        b.set_learner_version(1)
+        # Admission is re-checked here: a server more than admit_lag versions behind the newest
+        # gets no work (laminar); one within the lag still does.
+        lag = c.scheduler.admit_lag
+        b.set_learner_version(lag + 1)
         assert b.take_work(1, "rollout-1", 0, 4) == []
         assert len(b.take_work(1, "rollout-1", 1, 1)) == 1
         assert b.stats()["lost_prompts"] == 0
