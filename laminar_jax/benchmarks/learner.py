@@ -3,7 +3,11 @@
   python -m laminar_jax.benchmarks.learner [--quick] [--preset small] [--batch 8] [--seq 128]
                                             [--dtype bfloat16] [--steps 5] [--micro-batches 1]
                                             [--remat none|full|dots_saveable|dots_with_no_batch_dims_saveable]
-                                            [--logits-chunk-tokens 2048]
+                                            [--logits-chunk-tokens 2048] [--attention dense|chunked|pallas_gpu]
+  python -m laminar_jax.benchmarks.learner --memory-plan --preset qwen2.5-7b --batch 1 --seq 18432 \
+                                            --dtype bfloat16 --remat full --attention chunked
+    compiles one gradient pass on abstract shapes (nothing allocated, no device needed) and prints
+    XLA's scratch/argument bytes for it: does a row length fit, and with which attention/remat.
 
 Prints a table, then (last line) one JSON object:
   {"bench": "learner", "device", "params", "tokens_per_s", "step_s", "mfu", "peak_mem_gb", ...}
@@ -34,7 +38,9 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
+from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.logprobs import chunk_positions
+from laminar_jax.learner.step import Graphs, make_grad_fn
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.transformer import REMAT_POLICIES
@@ -105,6 +111,31 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
     return out
 
 
+def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> dict:
+    """XLA's compiled memory for one gradient pass of ``section`` over [rows, seq] (abstract shapes only).
+
+    Figures are for the backend jax runs on (XLA:CPU computes bf16 matmuls in f32, so its numbers
+    overstate a GPU's); compare settings side by side on one backend.
+    """
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
+    graphdef, params = nnx.split(model)
+    i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
+    f32 = jax.ShapeDtypeStruct((rows, seq), jnp.float32)
+    per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
+    batch = TrainBatch(tokens=i32, targets=i32, positions=i32, segment_ids=i32, loss_mask=f32,
+                       behaviour_logprobs=f32, rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
+                       group_ids=per_row, versions=per_row, seq_ids=i32, old_logprobs=f32, prox_logprobs=f32,
+                       ref_logprobs=f32, old_values=f32, advantages=f32, returns=f32, seq_tokens=f32)
+    t0 = time.perf_counter()
+    grads = jax.jit(make_grad_fn(section, Graphs(graphdef, None, None)))
+    mem = grads.lower({"actor": params}, batch).compile().memory_analysis()
+    return {"bench": "learner_memory_plan", "backend": jax.devices()[0].platform, "params": cfg.num_params(),
+            "rows": rows, "seq": seq, "remat": section.remat, "attention_impl": section.attention_impl,
+            "attention_chunk": section.attention_chunk, "logits_chunk_tokens": section.logits_chunk_tokens,
+            "temp_gb": mem.temp_size_in_bytes / 1e9, "argument_gb": mem.argument_size_in_bytes / 1e9,
+            "output_gb": mem.output_size_in_bytes / 1e9, "compile_s": time.perf_counter() - t0}
+
+
 def main(argv: list[str]) -> dict:
     on_gpu = jax.devices()[0].platform == "gpu"
     ap = argparse.ArgumentParser(prog="bench learner")
@@ -122,6 +153,11 @@ def main(argv: list[str]) -> dict:
                          "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
                     help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
+    ap.add_argument("--attention", default="dense", choices=["dense", "chunked", "pallas_gpu"],
+                    help="learner.attention_impl (chunked/pallas_gpu: no [T, T] scores kept; for long rows)")
+    ap.add_argument("--attention-chunk", type=int, default=LearnerSection().attention_chunk)
+    ap.add_argument("--memory-plan", action="store_true",
+                    help="only compile one gradient pass on abstract shapes and print its memory (see memory_plan)")
     args = ap.parse_args(argv)
     quick = args.quick or not on_gpu
     preset = args.preset or ("small" if quick else "qwen2.5-0.5b")
@@ -133,10 +169,15 @@ def main(argv: list[str]) -> dict:
     cfg = PRESETS[preset]
     dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
 
+    section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
+                             seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens,
+                             attention_impl=args.attention, attention_chunk=args.attention_chunk)
+    if args.memory_plan:
+        result = memory_plan(cfg, section, batch, seq, dtype)
+        print(json.dumps(result))
+        return result
     t0 = time.perf_counter()
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
-    section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
-                             seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens)
     learner = Learner(section, model)
     del model  # the learner holds its own (device) copy; the host one only costs memory
     trajs = synthetic_trajectories(batch, seq, cfg.vocab_size, args.group, 0)
@@ -174,6 +215,7 @@ def main(argv: list[str]) -> dict:
         "bench": "learner", "device": f"{jax.devices()[0].device_kind} x{len(jax.devices())}",
         "preset": preset, "params": n_params, "batch": batch, "seq": seq, "dtype": dtype_name,
         "micro_batches": args.micro_batches, "remat": remat, "logits_chunk_tokens": args.logits_chunk_tokens,
+        "attention_impl": args.attention,
         "logits_chunk_positions": chunk, "tokens_per_s": tokens / step_s, "step_s": step_s,
         "step_s_min": float(np.min(times)), "compile_s": compile_s, "init_s": init_s,
         "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "mfu": mfu, "hfu": hfu,

@@ -70,7 +70,8 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     """
     model = nnx.merge(graphdef, params)
     remat = section.remat if remat is None else remat
-    out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False)
+    out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
+                        attention=section.attention_impl, attention_chunk=section.attention_chunk)
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
         return ForwardOut(zeros, zeros, out.values)

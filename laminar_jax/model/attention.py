@@ -1,6 +1,8 @@
 """Attention math, and the seam through which the rollout engine plugs in a KV cache.
 
-Training uses :func:`dense_attention` over padded or packed batches (segment ids).
+Training uses :func:`dense_attention` over padded or packed batches (segment ids), or for long
+rows :func:`chunked_attention` (portable, O(chunk x T) memory) or :func:`pallas_gpu_attention`
+(flash attention kernel); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
 Decoding calls the model with a *cache backend*: a function
 
     backend(q, k, v, layer_cache) -> (out, new_layer_cache)
@@ -17,6 +19,7 @@ caller's jit.
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Protocol
 
 import jax
@@ -64,4 +67,76 @@ def dense_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.A
     return gqa_attention(q, k, v, causal_segment_mask(segment_ids))
 
 
+def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                      chunk: int = 1024) -> jax.Array:
+    """:func:`dense_attention` computed ``chunk`` query rows at a time, each chunk rematerialised.
+
+    Why: dense attention holds f32[B, H, T, T] scores (and autodiff keeps them for the backward
+    pass), 30 GB per layer for one 16K-token row of a 7B model. Here at most f32[B, H, chunk, T]
+    exists at once, forward or backward: the chunks run in a ``lax.map`` under ``jax.checkpoint``,
+    so the backward pass keeps only q/k/v and recomputes one chunk's scores at a time. Each query
+    row sees the same keys under the same mask as in dense_attention (the same softmax), so
+    values and gradients agree to float rounding. Cost: the masked future keys of a chunk are
+    still computed (up to 2x attention FLOPs at long T); 'pallas_gpu' skips them.
+    """
+    b, t, h, d = q.shape
+    if chunk <= 0 or t <= chunk:
+        return dense_attention(q, k, v, segment_ids)
+    n = -(-t // chunk)
+    pad = n * chunk - t
+    qs = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, chunk, h, d).swapaxes(0, 1)
+    ss = jnp.pad(segment_ids, ((0, 0), (0, pad))).reshape(b, n, chunk).swapaxes(0, 1)  # padding -> segment 0
+
+    @jax.checkpoint
+    def one(args):
+        qc, sc, start = args  # f[B, C, H, D], i32[B, C], i32[]
+        causal = jnp.arange(t)[None, :] <= (start + jnp.arange(chunk))[:, None]  # bool[C, T]
+        mask = causal[None] & (sc[:, :, None] == segment_ids[:, None, :]) & (sc != 0)[:, :, None]
+        return gqa_attention(qc, k, v, mask)
+
+    out = jax.lax.map(one, (qs, ss, jnp.arange(n, dtype=jnp.int32) * chunk))  # [n, B, C, H, D]
+    return out.swapaxes(0, 1).reshape(b, n * chunk, h, d)[:, :t]
+
+
+def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
+                         block: int = 128, interpret: bool = False) -> jax.Array:
+    """Causal packed attention through JAX's Pallas GPU flash-attention kernel (``pallas.ops.gpu.attention.mha``).
+
+    Flash attention with segment ids and a fused backward: no [T, T] scores in HBM and fully
+    masked key blocks skipped. K/V heads are repeated to the query heads (the kernel has no GQA).
+    Rows are padded to a multiple of the block with segment 0; segment-0 (padding) rows attend
+    among themselves here instead of giving zeros as in dense_attention -- their outputs only ever
+    reach other padding rows, which every loss masks. ``interpret=True`` runs the kernel on CPU (tests).
+    """
+    from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+    b, t, h, d = q.shape
+    g = h // k.shape[2]
+    if g > 1:
+        k, v = jnp.repeat(k, g, axis=2), jnp.repeat(v, g, axis=2)
+    blk = min(block, max(16, 1 << (t - 1).bit_length()))  # small T: one power-of-two block
+    pad = -t % blk
+    if pad:
+        widths = ((0, 0), (0, pad), (0, 0), (0, 0))
+        q, k, v = jnp.pad(q, widths), jnp.pad(k, widths), jnp.pad(v, widths)
+        segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
+    out = pallas_attention.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=float(1.0 / d ** 0.5), causal=True,
+                               block_sizes=pallas_attention.BlockSizes(block_q=blk, block_k=blk),
+                               interpret=interpret)
+    return out[:, :t]
+
+
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
+
+TRAIN_ATTENTION = ("dense", "chunked", "pallas_gpu")
+
+
+def train_attention(name: str, chunk: int = 1024) -> AttentionFn:
+    """The training attention for a config name (``learner.attention_impl``); all take (q, k, v, segment_ids)."""
+    if name == "dense":
+        return dense_attention
+    if name == "chunked":
+        return functools.partial(chunked_attention, chunk=chunk)
+    if name == "pallas_gpu":
+        return pallas_gpu_attention
+    raise ValueError(f"attention_impl={name!r}: must be one of {list(TRAIN_ATTENTION)}")

@@ -21,7 +21,7 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
-from laminar_jax.model.attention import CacheBackend, dense_attention
+from laminar_jax.model.attention import AttentionFn, CacheBackend, dense_attention, train_attention
 
 
 def _init(init, axes: Sequence[Optional[str]]):
@@ -91,7 +91,8 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype)
 
-    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None):
+    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None,
+                 attn: AttentionFn = dense_attention):
         b, t, _ = x.shape
         c = self.cfg
         q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
@@ -101,7 +102,7 @@ class Attention(nnx.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
         if backend is None:
-            out, new_cache = dense_attention(q, k, v, segment_ids), None
+            out, new_cache = attn(q, k, v, segment_ids), None
         else:
             out, new_cache = backend(q, k, v, layer_cache)
         return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), new_cache
@@ -125,8 +126,10 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         self.mlp = MLP(cfg, rngs, dtype, param_dtype)
 
-    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None):
-        h, new_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids, layer_cache, backend)
+    def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None,
+                 attn: AttentionFn = dense_attention):
+        h, new_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids, layer_cache,
+                                      backend, attn)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x)), new_cache
 
@@ -150,8 +153,11 @@ def remat_policy(name: str) -> Optional[Any]:
     return table[name]
 
 
-def _train_layer(layer: "DecoderLayer", x, positions, inv_freq, segment_ids):
-    return layer(x, positions, inv_freq, segment_ids)[0]
+def _train_layer_fn(attn: AttentionFn):
+    # A closure, not functools.partial: nnx.remat binds arguments by position.
+    def train_layer(layer: "DecoderLayer", x, positions, inv_freq, segment_ids):
+        return layer(x, positions, inv_freq, segment_ids, attn=attn)[0]
+    return train_layer
 
 
 class ModelOutput(NamedTuple):
@@ -181,23 +187,23 @@ class Transformer(nnx.Module):
     def has_value_head(self) -> bool:
         return hasattr(self, "value_head")
 
-    def _trunk(self, tokens, positions, segment_ids, cache, backend):
+    def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention):
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))  # static: from the config, never trained
         x = self.embed_tokens(tokens)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, c = layer(x, positions, inv_freq, segment_ids,
-                         None if cache is None else cache[i], backend)
+                         None if cache is None else cache[i], backend, attn)
             new_cache.append(c)
         return self.norm(x), new_cache
 
-    def _train_trunk(self, tokens, positions, segment_ids, remat: str):
+    def _train_trunk(self, tokens, positions, segment_ids, remat: str, attn: AttentionFn):
         """Training trunk (no cache) with each layer wrapped in nnx.remat under the named policy."""
         policy = remat_policy(remat)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         x = self.embed_tokens(tokens)
         # prevent_cse=True (the default): layers are unrolled here, not inside a scan.
-        layer_fn = nnx.remat(_train_layer, policy=policy)
+        layer_fn = nnx.remat(_train_layer_fn(attn), policy=policy)
         for layer in self.layers:
             x = layer_fn(layer, x, positions, inv_freq, segment_ids)
         return self.norm(x)
@@ -213,7 +219,7 @@ class Transformer(nnx.Module):
 
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, remat: str = "none",
-                with_logits: bool = True) -> ModelOutput:
+                with_logits: bool = True, attention: str = "dense", attention_chunk: int = 1024) -> ModelOutput:
         """Training forward over a padded or packed batch.
 
         tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
@@ -221,16 +227,19 @@ class Transformer(nnx.Module):
         remat: per-layer activation checkpointing, one of REMAT_POLICIES (same values, less memory
           in the backward pass). with_logits=False skips the f32[B, T, V] projection (logits=None);
           use `logits_from_hidden` on chunks of `hidden` instead.
+        attention: 'dense', 'chunked' (``attention_chunk`` query rows at a time) or 'pallas_gpu';
+          same values, different memory and speed (see laminar_jax.model.attention).
         """
         b, t = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
+        attn = train_attention(attention, attention_chunk)
         if remat == "none":
-            h, _ = self._trunk(tokens, positions, segment_ids, None, None)
+            h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn)
         else:
-            h = self._train_trunk(tokens, positions, segment_ids, remat)
+            h = self._train_trunk(tokens, positions, segment_ids, remat, attn)
         values = self.value_head(h)[..., 0].astype(jnp.float32) if self.has_value_head else None
         return ModelOutput(self._logits(h) if with_logits else None, values, h)
 
