@@ -40,7 +40,8 @@ from flax import nnx
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
 from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.logprobs import chunk_positions
-from laminar_jax.learner.step import Graphs, make_grad_fn
+from laminar_jax.learner.losses import agg_norm
+from laminar_jax.learner.step import Graphs, make_grad_fn, make_loss_fn
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.transformer import REMAT_POLICIES
@@ -112,10 +113,12 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
 
 
 def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> dict:
-    """XLA's compiled memory for one gradient pass of ``section`` over [rows, seq] (abstract shapes only).
+    """Memory of one gradient pass of ``section`` over [rows, seq], from abstract shapes only.
 
-    Figures are for the backend jax runs on (XLA:CPU computes bf16 matmuls in f32, so its numbers
-    overstate a GPU's); compare settings side by side on one backend.
+    residual_gb: what autodiff keeps for the backward pass (backend-independent; reflects remat and
+    attention_impl). temp_gb: XLA's scratch for the compiled pass on the backend jax runs on; on
+    XLA:CPU it ignores remat (none/full give the same figure) and computes bf16 matmuls in f32, so
+    there it only compares attention settings.
     """
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
     graphdef, params = nnx.split(model)
@@ -126,13 +129,22 @@ def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq:
                        behaviour_logprobs=f32, rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
                        group_ids=per_row, versions=per_row, seq_ids=i32, old_logprobs=f32, prox_logprobs=f32,
                        ref_logprobs=f32, old_values=f32, advantages=f32, returns=f32, seq_tokens=f32)
+    graphs = Graphs(graphdef, None, None)
+    loss_fn = make_loss_fn(section, graphs)
+
+    def residuals(p, b):
+        norm = agg_norm(b.loss_mask, b.seq_tokens)
+        return jax.vjp(lambda q: loss_fn(q, b, norm)[0], p)[1]  # a Partial whose leaves are the residuals
+
+    saved = jax.eval_shape(residuals, {"actor": params}, batch)
+    residual_gb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(saved)) / 1e9
     t0 = time.perf_counter()
-    grads = jax.jit(make_grad_fn(section, Graphs(graphdef, None, None)))
+    grads = jax.jit(make_grad_fn(section, graphs))
     mem = grads.lower({"actor": params}, batch).compile().memory_analysis()
     return {"bench": "learner_memory_plan", "backend": jax.devices()[0].platform, "params": cfg.num_params(),
             "rows": rows, "seq": seq, "remat": section.remat, "attention_impl": section.attention_impl,
             "attention_chunk": section.attention_chunk, "logits_chunk_tokens": section.logits_chunk_tokens,
-            "temp_gb": mem.temp_size_in_bytes / 1e9, "argument_gb": mem.argument_size_in_bytes / 1e9,
+            "residual_gb": residual_gb, "temp_gb": mem.temp_size_in_bytes / 1e9, "argument_gb": mem.argument_size_in_bytes / 1e9,
             "output_gb": mem.output_size_in_bytes / 1e9, "compile_s": time.perf_counter() - t0}
 
 
