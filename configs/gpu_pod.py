@@ -44,10 +44,10 @@ def get_config(variant: str = ""):
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
     c.learner.pack_length = 18432  # = rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "full"  # 7B at 16K tokens per row: recompute each layer in the backward pass
-    # Dense attention would hold f32[28, 18432, 18432] scores (38 GB) per row and layer; chunked holds
-    # 1024 query rows at a time. On GPUs where JAX's Pallas Triton kernels run, 'pallas_gpu' also skips
-    # the masked future blocks (unverified on a GPU in this repo so far).
-    c.learner.attention_impl = "chunked"
+    # Dense attention would hold f32[28, 18432, 18432] scores (38 GB) per row and layer; flash works in
+    # 1024-token blocks and skips the masked future ones ('pallas_gpu' is the kernel alternative;
+    # neither has run on a GPU in this repo yet).
+    c.learner.attention_impl = "flash"
     c.learner.attention_chunk = 1024
 
     c.relay.chunk_bytes = 32 << 20

@@ -3,11 +3,13 @@
   python -m laminar_jax.benchmarks.learner [--quick] [--preset small] [--batch 8] [--seq 128]
                                             [--dtype bfloat16] [--steps 5] [--micro-batches 1]
                                             [--remat none|full|dots_saveable|dots_with_no_batch_dims_saveable]
-                                            [--logits-chunk-tokens 2048] [--attention dense|chunked|pallas_gpu]
+                                            [--logits-chunk-tokens 2048] [--attention dense|chunked|flash|pallas_gpu]
   python -m laminar_jax.benchmarks.learner --memory-plan --preset qwen2.5-7b --batch 1 --seq 18432 \
                                             --dtype bfloat16 --remat full --attention chunked
     compiles one gradient pass on abstract shapes (nothing allocated, no device needed) and prints
     XLA's scratch/argument bytes for it: does a row length fit, and with which attention/remat.
+  python -m laminar_jax.benchmarks.learner --attention-speed [--seq 4096]
+    times forward + backward of the training attentions alone, side by side on one packed row.
 
 Prints a table, then (last line) one JSON object:
   {"bench": "learner", "device", "params", "tokens_per_s", "step_s", "mfu", "peak_mem_gb", ...}
@@ -148,6 +150,29 @@ def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq:
             "output_gb": mem.output_size_in_bytes / 1e9, "compile_s": time.perf_counter() - t0}
 
 
+def attention_speed(seq: int, heads: int = 8, kv_heads: int = 2, head_dim: int = 64, block: int = 512,
+                    reps: int = 3) -> dict:
+    """Seconds per forward + backward of each training attention on one row of ``seq`` tokens (4 segments)."""
+    from laminar_jax.model.attention import train_attention
+
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.standard_normal((1, seq, heads, head_dim)), jnp.float32)
+    k, v = (jnp.asarray(rng.standard_normal((1, seq, kv_heads, head_dim)), jnp.float32) for _ in range(2))
+    seg = jnp.asarray(np.repeat(np.arange(1, 5), -(-seq // 4))[:seq][None], jnp.int32)
+    names = ["dense", "chunked", "flash"] + (["pallas_gpu"] if jax.devices()[0].platform == "gpu" else [])
+    out = {"bench": "attention", "device": jax.devices()[0].device_kind, "seq": seq, "block": block}
+    for name in names:
+        fn = train_attention(name, block)
+        grad = jax.jit(jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v, seg) ** 2), argnums=(0, 1, 2)))
+        jax.block_until_ready(grad(q, k, v))
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            jax.block_until_ready(grad(q, k, v))
+        out[f"{name}_s"] = (time.perf_counter() - t0) / reps
+    out["flash_vs_dense"] = out["dense_s"] / out["flash_s"]
+    return out
+
+
 def main(argv: list[str]) -> dict:
     on_gpu = jax.devices()[0].platform == "gpu"
     ap = argparse.ArgumentParser(prog="bench learner")
@@ -165,12 +190,19 @@ def main(argv: list[str]) -> dict:
                          "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
                     help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
-    ap.add_argument("--attention", default="dense", choices=["dense", "chunked", "pallas_gpu"],
+    ap.add_argument("--attention", default="dense", choices=["dense", "chunked", "flash", "pallas_gpu"],
                     help="learner.attention_impl (chunked/pallas_gpu: no [T, T] scores kept; for long rows)")
-    ap.add_argument("--attention-chunk", type=int, default=LearnerSection().attention_chunk)
+    ap.add_argument("--attention-chunk", type=int, default=None,
+                    help=f"learner.attention_chunk (default {LearnerSection().attention_chunk}; 512 with --attention-speed)")
     ap.add_argument("--memory-plan", action="store_true",
                     help="only compile one gradient pass on abstract shapes and print its memory (see memory_plan)")
+    ap.add_argument("--attention-speed", action="store_true",
+                    help="only time forward + backward of each training attention (see attention_speed)")
     args = ap.parse_args(argv)
+    if args.attention_speed:
+        result = attention_speed(args.seq or 4096, block=args.attention_chunk or 512)
+        print(json.dumps(result))
+        return result
     quick = args.quick or not on_gpu
     preset = args.preset or ("small" if quick else "qwen2.5-0.5b")
     batch = args.batch or (8 if quick else 16)
@@ -183,7 +215,8 @@ def main(argv: list[str]) -> dict:
 
     section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
                              seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens,
-                             attention_impl=args.attention, attention_chunk=args.attention_chunk)
+                             attention_impl=args.attention,
+                             attention_chunk=args.attention_chunk or LearnerSection().attention_chunk)
     if args.memory_plan:
         result = memory_plan(cfg, section, batch, seq, dtype)
         print(json.dumps(result))

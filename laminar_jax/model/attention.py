@@ -1,8 +1,9 @@
 """Attention math, and the seam through which the rollout engine plugs in a KV cache.
 
 Training uses :func:`dense_attention` over padded or packed batches (segment ids), or for long
-rows :func:`chunked_attention` (portable, O(chunk x T) memory) or :func:`pallas_gpu_attention`
-(flash attention kernel); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
+rows :func:`chunked_attention` (portable, O(chunk x T) memory), ``flash.flash_attention`` (portable
+blockwise attention with a custom backward, skipping masked key blocks) or
+:func:`pallas_gpu_attention` (JAX's Pallas GPU kernel); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
 Decoding calls the model with a *cache backend*: a function
 
     backend(q, k, v, layer_cache) -> (out, new_layer_cache)
@@ -128,15 +129,21 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
-TRAIN_ATTENTION = ("dense", "chunked", "pallas_gpu")
+TRAIN_ATTENTION = ("dense", "chunked", "flash", "pallas_gpu")
 
 
 def train_attention(name: str, chunk: int = 1024) -> AttentionFn:
-    """The training attention for a config name (``learner.attention_impl``); all take (q, k, v, segment_ids)."""
+    """The training attention for a config name (``learner.attention_impl``); all take (q, k, v, segment_ids).
+
+    ``chunk``: query rows per chunk ('chunked') or the block size ('flash')."""
     if name == "dense":
         return dense_attention
     if name == "chunked":
         return functools.partial(chunked_attention, chunk=chunk)
+    if name == "flash":
+        from laminar_jax.model.flash import flash_attention
+
+        return functools.partial(flash_attention, block=chunk)
     if name == "pallas_gpu":
         return pallas_gpu_attention
     raise ValueError(f"attention_impl={name!r}: must be one of {list(TRAIN_ATTENTION)}")

@@ -227,7 +227,8 @@ class Transformer(nnx.Module):
         remat: per-layer activation checkpointing, one of REMAT_POLICIES (same values, less memory
           in the backward pass). with_logits=False skips the f32[B, T, V] projection (logits=None);
           use `logits_from_hidden` on chunks of `hidden` instead.
-        attention: 'dense', 'chunked' (``attention_chunk`` query rows at a time) or 'pallas_gpu';
+        attention: 'dense', 'chunked' (``attention_chunk`` query rows at a time), 'flash' (blocks of
+          ``attention_chunk``) or 'pallas_gpu';
           same values, different memory and speed (see laminar_jax.model.attention).
         """
         b, t = tokens.shape

@@ -49,3 +49,10 @@ def test_memory_plan_sees_attention_and_remat():
     assert chunked["residual_gb"] < dense["residual_gb"] / 4  # measured 8.5 MB: the other activations
     assert full["residual_gb"] < chunked["residual_gb"]
     assert dense["temp_gb"] > 0 and dense["rows"] == 1 and dense["seq"] == 512
+
+
+def test_attention_speed_times_every_portable_attention():
+    from laminar_jax.benchmarks.learner import attention_speed
+
+    out = attention_speed(64, block=16, reps=1)
+    assert all(out[f"{n}_s"] > 0 for n in ("dense", "chunked", "flash")) and out["flash_vs_dense"] > 0

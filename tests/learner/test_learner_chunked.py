@@ -123,12 +123,12 @@ def reference():
 
 
 @pytest.mark.parametrize("chunk,remat,attention", [(12, "full", "dense"), (40, "dots_with_no_batch_dims_saveable", "dense"),
-                                                   (12, "full", "chunked")])
+                                                   (12, "full", "chunked"), (12, "full", "flash")])
 def test_step_chunked_and_remat_match_reference(reference, chunk, remat, attention):
     run, (prep0, g0, m0) = reference
     # 4 rows per micro-batch, T = 32: 12 tokens -> 3 positions per chunk (11 chunks, 1 padded), 40 -> 10
     # (4 chunks of 8). The prepare pass has 8 rows: 12 -> 1 position per chunk, 40 -> 5 (7 chunks).
-    # attention='chunked' with 8 query rows per chunk: the 32-token rows run as 4 rematerialised chunks.
+    # attention='chunked'/'flash' with 8-token chunks/blocks: the 32-token rows run as 4 of them.
     prep1, g1, m1 = run(dataclasses.replace(BASE, logits_chunk_tokens=chunk, remat=remat, attention_impl=attention,
                                             attention_chunk=8))
     atol = 1e-6 if attention == "dense" else 1e-5  # chunked attention reorders float sums (the same softmax)
@@ -154,6 +154,6 @@ def test_config_fields_validated():
     with pytest.raises(ConfigError, match=r"learner\.remat"):
         LearnerSection(remat="everything").validate("learner")
     with pytest.raises(ConfigError, match=r"learner\.attention_impl"):
-        LearnerSection(attention_impl="flash").validate("learner")
+        LearnerSection(attention_impl="ring").validate("learner")
     with pytest.raises(ConfigError, match=r"learner\.attention_chunk"):
         LearnerSection(attention_chunk=0).validate("learner")

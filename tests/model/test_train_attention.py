@@ -8,6 +8,7 @@ from flax import nnx
 
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.attention import chunked_attention, dense_attention, pallas_gpu_attention, train_attention
+from laminar_jax.model.flash import flash_attention
 
 
 def _packed_inputs(b=2, t=40, h=4, hkv=2, d=16, seed=0):
@@ -38,6 +39,30 @@ def test_chunked_equals_dense_values_and_grads(chunk):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
+@pytest.mark.parametrize("block", [8, 16, 13, 64])
+def test_flash_equals_dense_values_and_grads(block):
+    q, k, v, seg = _packed_inputs()
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    ref = np.asarray(dense_attention(q, k, v, seg))
+    out = np.asarray(flash_attention(q, k, v, seg, block=block))
+    np.testing.assert_allclose(out, ref, atol=1e-5)
+    assert np.all(out[np.asarray(seg) == 0] == 0)  # padding rows: zeros, as dense
+    g_ref = jax.grad(_loss, argnums=(1, 2, 3))(dense_attention, q, k, v, seg, w)
+    g = jax.grad(_loss, argnums=(1, 2, 3))(lambda *a: flash_attention(*a, block=block), q, k, v, seg, w)
+    for a, b in zip(g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
+def test_flash_grads_include_padding_row_cotangents():
+    """Cotangents on padding rows (which dense maps to zeros) contribute nothing, as in dense."""
+    q, k, v, seg = _packed_inputs()
+    w = jnp.asarray(np.random.default_rng(2).standard_normal(q.shape), jnp.float32)
+    f_ref = lambda q, k, v: jnp.sum(dense_attention(q, k, v, seg) * w)  # noqa: E731
+    f = lambda q, k, v: jnp.sum(flash_attention(q, k, v, seg, block=16) * w)  # noqa: E731
+    for a, b in zip(jax.grad(f, argnums=(0, 1, 2))(q, k, v), jax.grad(f_ref, argnums=(0, 1, 2))(q, k, v)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
+
+
 def test_chunked_holds_one_chunk_of_scores():
     """The compiled backward pass of chunked attention needs far less scratch memory than dense."""
     q, k, v, seg = _packed_inputs(b=2, t=1024, h=4, hkv=2, d=16)
@@ -48,10 +73,12 @@ def test_chunked_holds_one_chunk_of_scores():
         return grad.lower(fn, q, k, v, seg, w).compile().memory_analysis().temp_size_in_bytes
 
     dense, chunked = temp_bytes(dense_attention), temp_bytes(lambda *a: chunked_attention(*a, chunk=64))
+    flash = temp_bytes(lambda *a: flash_attention(*a, block=64))
     scores = 2 * 4 * 1024 * 1024 * 4  # f32[B, H, T, T]
     one_chunk = scores * 64 // 1024
     assert dense >= scores, dense  # dense keeps full [B, H, T, T] score tensors
     assert chunked < 8 * one_chunk and chunked < dense / 8, (chunked, dense)  # measured: 10.3 MB vs 135 MB
+    assert flash < chunked / 2, (flash, chunked)  # measured 3.2 MB: O(T x D) buffers, [64, 64] score blocks
 
 
 def test_pallas_gpu_kernel_matches_dense_in_interpret_mode():
@@ -75,13 +102,14 @@ def test_model_forward_same_logits_and_grads_with_chunked_attention():
         return jnp.sum(jax.nn.log_softmax(out.logits)[..., 5] * (seg != 0)), out.logits
 
     (l_ref, logits_ref), g_ref = jax.value_and_grad(loss, has_aux=True)(params, "dense", "none")
-    (l_c, logits_c), g_c = jax.value_and_grad(loss, has_aux=True)(params, "chunked", "full")
-    np.testing.assert_allclose(np.asarray(logits_c), np.asarray(logits_ref), atol=1e-4)
-    np.testing.assert_allclose(float(l_c), float(l_ref), rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_ref)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4)
+    for attention in ("chunked", "flash"):
+        (l_c, logits_c), g_c = jax.value_and_grad(loss, has_aux=True)(params, attention, "full")
+        np.testing.assert_allclose(np.asarray(logits_c), np.asarray(logits_ref), atol=1e-4, err_msg=attention)
+        np.testing.assert_allclose(float(l_c), float(l_ref), rtol=1e-5, err_msg=attention)
+        for a, b in zip(jax.tree.leaves(g_c), jax.tree.leaves(g_ref)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=attention)
 
 
 def test_unknown_attention_names_itself():
-    with pytest.raises(ValueError, match="attention_impl='flash'"):
-        train_attention("flash")
+    with pytest.raises(ValueError, match="attention_impl='ring'"):
+        train_attention("ring")
