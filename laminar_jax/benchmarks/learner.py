@@ -46,6 +46,7 @@ from laminar_jax.learner.losses import agg_norm
 from laminar_jax.learner.step import Graphs, make_grad_fn, make_loss_fn
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.attention import TRAIN_ATTENTION
 from laminar_jax.model.transformer import REMAT_POLICIES
 from laminar_jax.types import Trajectory
 
@@ -190,8 +191,8 @@ def main(argv: list[str]) -> dict:
                          "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
                     help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
-    ap.add_argument("--attention", default="dense", choices=["dense", "chunked", "flash", "pallas_gpu"],
-                    help="learner.attention_impl (chunked/pallas_gpu: no [T, T] scores kept; for long rows)")
+    ap.add_argument("--attention", default="dense", choices=list(TRAIN_ATTENTION),
+                    help="learner.attention_impl (chunked/flash/pallas_gpu: no [T, T] scores kept; for long rows)")
     ap.add_argument("--attention-chunk", type=int, default=None,
                     help=f"learner.attention_chunk (default {LearnerSection().attention_chunk}; 512 with --attention-speed)")
     ap.add_argument("--memory-plan", action="store_true",

@@ -78,7 +78,7 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     so the backward pass keeps only q/k/v and recomputes one chunk's scores at a time. Each query
     row sees the same keys under the same mask as in dense_attention (the same softmax), so
     values and gradients agree to float rounding. Cost: the masked future keys of a chunk are
-    still computed (up to 2x attention FLOPs at long T); 'pallas_gpu' skips them.
+    still computed (up to 2x attention FLOPs at long T); 'flash' and 'pallas_gpu' skip them.
     """
     b, t, h, d = q.shape
     if chunk <= 0 or t <= chunk:

@@ -22,6 +22,7 @@ from laminar_jax.learner.losses import entropy_from_logits
 from laminar_jax.learner.step import Graphs, make_grad_fn, make_prepare_fn
 from laminar_jax.model import PRESETS, Transformer, token_logprobs
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.attention import TRAIN_ATTENTION
 from laminar_jax.model.transformer import REMAT_POLICIES
 from laminar_jax.types import Trajectory
 
@@ -149,6 +150,7 @@ def test_config_fields_validated():
     from laminar_jax.configlib import ConfigError
 
     assert typing.get_args(typing.get_type_hints(LearnerSection)["remat"]) == REMAT_POLICIES
+    assert typing.get_args(typing.get_type_hints(LearnerSection)["attention_impl"]) == TRAIN_ATTENTION
     with pytest.raises(ConfigError, match=r"learner\.logits_chunk_tokens"):
         LearnerSection(logits_chunk_tokens=-1).validate("learner")
     with pytest.raises(ConfigError, match=r"learner\.remat"):
