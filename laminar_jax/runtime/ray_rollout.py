@@ -159,9 +159,9 @@ class RolloutActor:
         queue = _QueueProxy(buffer, index, name, rpc_timeout_s)
         queue.server = server
         self.buffer, self.rpc_timeout_s = buffer, rpc_timeout_s
-        self.worker = RolloutWorker(index, server, client, queue, get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag),
-                                    self.board, self._on_complete, _make_request, from_flat, timeline=None,
-                                    pull_timeout_s=pull_timeout)
+        policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
+        self.worker = RolloutWorker(index, server, client, queue, policy, self.board, self._on_complete,
+                                    _make_request, from_flat, timeline=None, pull_timeout_s=pull_timeout)
         import ray
 
         ray.get(buffer.register.remote(index, name, version), timeout=rpc_timeout_s)

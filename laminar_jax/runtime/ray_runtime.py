@@ -153,7 +153,7 @@ class RayRepackLoop(RepackLoop):
             sid, used = s["server_id"], s["kv_pages_used"]
             out.append(ServerView(sid, s["version"], s["kv_pages_total"], used, self._prev_used.get(sid, used + 1),
                                   tuple((u, int(p)) for u, p in st["seqs"]),
-                                  draining=st.get("draining", False), max_live=s["slots_total"]))
+                                  draining=st["draining"], max_live=s["slots_total"]))
             self._prev_used[sid] = used
             by_id[sid] = (h, s["version"])
         self._by_id = by_id

@@ -12,7 +12,6 @@ import threading
 import time
 from typing import Sequence
 
-from laminar_jax.scheduler.modes import get_policy, server_may_admit
 from laminar_jax.scheduler.repack import Move, RepackParams, ServerView, plan_repack
 
 
@@ -22,7 +21,6 @@ class RepackLoop:
         self.params = RepackParams(c_max=section.c_max, max_batch=section.max_batch)
         self.interval_s = section.repack_interval_s
         self.board = board
-        self.policy = get_policy("laminar", True, section.admit_lag)  # repack runs in laminar mode only
         self._poke = threading.Event()
         self._prev_used: dict[str, int] = {}
         self.moved = 0
@@ -42,14 +40,10 @@ class RepackLoop:
             sid = st.server_id
             used = st.kv_pages_used
             out.append(ServerView(sid, st.version, st.kv_pages_total, used, self._prev_used.get(sid, used + 1),
-                                  seqs, alive=not w.killed.is_set(), draining=self.draining(st.version),
+                                  seqs, alive=not w.killed.is_set(), draining=not w.admitting(),
                                   max_live=st.slots_total))
             self._prev_used[sid] = used
         return out
-
-    def draining(self, version: int) -> bool:
-        """A server of this version admits nothing now (it waits to drain and swap)."""
-        return self.board is not None and not server_may_admit(self.policy, version, self.board.newest, False)
 
     def run_once(self) -> list[Move]:
         moves = plan_repack(self.views(), self.params)

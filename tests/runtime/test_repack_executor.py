@@ -19,7 +19,7 @@ def server(name):
 def _worker(i, server):
     assigned = {}
     return types.SimpleNamespace(index=i, server=server, lock=threading.RLock(), assigned=assigned,
-                                 killed=threading.Event(), assign=lambda it: assigned.__setitem__(it.uid, it),
+                                 killed=threading.Event(), admitting=lambda: True, assign=lambda it: assigned.__setitem__(it.uid, it),
                                  unassign=lambda uid: assigned.pop(uid, None))
 
 
