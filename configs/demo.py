@@ -44,7 +44,7 @@ def get_config(variant: str = ""):
     c.runtime.total_steps = 80
     # A brief supervised warm-start (60 steps) teaches the format; RL then does the rest.
     c.runtime.sft_warmup_steps = 60
-    c.runtime.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
+    c.buffer.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
 
     c.scheduler.max_batch = 16
     # The learner publishes every ~0.1-0.3 s here, faster than the long tail drains: a server keeps

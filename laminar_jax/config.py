@@ -59,6 +59,8 @@ class Config:
 
     def validate(self, prefix: str) -> None:
         expect(self.seed >= 0, "seed", self.seed, ">= 0")
+        expect(self.runtime.mode != "stream" or self.buffer.max_staleness is not None, "buffer.max_staleness",
+               self.buffer.max_staleness, "set (an int >= 0) when runtime.mode='stream'")
         if self.rollout.overlong_prompt == "error":
             # The data plane filters by data.max_prompt_tokens; anything longer would kill a server.
             expect(self.data.max_prompt_tokens <= self.rollout.max_prompt_len, "data.max_prompt_tokens",

@@ -52,3 +52,28 @@ class Trajectory:
 
     def with_reward(self, reward: float) -> "Trajectory":
         return dataclasses.replace(self, reward=float(reward))
+
+
+# The fields a finished trajectory adds to its experience row (the row already holds the prompt's:
+# prompt_ids, prompt_uid, sample_index, data_source, ground_truth, extra_info).
+GENERATED_FIELDS = ("response_ids", "behaviour_logprobs", "finish_reason")
+# What makes a row trainable: generated, scored, and stamped with its one weight version.
+REQUIRED_FIELDS = ("response_ids", "behaviour_logprobs", "version", "reward")
+
+
+def to_row(traj: Trajectory) -> dict[str, Any]:
+    """What a finished trajectory writes into its experience row (reward and version come with the score)."""
+    return {"response_ids": np.asarray(traj.response_ids, np.int32),
+            "behaviour_logprobs": np.asarray(traj.behaviour_logprobs, np.float32),
+            "finish_reason": traj.finish_reason}
+
+
+def from_row(row: dict[str, Any]) -> Trajectory:
+    """A complete experience row (prompt fields + `to_row` + reward + version) as the Trajectory the learner trains on."""
+    return Trajectory(uid=row["uid"], prompt_uid=row["prompt_uid"], sample_index=int(row["sample_index"]),
+                      prompt_ids=np.asarray(row["prompt_ids"], np.int32),
+                      response_ids=np.asarray(row["response_ids"], np.int32),
+                      behaviour_logprobs=np.asarray(row["behaviour_logprobs"], np.float32),
+                      version=int(row["version"]), finish_reason=row.get("finish_reason", "eos"),
+                      reward=float(row["reward"]), data_source=row.get("data_source", ""),
+                      ground_truth=row.get("ground_truth"))

@@ -50,7 +50,7 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
     c.model.path = model_dir
     c.runtime.mode = "laminar" if mode == "laminar_norepack" else mode
     c.scheduler.repack = mode != "laminar_norepack"
-    c.runtime.max_staleness = 1 if mode == "stream" else None
+    c.buffer.max_staleness = 1 if mode == "stream" else None
     c.runtime.sft_warmup_steps = 0
     c.runtime.total_steps = 10_000
     c.runtime.max_wall_s = budget_s

@@ -48,7 +48,7 @@ def main(argv: list[str]) -> dict:
     cfg = finalize(chaos_config(steps, os.path.join(out, "run")))
     run = LocalRun(cfg, cfg.runtime.run_dir)
     plan = schedule(steps)
-    actions = {"rollout": lambda: run.inject_server_crash(0), "relay": run.inject_relay_failure,
+    actions = {"rollout": lambda: run.fleet.inject_crash(0), "relay": run.inject_relay_failure,
                "learner": run.inject_learner_crash}
     killed = []
     relay_recovery = {}
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> dict:
         # Recovered when every server runs a version published after the relay died (via the store).
         deadline = t_kill + cfg.runtime.wait_timeout_s
         while time.time() < deadline and not run.sup.stop.is_set():
-            if min(run.board.versions) > v_kill:
+            if min(run.buffer.stats()["board_versions"]) > v_kill:
                 relay_recovery["relay"] = round(time.time() - t_kill, 3)
                 return
             time.sleep(0.02)

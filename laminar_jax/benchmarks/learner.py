@@ -232,11 +232,11 @@ def main(argv: list[str]) -> dict:
     t0 = time.perf_counter()
     learner.step(trajs)  # compile + first step
     compile_s = time.perf_counter() - t0
-    publisher = LocalPublisher(keep=1)
+    learner.publisher = LocalPublisher(keep=1)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        learner.step(trajs, publisher=publisher)
+        learner.step(trajs)
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     learner.flush()

@@ -61,7 +61,6 @@ class LearnerSection:
       ref_path: HF directory of a separate reference model; None = frozen copy of the initial actor params.
       max_consecutive_skips: This many consecutive non-finite (skipped) updates raise an error.
       checkpoint_dir: Orbax checkpoint directory; None disables checkpointing.
-      checkpoint_every: run_learner saves every this many steps (0 = never).
       keep_checkpoints: Number of checkpoints kept on disk.
       async_checkpoint: Write checkpoints in the background (orbax async).
       seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.
@@ -111,7 +110,6 @@ class LearnerSection:
     ref_path: Optional[str] = None
     max_consecutive_skips: int = 3
     checkpoint_dir: Optional[str] = None
-    checkpoint_every: int = 0
     keep_checkpoints: int = 3
     async_checkpoint: bool = True
     seq_len_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
@@ -154,7 +152,6 @@ class LearnerSection:
         impls = ("dense", "chunked", "flash", "pallas_gpu")
         expect(self.attention_impl in impls, f"{prefix}.attention_impl", self.attention_impl, f"one of {list(impls)}")
         expect(self.attention_chunk >= 1, f"{prefix}.attention_chunk", self.attention_chunk, ">= 1")
-        expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
         expect(self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length, ">= 0 (0 disables packing)")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",

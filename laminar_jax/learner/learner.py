@@ -138,9 +138,10 @@ class Learner:
         return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple, s.pack_length,
                        s.mini_batches, order)
 
-    def step(self, trajectories: Sequence[Trajectory], publisher: Optional[Publisher] = None) -> dict:
+    def step(self, trajectories: Sequence[Trajectory], publish: bool = True) -> dict:
         """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
-        advantages) once, then ppo_epochs x mini_batches optimizer updates, then publish version+1."""
+        advantages) once, then ppo_epochs x mini_batches optimizer updates, then publish version+1
+        through `self.publisher` (`publish=False`: a replayed step whose version is published already)."""
         t0 = time.perf_counter()
         s = self.section
         if self._pending is not None:
@@ -174,7 +175,7 @@ class Learner:
                 f"{consecutive} consecutive updates skipped for a non-finite loss or gradient "
                 f"(max_consecutive_skips={s.max_consecutive_skips})")
         self.version += 1
-        self._start_publish(publisher or self.publisher)
+        self._start_publish(publish)
         n = len(trajectories)
         metrics.update(
             version=self.version, staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
@@ -221,12 +222,14 @@ class Learner:
             for f, sh in zip(TrainBatch._fields, self.batch_shardings)))
 
     # ------------------------------------------------------------------------------ publishing
-    def _start_publish(self, publisher: Optional[Publisher]) -> None:
-        if publisher is None:
+    def _start_publish(self, publish: bool) -> None:
+        flat = flatten_params(self.state.params["actor"])
+        across_processes = not all(x.is_fully_addressable for x in flat.values())
+        if not publish or (self.publisher is None and not across_processes):
             self._pending = None
             return
-        flat = flatten_params(self.state.params["actor"])
-        self._pending = HostCopy(self.version, flat, publisher, self._publish_worker)
+        # Across processes every process joins the gather; the one holding a publisher publishes.
+        self._pending = HostCopy(self.version, flat, self.publisher, self._publish_worker)
 
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat as published."""

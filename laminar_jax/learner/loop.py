@@ -18,13 +18,15 @@ def run_learner(learner, batch_source: Iterator[Sequence[Trajectory]], steps: in
     with `extra_fn()` as its extra state (e.g. the data iterator position). Waits for the last
     publish and save before returning.
     """
+    if publisher is not None:
+        learner.publisher = publisher
     history = []
     for _ in range(steps):
         try:
             trajectories = next(batch_source)
         except StopIteration:
             break
-        metrics = learner.step(trajectories, publisher=publisher)
+        metrics = learner.step(trajectories)
         history.append(metrics)
         if on_metrics is not None:
             on_metrics(metrics)

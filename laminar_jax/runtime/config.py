@@ -22,7 +22,6 @@ class RuntimeSection:
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
-      max_staleness: Staleness bound for dispatch (AReaL capacity rule); required by 'stream'; None = unbounded (laminar's default, back-pressure only).
       max_inflight_batches: Back-pressure for 'laminar': at most this many batches of prompts dispatched and not yet trained on.
       sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
       sft_lr: Learning rate of the warm-start.
@@ -44,7 +43,6 @@ class RuntimeSection:
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     total_steps: int = 20
-    max_staleness: Optional[int] = None
     max_inflight_batches: int = 2
     sft_warmup_steps: int = 0
     sft_lr: float = 3e-3
@@ -65,8 +63,6 @@ class RuntimeSection:
         expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")
         expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
         expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
-        expect(self.mode != "stream" or self.max_staleness is not None, f"{prefix}.max_staleness",
-               self.max_staleness, "set (an int >= 0) when runtime.mode='stream'")
         expect(self.learner_processes >= 1, f"{prefix}.learner_processes", self.learner_processes, ">= 1")
         expect(self.learner_processes == 1 or self.kind == "ray", f"{prefix}.learner_processes",
                self.learner_processes, "1 unless runtime.kind='ray' (the local runtime has one learner process)")
@@ -74,5 +70,3 @@ class RuntimeSection:
                self.learner_gpus_per_process, ">= 0")
         expect(self.learner_resource is None or self.learner_resource.strip() != "", f"{prefix}.learner_resource",
                self.learner_resource, "a Ray resource name or None")
-        if self.max_staleness is not None:
-            expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0 or None")

@@ -12,7 +12,7 @@ import hashlib
 import dataclasses
 import threading
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -22,16 +22,14 @@ from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance
 
 @dataclasses.dataclass(frozen=True)
 class WorkItem:
-    """One sample to generate: a prompt and the index of the sample within its group."""
+    """One sample to generate: a prompt and the index of the sample within its group. What the
+    reward needs (data_source, ground truth) stays in the sample's experience row."""
 
     uid: str
     prompt_uid: str
     sample_index: int
     prompt_ids: tuple[int, ...]
     seed: int
-    data_source: str
-    ground_truth: Any
-    extra_info: Any
 
 
 class WorkQueue:
@@ -122,14 +120,19 @@ class Dispatcher:
             self.store.add_row(uid, record["uid"], {"prompt_ids": np.asarray(record["prompt_ids"], np.int32),
                                                     "prompt_uid": record["uid"], "sample_index": i,
                                                     "data_source": record["data_source"],
+                                                    "ground_truth": record["ground_truth"],
                                                     "extra_info": record["extra_info"]})
             items.append(WorkItem(uid, record["uid"], i, tuple(record["prompt_ids"]),
-                                  _sample_seed(self.seed, record["uid"], i), record["data_source"],
-                                  record["ground_truth"], record["extra_info"]))
+                                  _sample_seed(self.seed, record["uid"], i)))
         now = time.monotonic()
         for it in items:  # first dispatch only: a requeued sample keeps its original start
             self.enqueued_at.setdefault(it.uid, now)
         self.queue.put_many(items, front=front)
+
+    def release(self, prompt_uid: str) -> None:
+        """Forget the dispatch times of a prompt's samples (its group was dropped as stale)."""
+        for i in range(self.samples_per_prompt):
+            self.enqueued_at.pop(f"{prompt_uid}/{i}", None)
 
     def requeue(self, items: list[WorkItem]) -> None:
         """Give work back (a dead server's sequences): regenerated from the prompt, ahead of new work."""

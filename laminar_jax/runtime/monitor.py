@@ -1,13 +1,44 @@
-"""Progress display, TensorBoard scalars, the end-of-run timeline and the summary line."""
+"""The metrics sink: progress display, TensorBoard scalars, the timeline and the summary line.
+
+It reads nothing of the run but the plain `RunStats` records the Driver hands it.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import threading
 import time
 from typing import Any, Optional
 
 import numpy as np
+
+from laminar_jax.runtime.timeline import Timeline
+
+
+@dataclasses.dataclass
+class RunStats:
+    """What the monitor needs to know of a run at one moment (plain data).
+
+    Attributes:
+      t0: Process start of the run (time.time()); t_rl: start of the RL clock.
+      learner_version: Learner steps done.
+      servers: The latest ServerStats of every live rollout server.
+      buffer: The buffer service's stats() (queue, ledger, lost prompts, generation counters).
+      failures: Failure records (servers, relays, learner) so far.
+      repack_moves: Live sequences moved between servers.
+      redispatched: Prompts re-dispatched by a resume.
+      sft_losses: Losses of the supervised warm-start (empty without one).
+    """
+
+    t0: float
+    t_rl: float
+    learner_version: int
+    servers: list
+    buffer: dict
+    failures: list
+    repack_moves: int
+    redispatched: int
+    sft_losses: list
 
 
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
@@ -15,13 +46,11 @@ def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
 
 
 class Monitor:
-    def __init__(self, cfg, run_dir: str, run: Any):
-        self.cfg, self.run_dir, self.run = cfg, run_dir, run
+    def __init__(self, cfg, run_dir: str, t0: float):
+        self.cfg, self.run_dir, self.t0 = cfg, run_dir, t0
+        self.timeline = Timeline(t0)
         self.steps: list[dict] = []
         self.duplicates = 0
-        self._traj_lock = threading.Lock()
-        self.generated_tokens = 0
-        self.latencies: list[float] = []
         self.trained_uids: set[str] = set()
         self.duplicate_trajectories = 0
         self._cpu_first: Optional[tuple[float, float]] = None  # (wall, process CPU) at the first/last step
@@ -40,14 +69,10 @@ class Monitor:
 
             self._console = Console()
 
-    def on_trajectory(self, response_tokens: int, latency_s: Optional[float]) -> None:
-        """A server finished a trajectory (generation-side counters; any thread)."""
-        with self._traj_lock:
-            self.generated_tokens += response_tokens
-            if latency_s is not None:
-                self.latencies.append(latency_s)
+    def on_publish(self, t: float, version: int) -> None:
+        self.timeline.publish(t, version)
 
-    def on_step(self, metrics: dict, trajs) -> None:
+    def on_step(self, metrics: dict, trajs, stats: RunStats) -> None:
         now = time.time()
         self._cpu_last = (now, time.process_time())
         if self._cpu_first is None:
@@ -56,10 +81,10 @@ class Monitor:
             if t.uid in self.trained_uids:
                 self.duplicate_trajectories += 1
             self.trained_uids.add(t.uid)
-        rec = {"t": now - self.run.t_rl, "wall": now - self.run.t0, **{k: float(v) for k, v in metrics.items()
-                                                                     if np.isscalar(v)}}
+        rec = {"t": now - stats.t_rl, "wall": now - stats.t0, **{k: float(v) for k, v in metrics.items()
+                                                                   if np.isscalar(v)}}
         rec["tokens"] = int(sum(t.num_tokens for t in trajs))
-        rec["versions"] = [w.server.version for w in self.run.workers]
+        rec["versions"] = [s.version for s in stats.servers]
         self.steps.append(rec)
         step = int(metrics["version"])
         if self._tb is not None:
@@ -67,23 +92,17 @@ class Monitor:
                       "entropy", "clip_frac", "kl", "grad_norm"):
                 if k in rec:
                     self._tb.add_scalar(f"train/{k}", rec[k], step)
-            self._tb.add_scalar("rollout/queue", len(self.run.queue), step)
+            self._tb.add_scalar("rollout/queue", stats.buffer.get("queue", 0), step)
         if self._console is not None:
-            self._print(rec, step)
+            self._print(rec, step, stats)
 
-    def _print(self, rec: dict, step: int) -> None:
-        stats = [w.server.stats() for w in self.run.workers]
-        slots = " ".join(f"{s.slots_used}/{s.slots_total}" for s in stats)
+    def _print(self, rec: dict, step: int, stats: RunStats) -> None:
+        slots = " ".join(f"{s.slots_used}/{s.slots_total}" for s in stats.servers)
         tps = sum(r["tokens"] for r in self.steps) / max(rec["t"], 1e-9)
         self._console.print(
             f"[bold]step {step:4d}[/] reward {rec.get('reward_mean', float('nan')):.3f}  "
             f"tok/s {tps:8.1f}  staleness {rec.get('staleness_mean', 0):.2f}  "
-            f"versions {rec['versions']}  slots {slots}  queue {len(self.run.queue)}", highlight=False)
-
-    def lost_prompts(self) -> int:
-        """Prompts in flight (dispatched, not consumed) with no trace left to finish them."""
-        groups = self.run.store.groups()
-        return sum(1 for uid, _ in self.run.ledger.in_flight() if uid not in groups)
+            f"versions {rec['versions']}  slots {slots}  queue {stats.buffer.get('queue', 0)}", highlight=False)
 
     def cpu_cores_busy(self) -> Optional[float]:
         """CPU seconds this process spent per second of RL, first step to last (how many cores the
@@ -92,19 +111,21 @@ class Monitor:
             return None
         return round((self._cpu_last[1] - self._cpu_first[1]) / (self._cpu_last[0] - self._cpu_first[0]), 3)
 
-    def summary(self, stopped_early: bool) -> dict:
+    def summary(self, stats: RunStats, stopped_early: bool) -> dict:
         rt = self.cfg.runtime
-        wall = time.time() - self.run.t0
-        rl_wall = max(time.time() - self.run.t_rl, 1e-9)
+        wall = time.time() - stats.t0
+        rl_wall = max(time.time() - stats.t_rl, 1e-9)
+        b, ledger = stats.buffer, stats.buffer.get("ledger", {})
+        generated = b.get("generated_tokens", 0)
         rewards = [s["reward_mean"] for s in self.steps if "reward_mean" in s]
         k = max(1, min(3, len(rewards) // 4)) if rewards else 1
         timeline_png = None
-        if rt.timeline and self.run.timeline.samples:
-            timeline_png = self.run.timeline.render(os.path.join(self.run_dir, "timeline.png"),
+        if rt.timeline and self.timeline.samples:
+            timeline_png = self.timeline.render(os.path.join(self.run_dir, "timeline.png"),
                                                     title=f"mode={rt.mode}")
         return {
             "mode": rt.mode,
-            "steps": int(self.run.learner.version),
+            "steps": int(stats.learner_version),
             "steps_this_run": len(self.steps),
             "wall_s": round(wall, 2),
             "rl_wall_s": round(rl_wall, 2),
@@ -115,26 +136,26 @@ class Monitor:
             "reward_last": round(float(np.mean(rewards[-k:])), 4) if rewards else None,
             "mean_staleness": round(float(np.mean([s.get("staleness_mean", 0.0) for s in self.steps])), 3)
             if self.steps else None,
-            "lost_prompts": self.lost_prompts(),
+            # Prompts in flight (dispatched, not consumed) with no trace left to finish them.
+            "lost_prompts": int(b.get("lost_prompts", 0)),
             "duplicated_prompts": self.duplicates + self.duplicate_trajectories,
-            "redispatched_prompts": self.run.redispatched,
-            "consumed_prompts": self.run.ledger.summary()["consumed"],
-            "dropped_prompts": self.run.ledger.summary()["dropped"],
-            "in_flight_prompts": self.run.ledger.summary()["in_flight"],
-            "slot_util": round(self.run.timeline.slot_utilization(), 4),
+            "redispatched_prompts": stats.redispatched,
+            "consumed_prompts": ledger.get("consumed", 0),
+            "dropped_prompts": ledger.get("dropped", 0),
+            "in_flight_prompts": ledger.get("in_flight", 0),
+            "slot_util": round(self.timeline.slot_utilization(), 4),
             "cpu_cores_busy": self.cpu_cores_busy(),
-            "kv_util": _round(self.run.timeline.kv_utilization()),
+            "kv_util": _round(self.timeline.kv_utilization()),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).
-            "gen_tokens_per_s": round(self.generated_tokens / rl_wall, 2) if self.generated_tokens else None,
-            "latency_p50_s": _round(np.percentile(self.latencies, 50) if self.latencies else None),
-            "latency_p99_s": _round(np.percentile(self.latencies, 99) if self.latencies else None),
-            "sft_loss": [round(self.run.sft_losses[0], 4), round(self.run.sft_losses[-1], 4)]
-            if self.run.sft_losses else None,
+            "gen_tokens_per_s": round(generated / rl_wall, 2) if generated else None,
+            "latency_p50_s": _round(b.get("latency_p50_s")),
+            "latency_p99_s": _round(b.get("latency_p99_s")),
+            "sft_loss": [round(stats.sft_losses[0], 4), round(stats.sft_losses[-1], 4)] if stats.sft_losses else None,
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
-            "repack_moves": getattr(self.run.repacker, "moved", 0) if self.run.repacker else 0,
-            "failures": list(self.run.failures),
+            "repack_moves": stats.repack_moves,
+            "failures": list(stats.failures),
             "stopped_early": stopped_early,
             "timeline_png": timeline_png,
             "run_dir": self.run_dir,

@@ -20,7 +20,7 @@ one that every learner host reaches (local disk on one machine, a shared filesys
 A process that dies or stops answering makes the whole group unusable (its peers block in
 collectives): every wait is bounded, and a dead process or an exceeded wait raises
 `LearnerGroupError` naming what it waited for; the runtime then kills the group and starts a new
-one from the last checkpoint (`RayRun._restart_learner`).
+one from the last checkpoint (`Driver._restart_learner`).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import dataclasses
 import json
 import socket
 import time
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -41,14 +41,6 @@ class LearnerGroupError(RuntimeError):
 
 
 # ----------------------------------------------------------------------------------- plain data
-def traj_to_row(t: Trajectory) -> dict:
-    """A scored Trajectory as plain data (the buffer's row format, read back by _rows_to_trajectories)."""
-    return {"uid": t.uid, "prompt_uid": t.prompt_uid, "sample_index": int(t.sample_index),
-            "prompt_ids": np.asarray(t.prompt_ids, np.int32), "response_ids": np.asarray(t.response_ids, np.int32),
-            "behaviour_logprobs": np.asarray(t.behaviour_logprobs, np.float32), "version": int(t.version),
-            "finish_reason": t.finish_reason, "reward": float(t.reward)}
-
-
 def model_params(model) -> dict[str, np.ndarray]:
     """Every parameter of an nnx model (value head included), flat and on the host."""
     from flax import nnx
@@ -82,13 +74,6 @@ def _use_gloo_on_cpu(jax) -> None:
     try:
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     except (AttributeError, KeyError, ValueError):  # renamed / default in a later jax
-        pass
-
-
-class _Discard:
-    """Publisher of processes > 0: they join the gather of the weights, process 0 publishes."""
-
-    def publish(self, version: int, params) -> None:
         pass
 
 
@@ -137,7 +122,9 @@ class LearnerProcess:
             load_model_params(model, init_params)
         section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir, total_steps=cfg.runtime.total_steps)
         self.learner = Learner(section, model, cfg.mesh)
-        self.publisher = LocalPublisher(keep=1) if self.index == 0 else _Discard()
+        # Processes > 0 publish nothing: they only join the gather of each version's weights.
+        self.publisher = LocalPublisher(keep=1) if self.index == 0 else None
+        self.learner.publisher = self.publisher
         return {"process": jax.process_index(), "devices": jax.device_count(),
                 "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
 
@@ -152,6 +139,7 @@ class LearnerProcess:
         store = WeightStore(store_url, keep_last=rcfg.keep_last) if store_url else None
         self._relays = list(relay_addresses)
         self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays)
+        self.learner.publisher = self.publisher
 
     def _gather_policy(self) -> dict[str, np.ndarray]:
         """Collective: the full host copy of the policy weights, flat as published."""
@@ -162,11 +150,9 @@ class LearnerProcess:
         flat = flatten_params(self.learner.state.params["actor"])
         return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
 
-    def step(self, rows: list[dict], publish: bool) -> dict:
+    def step(self, trajectories: list[Trajectory], publish: bool) -> dict:
         """Collective: one Learner.step on the batch; publishing (process 0) unless `publish` is False."""
-        from laminar_jax.runtime.local import _rows_to_trajectories
-
-        metrics = self.learner.step(_rows_to_trajectories(rows), publisher=self.publisher if publish else None)
+        metrics = self.learner.step(trajectories, publish=publish)
         return {"version": self.learner.version, "metrics": metrics if self.index == 0 else None}
 
     def publish_current(self, relays_only: bool, timeout_s: float) -> int:
@@ -325,8 +311,8 @@ class LearnerGroup:
         """One learner step on every process (the same batch); process 0's metrics."""
         import ray
 
-        rows = ray.put([traj_to_row(t) for t in trajectories])
-        out = self._all("step", f"learner step {self.version + 1} on every process", rows, publish)
+        batch = ray.put(list(trajectories))
+        out = self._all("step", f"learner step {self.version + 1} on every process", batch, publish)
         versions = {o["version"] for o in out}
         if versions != {self.version + 1}:
             self.broken = f"versions {sorted(versions)}"
@@ -406,19 +392,19 @@ class LearnerGroup:
 
 
 class GroupPublisherProxy:
-    """What the driver's runtime holds as `publisher` when process 0 of a group publishes."""
+    """What the weight plane holds as `publisher` when process 0 of a group publishes."""
 
-    def __init__(self, run: Any):
-        self.run = run
+    def __init__(self, group: LearnerGroup):
+        self.group = group
 
     def stats(self):
         from laminar_jax.relay.publisher import PublisherStats
 
-        d = self.run.learner.publisher_stats()
+        d = self.group.publisher_stats()
         if d is None:
             return None
         d["relay_failures"] = tuple(d["relay_failures"])
         return PublisherStats(**d)
 
     def close(self, timeout: float = 60.0) -> None:
-        self.run.learner.close_publisher(timeout)
+        self.group.close_publisher(timeout)

@@ -1,19 +1,21 @@
 """Drives one rollout server: pull weights when the mode allows, take work, step, hand results on.
 
-The decisions (admit? swap?) are the pure mode policies in laminar_jax.scheduler.modes; this
-module only does the I/O around them.
+The same loop in both runtimes. It talks to the buffer service through four calls (`take_work`,
+`complete`, `report`, `register`), made in-process by the local runtime and through `RemoteBuffer`
+by a Ray rollout actor. The decisions (admit? swap?) are the pure mode policies in
+laminar_jax.scheduler.modes; this module only does the I/O around them.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import jax
 import numpy as np
 
-from laminar_jax.runtime.dispatch import WorkItem, WorkQueue
+from laminar_jax.runtime.dispatch import WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 
@@ -22,7 +24,8 @@ class InjectedFault(RuntimeError):
 
 
 class Board:
-    """Shared, thread-safe view of every server's version and live count, and the newest version."""
+    """The authoritative view (held by the buffer service) of every server's version and live
+    count, the newest published version and the learner's version. Thread-safe."""
 
     def __init__(self, n: int, version: int):
         self._lock = threading.Lock()
@@ -36,17 +39,66 @@ class Board:
         with self._lock:
             self.versions[i], self.live[i] = version, live
 
+    def revive(self, i: int, version: int) -> None:
+        with self._lock:
+            self.alive[i] = True
+            self.versions[i], self.live[i] = version, 0
+
+    def retire(self, i: int) -> None:
+        with self._lock:
+            self.alive[i], self.live[i] = False, 0
+
     def set_newest(self, v: int) -> None:
         with self._lock:
             self.newest = max(self.newest, v)
+
+    def set_learner_version(self, v: int) -> None:
+        with self._lock:
+            self.learner_version = v
 
     def global_pending(self) -> bool:
         with self._lock:
             return any(v < self.newest for v, a in zip(self.versions, self.alive) if a)
 
-    def live_counts(self) -> list[int]:
+    def view(self, i: int) -> dict:
+        """What server i needs of the others (plain data)."""
         with self._lock:
-            return [n for n, a in zip(self.live, self.alive) if a]
+            return {"newest": self.newest, "learner_version": self.learner_version,
+                    "others": [(v, n) for j, (v, n, a) in enumerate(zip(self.versions, self.live, self.alive))
+                               if a and j != i]}
+
+
+class BoardView:
+    """A server's copy of the board: its own entry is local truth; the others' versions and live
+    counts are refreshed through `buffer.report` at most every `sync_s` (and at once when this
+    server's version changes). A lagging view never breaks a contract: the buffer re-checks
+    admission when work is taken, and a server swaps only with no live sequence of its own."""
+
+    def __init__(self, buffer, index: int, name: str, version: int, sync_s: float):
+        self.buffer, self.index, self.name, self.sync_s = buffer, index, name, sync_s
+        self.newest = self.learner_version = version
+        self._mine = (version, 0)
+        self._others: list[tuple[int, int]] = []
+        self._last_sync = -float("inf")
+
+    def update(self, version: int, live: int) -> None:
+        changed = version != self._mine[0]
+        self._mine = (version, live)
+        if changed or time.monotonic() - self._last_sync >= self.sync_s:
+            view = self.buffer.report(self.index, self.name, version, live)
+            self.newest = max(self.newest, view["newest"])
+            self.learner_version = view["learner_version"]
+            self._others = [tuple(x) for x in view["others"]]
+            self._last_sync = time.monotonic()
+
+    def set_newest(self, v: int) -> None:
+        self.newest = max(self.newest, v)
+
+    def global_pending(self) -> bool:
+        return any(v < self.newest for v, _ in [self._mine, *self._others])
+
+    def live_counts(self) -> list[int]:
+        return [n for _, n in [self._mine, *self._others]]
 
 
 def unflatten_params(flat: dict[str, Any], template: Any, flatten: Callable[[Any], dict]) -> Any:
@@ -61,29 +113,33 @@ def unflatten_params(flat: dict[str, Any], template: Any, flatten: Callable[[Any
     return jax.device_put(jax.tree_util.tree_unflatten(treedef, new))
 
 
+def make_request(item: WorkItem):
+    """The engine's request for a work item: the prompt and its seed (nothing the reward needs)."""
+    from laminar_jax.rollout.records import Request
+
+    return Request(uid=item.uid, prompt_ids=np.asarray(item.prompt_ids, np.int32), prompt_uid=item.prompt_uid,
+                   sample_index=item.sample_index, seed=item.seed)
+
+
 class RolloutWorker:
     """One server's loop. `lock` is held for each iteration so repack moves see a still server."""
 
-    def __init__(self, index: int, server, client, queue: WorkQueue, policy: ModePolicy, board: Board,
-                 on_complete: Callable[[Any], None], make_request: Callable[[WorkItem], Any],
-                 params_from_flat: Callable[[dict], Any], timeline=None, poll_s: float = 0.05,
-                 pull_timeout_s: float = 60.0):
-        self.index, self.server, self.client = index, server, client
-        self.queue, self.policy, self.board = queue, policy, board
-        self.on_complete, self.make_request = on_complete, make_request
+    def __init__(self, index: int, name: str, server, client, buffer, policy: ModePolicy,
+                 params_from_flat: Callable[[dict], Any], *, pull_timeout_s: float, board_sync_s: float = 0.0,
+                 timeline=None, poll_s: float = 0.05):
+        self.index, self.name, self.server, self.client = index, name, server, client
+        self.buffer, self.policy = buffer, policy
         self.params_from_flat = params_from_flat
         self.timeline = timeline
         self.poll_s, self.pull_timeout_s = poll_s, pull_timeout_s
+        self.board = BoardView(buffer, index, name, server.version, board_sync_s)
         self.lock = threading.RLock()
-        # uid -> work item, while live or queued here. Its own lock: a hung iteration (holding
-        # `lock`) must not stop the runtime from taking this work back.
-        self.assigned: dict[str, WorkItem] = {}
-        self._assigned_lock = threading.Lock()
-        self.killed = threading.Event()  # declared dead: its thread exits and its results are dropped
+        self.killed = threading.Event()  # declared dead: its loop exits and its results are dropped
         self.crash_next = False  # fault injection: the next iteration raises (a crashed server)
         self.last_beat = time.monotonic()  # heartbeat: refreshed every iteration
-        self._last_poll = 0.0
+        self._last_poll = -float("inf")
         self.swaps = 0
+        self.dropped = 0  # results the buffer refused (this server had been declared dead)
 
     def _poll_newest(self) -> None:
         now = time.monotonic()
@@ -111,16 +167,15 @@ class RolloutWorker:
             return
         st = s.stats()
         free = st.slots_total - st.slots_used - st.queue_length
-        for item in self.queue.take(free) if free > 0 else []:
-            self.assign(item)
-            s.submit(self.make_request(item), timeout=self.pull_timeout_s)
+        for item in self.buffer.take_work(self.index, self.name, s.version, free) if free > 0 else []:
+            s.submit(make_request(item), timeout=self.pull_timeout_s)
 
     def iterate(self) -> bool:
         """One iteration; returns True when the server did work."""
         with self.lock:
             self.last_beat = time.monotonic()
             if self.crash_next:
-                raise InjectedFault(f"injected crash of rollout server {self.server.section.server_id}")
+                raise InjectedFault(f"injected crash of rollout server {self.name}")
             s = self.server
             self._poll_newest()
             self._maybe_swap()
@@ -129,12 +184,12 @@ class RolloutWorker:
             if self.killed.is_set():
                 return False  # declared dead meanwhile: its work was requeued, drop these results
             for traj in done:
-                self.unassign(traj.uid)
-                self.on_complete(traj)
-            self.board.update(self.index, s.version, s.num_live)
+                if not self.buffer.complete(self.name, traj):
+                    self.dropped += 1
+            self.board.update(s.version, s.num_live)
             if self.timeline is not None:
                 st = s.stats()
-                self.timeline.sample(time.time(), st.server_id, st.slots_used, st.slots_total, s.version,
+                self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
                                      st.kv_pages_used, st.kv_pages_total)
             return bool(done) or s.num_live > 0
 
@@ -143,17 +198,38 @@ class RolloutWorker:
             if not self.iterate():
                 time.sleep(0.005)
 
-    def assign(self, item: WorkItem) -> None:
-        with self._assigned_lock:
-            self.assigned[item.uid] = item
+    def snapshot(self) -> dict:
+        """Heartbeat + what the scheduler weighs (plain data): ServerStats, live sequences with their
+        KV pages, the loop's silence, whether it drains to swap."""
+        import dataclasses
 
-    def unassign(self, uid: str):
-        with self._assigned_lock:
-            return self.assigned.pop(uid, None)
+        with self.lock:
+            s = self.server
+            return {"stats": dataclasses.asdict(s.stats()), "seqs": [(uid, p) for _, uid, p in s.live_sequences()],
+                    "beat_age": time.monotonic() - self.last_beat, "draining": not self.admitting(),
+                    "swaps": self.swaps, "dropped": self.dropped}
 
-    def orphaned_work(self) -> list[WorkItem]:
-        """Work that was assigned here and not finished (for requeueing after a failure)."""
-        with self._assigned_lock:
-            items = list(self.assigned.values())
-            self.assigned.clear()
-            return items
+    def export_sequence(self, uid: str, version: int):
+        """Take live sequence `uid` out (a SequenceState); None if it finished (also inside the step
+        still in flight), or if this server no longer runs `version` (the plan is stale)."""
+        with self.lock:
+            s = self.server
+            slot = {u: i for i, u, _ in s.live_sequences()}.get(uid)
+            if slot is None or s.version != version:
+                return None
+            try:
+                return s.export_sequence(slot)
+            except KeyError:
+                return None
+
+    def import_sequence(self, state) -> int:
+        """Continue a moved sequence here; raises (VersionMismatchError, NoFreeSlotError, ...) if it cannot."""
+        with self.lock:
+            return self.server.import_sequence(state)
+
+
+def pull_timeout(cfg) -> float:
+    """How long a server waits for a weight pull: below the heartbeat timeout, so a relay that
+    missed a version is given up on (falling back to the weight store) before the server is
+    declared dead; and never beyond the runtime's bound on any wait."""
+    return min(cfg.runtime.wait_timeout_s, 120.0, cfg.scheduler.heartbeat_timeout_s / 2)

@@ -23,7 +23,7 @@ def test_hung_server_is_declared_dead_by_heartbeat_and_replaced(tmp_path):
     c = faults.chaos_config(8, str(tmp_path / "run"))
     c.scheduler.heartbeat_timeout_s = 1.5
     run = LocalRun(finalize(c), c.runtime.run_dir)
-    worker = run.workers[1]
+    worker = run.fleet.workers[1]
     original = worker.server.step
     state = {"hung": False}
 

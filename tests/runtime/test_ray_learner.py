@@ -169,7 +169,7 @@ def test_demo_short_with_two_learner_processes_survives_a_killed_one_and_resumes
     def kill_learner_process(version):
         if version == 3 and not killed:
             killed.append(version)
-            run.kill_learner_process(1)
+            run.learner.kill_process(1)
 
     run.on_step_hooks.append(kill_learner_process)
     s = run.run()

@@ -12,7 +12,6 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from laminar_jax.config import finalize, repo_config
-from laminar_jax.configlib import to_json
 
 def demo(variant="short"):
     return repo_config("demo", variant)
@@ -60,11 +59,11 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
         # Then wait (bounded) until an actor holds samples, and kill it. (Not always rollout-1: the
         # forced move may have taken its last sequence, and with the learner held here no new work
         # is dispatched.)
-        owned = lambda: ray.get(run.buffer.stats.remote(), timeout=30)["owned"]
+        owned = lambda: run.buffer.stats()["owned"]
         _wait(lambda: any(n > 0 for n in owned().values()), 60, "a rollout actor to hold work after the first step")
         name, n = max(owned().items(), key=lambda kv: kv[1])
         killed.update(name=name, owned=n)
-        run.kill_server(int(name.split("-")[1].split(".")[0]))
+        run.fleet.kill(int(name.split("-")[1].split(".")[0]))
 
     run.on_step_hooks.append(kill_once_it_owns_work)
     s = run.run()
@@ -99,18 +98,19 @@ def test_run_dispatches_kind_ray(monkeypatch):
 
 
 def _traj(item, version=0):
-    return {"uid": item["uid"], "prompt_uid": item["prompt_uid"], "sample_index": item["sample_index"],
-            "response_ids": np.asarray([5, 6, 7], np.int32), "behaviour_logprobs": np.zeros(3, np.float32),
-            "version": version, "finish_reason": "length", "data_source": item["data_source"],
-            "ground_truth": item["ground_truth"]}
+    from laminar_jax.types import Trajectory
+
+    return Trajectory(uid=item.uid, prompt_uid=item.prompt_uid, sample_index=item.sample_index,
+                      prompt_ids=np.asarray(item.prompt_ids, np.int32), response_ids=np.asarray([5, 6, 7], np.int32),
+                      behaviour_logprobs=np.zeros(3, np.float32), version=version, finish_reason="length")
 
 
 def test_buffer_actor_ownership_requeue_and_admission():
-    """The buffer actor's logic as a plain object (no cluster): exactly-once under failures."""
-    from laminar_jax.runtime.ray_buffer import BufferActor
+    """The buffer service's logic as a plain object (no cluster): exactly-once under failures."""
+    from laminar_jax.runtime.buffer_service import BufferService
 
     c = demo()
-    b = BufferActor(to_json(finalize(c)), learner_version=0)
+    b = BufferService(finalize(c), learner_version=0)
     try:
         _wait(lambda: b.stats()["queue"] >= 6, 30, "the dispatcher to queue work")
         a = b.take_work(0, "rollout-0", 0, 3)
@@ -124,11 +124,11 @@ def test_buffer_actor_ownership_requeue_and_admission():
         assert b.take_work(0, "rollout-0", 0, 4) == []
         assert b.complete("rollout-0", _traj(a[0])) is False
         again = b.take_work(1, "rollout-1", 0, 3)
-        assert [x["uid"] for x in again] == [x["uid"] for x in a]
+        assert [x.uid for x in again] == [x.uid for x in a]
 
         # A replacement takes index 0; a repack move hands ownership over with the sequence.
         b.register(0, "rollout-0.1", 0)
-        uid = again[0]["uid"]
+        uid = again[0].uid
         assert b.move(uid, "rollout-1", "rollout-0.1")
         assert not b.move(uid, "rollout-1", "rollout-0.1")  # rollout-1 no longer owns it
         assert b.complete("rollout-1", _traj(again[0])) is False
@@ -137,8 +137,8 @@ def test_buffer_actor_ownership_requeue_and_admission():
         _wait(lambda: "reward" in b.store.row(uid) and "version" in b.store.row(uid), 10, "the reward of " + uid)
 
         # A failed move that reached neither server is generated again.
-        uid2 = again[1]["uid"]
-        assert b.requeue_uid(uid2, "rollout-1") and b.take_work(0, "rollout-0.1", 0, 1)[0]["uid"] == uid2
+        uid2 = again[1].uid
+        assert b.requeue_uid(uid2, "rollout-1") and b.take_work(0, "rollout-0.1", 0, 1)[0].uid == uid2
 
         # Admission is re-checked here: a server more than admit_lag versions behind the newest
         # gets no work (laminar); one within the lag still does.

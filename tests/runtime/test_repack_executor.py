@@ -2,13 +2,14 @@
 they would have in place, and a move that fails midway leaves the sequence on its source."""
 
 import dataclasses
-import threading
-import types
 
 import numpy as np
 
-from laminar_jax.runtime.repack import RepackLoop
+from laminar_jax.runtime.fleet import ThreadFleet
+from laminar_jax.runtime.loops import RepackLoop
+from laminar_jax.runtime.rollout_worker import RolloutWorker
 from laminar_jax.scheduler.config import SchedulerSection
+from laminar_jax.scheduler.modes import get_policy
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
 
 
@@ -16,11 +17,24 @@ def server(name):
     return make_server(dataclasses.replace(SECTION, server_id=name))
 
 
-def _worker(i, server):
-    assigned = {}
-    return types.SimpleNamespace(index=i, server=server, lock=threading.RLock(), assigned=assigned,
-                                 killed=threading.Event(), admitting=lambda: True, assign=lambda it: assigned.__setitem__(it.uid, it),
-                                 unassign=lambda uid: assigned.pop(uid, None))
+class FakeBuffer:
+    """Fake of the buffer service's ownership calls (every move is allowed)."""
+
+    def report(self, i, name, version, live):
+        return {"newest": version, "learner_version": version, "others": []}
+
+    def move(self, uid, src, dst):
+        return True
+
+    def requeue_uid(self, uid, owner):
+        return True
+
+
+def _loop(*servers, **section):
+    """A RepackLoop over a ThreadFleet of real servers (whose loops are not running)."""
+    workers = [RolloutWorker(i, s.section.server_id, s, None, FakeBuffer(), get_policy("laminar"), None,
+                             pull_timeout_s=1.0) for i, s in enumerate(servers)]
+    return RepackLoop(ThreadFleet(workers), FakeBuffer(), SchedulerSection(**section))
 
 
 def _reference(n):
@@ -38,7 +52,7 @@ def test_planned_moves_are_output_identical_and_consolidate():
     b.submit(request(10, max_new=20))
     for _ in range(4):  # a few tokens in place first
         a.step(), b.step()
-    loop = RepackLoop([_worker(0, a), _worker(1, b)], SchedulerSection(max_batch=4, c_max=0.99), board=None)
+    loop = _loop(a, b, max_batch=4, c_max=0.99)
     loop._prev_used = {"rollout-0": 10 ** 6, "rollout-1": 10 ** 6}  # both draining
     moves = loop.run_once()
     assert moves and loop.moved == len(moves) and loop.failed == 0
@@ -63,13 +77,13 @@ def test_failed_import_leaves_sequence_on_source():
     a.submit(request(0, max_new=20))
     for _ in range(3):
         a.step()
-    wa, wb = _worker(0, a), _worker(1, b)
 
     def broken_import(state):
         raise RuntimeError("injected failure during import")
 
     b.import_sequence = broken_import
-    loop = RepackLoop([wa, wb], SchedulerSection(max_batch=4), board=None)
+    loop = _loop(a, b, max_batch=4)
+    loop.views()  # the planner's snapshot the move was planned on
     uid = request(0).uid
     from laminar_jax.scheduler import Move
 
@@ -95,7 +109,8 @@ def test_move_of_a_sequence_finishing_in_flight_is_skipped():
         uid = request(0).uid
         if out or uid not in a.live_slots().values():
             continue  # finished before the move was planned: nothing to race with
-        loop = RepackLoop([_worker(0, a), _worker(1, b)], SchedulerSection(max_batch=4), board=None)
+        loop = _loop(a, b, max_batch=4)
+        loop.views()  # the planner's snapshot the move was planned on
         moved = loop.execute(Move(uid, "rollout-0", "rollout-1"))
         assert loop.failed == 0
         for _ in range(50):

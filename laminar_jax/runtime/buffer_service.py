@@ -1,64 +1,41 @@
-"""The buffer actor of the Ray runtime: prompts, experience and the board in one place.
+"""The buffer service: prompts, experience, rewards, the board, and who owns each sample.
 
-Holds what the local runtime shares between threads: the prompt source, `PromptLedger`,
-`ExperienceStore`, `Dispatcher` + `WorkQueue`, the `RewardPool`, and the `Board` (every server's
-version and live count). Rollout actors take work from it and hand trajectories back; the learner
-(in the driver) takes batches. It also tracks which rollout server owns each sample, so a dead
-server's work is requeued and a late result of a dead server is dropped (exactly-once).
+One class for both runtimes. The local runtime calls it in-process from its threads; the Ray
+runtime wraps the same class with `ray.remote` (a threaded actor: the learner's bounded wait for a
+batch must not block the rollout servers' calls) and reaches it through `RemoteBuffer`.
 
-Everything crossing its methods is plain data (dicts of numpy arrays / str / int), serialised by
-Ray inside the cluster. The class is plain Python; the runtime wraps it with `ray.remote`, as a
-threaded actor (the learner's bounded wait for a batch must not block the rollout actors' calls).
+It holds the prompt source, `PromptLedger`, `ExperienceStore`, `Dispatcher` + `WorkQueue` (with
+the dispatcher's thread), the `RewardPool` and the authoritative `Board`. Exactly-once lives here
+only: every sample taken is recorded with the server that owns it; a dead server's samples are
+requeued and its late results dropped; a repack move hands ownership over with the sequence.
+Everything crossing its methods is plain host data (WorkItem, Trajectory, dicts of numpy arrays).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import threading
 import time
-import traceback
 from typing import Optional
 
 import numpy as np
 
 from laminar_jax.runtime.dispatch import WorkItem
-
-REQUIRED = ("response_ids", "behaviour_logprobs", "version", "reward")
-
-
-def item_to_dict(item: WorkItem) -> dict:
-    d = dataclasses.asdict(item)
-    d["prompt_ids"] = list(item.prompt_ids)
-    return d
+from laminar_jax.threads import Worker
+from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
 
 
-def item_from_dict(d: dict) -> WorkItem:
-    return WorkItem(**{**d, "prompt_ids": tuple(int(t) for t in d["prompt_ids"])})
-
-
-def traj_to_dict(traj) -> dict:
-    """A finished Trajectory as plain data (what a rollout actor sends the buffer)."""
-    return {"uid": traj.uid, "prompt_uid": traj.prompt_uid, "sample_index": int(traj.sample_index),
-            "response_ids": np.asarray(traj.response_ids, np.int32),
-            "behaviour_logprobs": np.asarray(traj.behaviour_logprobs, np.float32),
-            "version": int(traj.version), "finish_reason": traj.finish_reason,
-            "data_source": traj.data_source, "ground_truth": traj.ground_truth}
-
-
-class BufferActor:
+class BufferService:
     """Prompts -> work -> experience, plus sample ownership per rollout server (see module doc)."""
 
-    def __init__(self, cfg_json: str, learner_version: int, restore: Optional[dict] = None):
+    def __init__(self, cfg, learner_version: int, restore: Optional[dict] = None):
         from laminar_jax.buffer import ExperienceStore, PromptLedger
-        from laminar_jax.config import finalize
         from laminar_jax.data import RewardPool, build_prompt_source
         from laminar_jax.model import load_tokenizer
         from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
         from laminar_jax.runtime.rollout_worker import Board
         from laminar_jax.scheduler.modes import get_policy
 
-        self.cfg = cfg = finalize(json.loads(cfg_json))
+        self.cfg = cfg
         rt = cfg.runtime
         self.policy = get_policy(rt.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.tokenizer = load_tokenizer(cfg.model.tokenizer)
@@ -66,40 +43,34 @@ class BufferActor:
         self.ledger, self.store = PromptLedger(), ExperienceStore(group_size=rt.samples_per_prompt)
         self.queue = WorkQueue()
         self.dispatcher = Dispatcher(self.source, self.ledger, self.store, self.queue, self.policy,
-                                     rt.prompts_per_step, rt.samples_per_prompt, rt.max_staleness,
+                                     rt.prompts_per_step, rt.samples_per_prompt, cfg.buffer.max_staleness,
                                      cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers),
                                      max_inflight_batches=rt.max_inflight_batches)
-        self.redispatched = self.dispatcher.restore(restore, REQUIRED) if restore else 0
+        self.redispatched = self.dispatcher.restore(restore, REQUIRED_FIELDS) if restore else 0
         self.rewards = RewardPool(cfg.data.reward_workers, cfg.data.reward_timeout_s, cfg.data.reward_registry,
                                   mode=cfg.data.reward_mode)
         self.board = Board(rt.num_servers, learner_version)
-        self._lock = threading.Lock()  # owners, names, dead
+        self._lock = threading.Lock()  # owners, names, dead, counters
         self._owner: dict[str, tuple[str, WorkItem]] = {}  # sample uid -> (server name, its work item)
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
         self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0}
         self._latencies: list[float] = []  # dispatch -> completion of each accepted sample
         self._stop = threading.Event()
-        self._error: Optional[str] = None
-        self._thread = threading.Thread(target=self._dispatch_loop, name="buffer-dispatcher", daemon=True)
-        self._thread.start()
+        self._pumper = Worker("buffer-dispatcher", self._dispatch_loop, self._stop).start()
 
-    # ------------------------------------------------------------------------------ health
     def _dispatch_loop(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.dispatcher.pump(self.board.learner_version)
-                time.sleep(0.01)
-        except BaseException:  # noqa: BLE001 - recorded; check() re-raises it in every caller
-            self._error = traceback.format_exc()
+        while not self._stop.is_set():
+            self.dispatcher.pump(self.board.learner_version)
+            time.sleep(0.01)
 
     def check(self) -> None:
         """Re-raise a failure of the dispatcher thread or of a reward worker."""
-        if self._error is not None:
-            raise RuntimeError(f"buffer actor: dispatcher thread died:\n{self._error}")
+        self._pumper.check()
         self.rewards.check()
 
     def ready(self) -> int:
+        """Prompts re-dispatched by the restore (the caller's handshake that the service is up)."""
         return self.redispatched
 
     # ------------------------------------------------------------------------------ the board
@@ -111,28 +82,25 @@ class BufferActor:
         with self._lock:
             self._names[i] = name
             self._dead.discard(name)
-            self.board.alive[i] = True
-            self.board.update(i, version, 0)
+            self.board.revive(i, version)
 
     def report(self, i: int, name: str, version: int, live: int) -> dict:
         """A server's version and live count in; the board as that server should see it out."""
         with self._lock:
             if self._alive(i, name):
                 self.board.update(i, version, live)
-            b = self.board
-            return {"newest": b.newest, "learner_version": b.learner_version,
-                    "others": [(v, n) for j, (v, n, a) in enumerate(zip(b.versions, b.live, b.alive)) if a and j != i]}
+        return self.board.view(i)
 
     def set_learner_version(self, version: int) -> dict:
         """The learner finished step `version`: servers may take it, dispatch may run ahead."""
         self.check()
         self.board.set_newest(version)
-        self.board.learner_version = version
+        self.board.set_learner_version(version)
         self.store.evict_consumed(["learner"])
         return self.stats()
 
     # ------------------------------------------------------------------------------ work
-    def take_work(self, i: int, name: str, version: int, n: int) -> list[dict]:
+    def take_work(self, i: int, name: str, version: int, n: int) -> list[WorkItem]:
         """Up to n work items for server `name`, if the mode lets it admit now (checked here, on
         the authoritative board: a server's own view may lag a publish by one board sync)."""
         from laminar_jax.scheduler.modes import server_may_admit
@@ -147,13 +115,13 @@ class BufferActor:
             items = self.queue.take(n)
             for it in items:
                 self._owner[it.uid] = (name, it)
-        return [item_to_dict(it) for it in items]
+        return items
 
-    def complete(self, name: str, traj: dict) -> bool:
+    def complete(self, name: str, traj: Trajectory) -> bool:
         """A finished trajectory from server `name`: store its fields now, score it off the critical
         path. Dropped (returns False) unless `name` still owns the sample: a dead server's work was
         requeued and is being generated again elsewhere."""
-        uid = traj["uid"]
+        uid = traj.uid
         with self._lock:
             owner = self._owner.get(uid)
             if owner is None or owner[0] != name or name in self._dead:
@@ -163,20 +131,18 @@ class BufferActor:
             start = self.dispatcher.enqueued_at.pop(uid, None)
             if start is not None:
                 self._latencies.append(time.monotonic() - start)
-            self.counters["generated_tokens"] += len(traj["response_ids"])
+            self.counters["generated_tokens"] += len(traj.response_ids)
         try:
-            self.store.put_many(uid, {"response_ids": traj["response_ids"],
-                                      "behaviour_logprobs": traj["behaviour_logprobs"],
-                                      "finish_reason": traj["finish_reason"]})
+            self.store.put_many(uid, to_row(traj))
             row = self.store.row(uid)
         except KeyError:  # the row is gone (its prompt was dropped as stale): nothing to fill
-            self.counters["dropped_late_results"] += 1
+            with self._lock:
+                self.counters["dropped_late_results"] += 1
             return False
         eos = self.tokenizer.eos_id
-        text = self.tokenizer.decode([t for t in np.asarray(traj["response_ids"]).tolist() if t != eos])
-        fut = self.rewards.submit(traj["data_source"] or row.get("data_source", ""), text, traj["ground_truth"],
-                                  row.get("extra_info"))
-        version = int(traj["version"])
+        text = self.tokenizer.decode([t for t in np.asarray(traj.response_ids).tolist() if t != eos])
+        fut = self.rewards.submit(row.get("data_source", ""), text, row.get("ground_truth"), row.get("extra_info"))
+        version = int(traj.version)
         # 'version' is written last with the reward, so a row is never ready before it is scored.
         fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
         return True
@@ -187,8 +153,7 @@ class BufferActor:
         with self._lock:
             self._dead.add(name)
             if self._names[i] == name:
-                self.board.alive[i] = False
-                self.board.update(i, self.board.versions[i], 0)
+                self.board.retire(i)
             items = [it for uid, (owner, it) in self._owner.items() if owner == name]
             for it in items:
                 del self._owner[it.uid]
@@ -222,7 +187,7 @@ class BufferActor:
         """Wait up to `timeout` s for n complete groups; mark their prompts consumed in the ledger.
 
         Returns {"rows": [...], "duplicates": k} or None on timeout. Groups over the staleness
-        bound are dropped (ledger: dropped) as the buffer section says.
+        bound (buffer.max_staleness) are dropped or skipped as buffer.on_stale says.
         """
         from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, select_fifo
 
@@ -236,11 +201,12 @@ class BufferActor:
             return sel
 
         try:
-            rows = self.store.get("learner", n_groups, REQUIRED, timeout=timeout, select=select)
+            rows = self.store.get("learner", n_groups, REQUIRED_FIELDS, timeout=timeout, select=select)
         except BufferTimeout:
             rows = None
         for g in dropped:
             self.ledger.drop(g.group)
+            self.dispatcher.release(g.group)
         if rows is None:
             return None
         duplicates = 0
@@ -256,7 +222,7 @@ class BufferActor:
         return self.dispatcher.snapshot()
 
     def stats(self) -> dict:
-        """Counters the driver's monitor reads (and the final summary)."""
+        """Counters for the monitor and the final summary (plain data)."""
         groups = self.store.groups()
         in_flight = self.ledger.in_flight()
         with self._lock:
@@ -264,14 +230,15 @@ class BufferActor:
             for name, _ in self._owner.values():
                 owned[name] = owned.get(name, 0) + 1
             lat = np.percentile(self._latencies, [50, 99]).tolist() if self._latencies else [None, None]
+            counters = dict(self.counters)
         return {"queue": len(self.queue), "ledger": self.ledger.summary(),
                 "lost_prompts": sum(1 for uid, _ in in_flight if uid not in groups),
-                "ready_groups": self.store.ready_groups("learner", REQUIRED), "owned": owned,
+                "ready_groups": self.store.ready_groups("learner", REQUIRED_FIELDS), "owned": owned,
                 "redispatched": self.redispatched, "board_versions": list(self.board.versions),
                 "board_live": list(self.board.live), "newest": self.board.newest,
-                "latency_p50_s": lat[0], "latency_p99_s": lat[1], **self.counters}
+                "latency_p50_s": lat[0], "latency_p99_s": lat[1], **counters}
 
     def close(self) -> None:
         self._stop.set()
-        self._thread.join(timeout=10)
+        self._pumper.join(timeout=10)
         self.rewards.close()

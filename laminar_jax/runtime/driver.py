@@ -1,0 +1,247 @@
+"""The Driver: the learner loop, written once for every runtime.
+
+It trains until `runtime.total_steps` (or `max_wall_s`, or a stop request), checkpoints, restarts a
+dead learner from its checkpoint and replays, and shuts every plane down. It talks only to:
+
+  buffer   the buffer service (`get_batch`, `set_learner_version`, `snapshot`, `stats`, ...), in-process
+           or a Ray actor behind `RemoteBuffer`;
+  fleet    the rollout servers (`start / warmup / snapshots / export / import_ / poll_health /
+           replace / stop / close`), threads (`ThreadFleet`) or Ray actors (`RayFleet`);
+  weights  the weight plane (store, relays, publisher; `attach(learner)`);
+  monitor  the metrics sink, fed plain `RunStats` records.
+
+The repack loop and the health loop (runtime/loops.py) run beside it as supervised workers, over
+the same interfaces. Which transport carries the calls is chosen once, by the runtime that builds
+the Driver (runtime/local.py, runtime/ray_runtime.py); the Driver never knows it.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from typing import Callable, Optional, Sequence
+
+from laminar_jax.runtime.loops import HealthLoop, RepackLoop
+from laminar_jax.runtime.monitor import RunStats
+from laminar_jax.runtime.rollout_worker import InjectedFault
+from laminar_jax.scheduler.modes import get_policy
+from laminar_jax.threads import WorkerGroup
+from laminar_jax.types import from_row
+
+log = logging.getLogger(__name__)
+
+
+def close_all(closers: Sequence[Callable[[], None]]) -> list[BaseException]:
+    """Call every closer (cleanup must reach every plane); return the errors met, in order."""
+    errors: list[BaseException] = []
+    for close in closers:
+        try:
+            close()
+        except BaseException as e:  # noqa: BLE001 - collected; the caller decides which to raise
+            errors.append(e)
+    return errors
+
+
+def abandon(learner) -> None:
+    """End a learner that died (a group's survivors may sit in a collective: kill them)."""
+    close = getattr(learner, "kill", None) or learner.close
+    try:
+        close()
+    except Exception:  # noqa: BLE001 - the old learner is gone either way
+        pass
+
+
+class Driver:
+    """Built by a runtime from its parts; `run()` trains and returns the summary dict.
+
+    make_learner: builds a fresh learner (same model, mesh, checkpoint dir) for a restart.
+    learner_failures: the exceptions that mean "the learner died" (restart + replay), not "stop".
+    closers: the runtime's own cleanup after every plane is closed (e.g. shutting Ray down).
+    summary_extra: the runtime's own section of the summary.
+    """
+
+    def __init__(self, cfg, run_dir: str, *, learner, make_learner: Callable[[], object], buffer, fleet, weights,
+                 monitor, stop=None, learner_failures: tuple = (InjectedFault,), sft_losses: Sequence[float] = (),
+                 resumed: bool = False, closers: Sequence[Callable[[], None]] = (),
+                 summary_extra: Optional[Callable[["Driver"], dict]] = None):
+        self.cfg, self.run_dir = cfg, run_dir
+        self.learner, self.make_learner, self.learner_failures = learner, make_learner, learner_failures
+        self.buffer, self.fleet, self.weights, self.monitor = buffer, fleet, weights, monitor
+        self.sft_losses, self.closers, self.summary_extra = list(sft_losses), list(closers), summary_extra
+        self.sup = WorkerGroup(stop)
+        self.failures: list[dict] = []
+        self.on_step_hooks: list = []  # called with the new learner version after each step
+        self._replay: list = []  # trajectory batches trained since the last checkpoint
+        self._crash_learner = False
+        self._last_ckpt = learner.version if resumed else None
+        self.redispatched = buffer.ready()
+        self.buffer_stats = buffer.stats()
+        policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
+        self.repacker = RepackLoop(fleet, buffer, cfg.scheduler) if policy.repack else None
+        self.health = HealthLoop(fleet, buffer, cfg.scheduler, self.failures, monitor.t0)
+        self.t_rl = time.time()
+
+    # ----------------------------------------------------------------------------------- run
+    def _warm_up(self) -> None:
+        """Compile the learner's programs for every batch shape a step can take, and the servers'
+        engine programs, before the RL clock starts: steady-state throughput is what the run
+        reports, and a mid-run compile stalls its plane for seconds."""
+        rt, t0 = self.cfg.runtime, time.time()
+        self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
+        self.fleet.warmup()
+        log.info("compiled learner and engine programs in %.1fs", time.time() - t0)
+
+    def run(self) -> dict:
+        self._warm_up()
+        self.fleet.start()
+        self.sup.spawn("health", functools.partial(self.health.run, self.sup.stop))
+        if self.repacker is not None:
+            self.sup.spawn("scheduler", functools.partial(self.repacker.run, self.sup.stop))
+        rt = self.cfg.runtime
+        self.t_rl = time.time()
+        stopped_early = False
+        try:
+            while self.learner.version < rt.total_steps:
+                if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
+                    stopped_early = True
+                    break
+                try:
+                    rows = self._next_batch()
+                except InterruptedError:
+                    stopped_early = True
+                    break
+                self._train_on(rows)
+        except BaseException:
+            self._shutdown(clean=False)
+            raise
+        self._shutdown(clean=True)
+        return self.summary(stopped_early)
+
+    def _next_batch(self) -> list[dict]:
+        """Block (bounded) for the next batch, re-checking every worker's health while waiting."""
+        rt = self.cfg.runtime
+        deadline = time.monotonic() + rt.wait_timeout_s
+        while True:
+            self.sup.check()
+            if self.sup.stop.is_set():
+                raise InterruptedError("stop requested")
+            out = self.buffer.get_batch(rt.prompts_per_step, self.learner.version, 0.5)
+            if out is not None:
+                self.monitor.duplicates += out["duplicates"]
+                return out["rows"]
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"learner waited runtime.wait_timeout_s={rt.wait_timeout_s}s for {rt.prompts_per_step} "
+                    f"complete groups; buffer={self.buffer.stats()}, servers={self.fleet.server_stats()}")
+
+    def _train_on(self, rows: list[dict]) -> None:
+        trajs = [from_row(r) for r in rows]  # their prompts were marked consumed by get_batch
+        metrics = self._learner_step(trajs)
+        self._replay.append(trajs)
+        # Servers learn of the new version from the relays (pulls wait for it); only then may
+        # dispatch run ahead: no prompt is admitted under a version the mode says is superseded.
+        self.buffer_stats = self.buffer.set_learner_version(self.learner.version)
+        self.monitor.on_publish(time.time(), self.learner.version)
+        if self.repacker is not None:
+            self.repacker.poke()
+        self.monitor.on_step(metrics, trajs, self.stats())
+        every = self.cfg.runtime.checkpoint_every
+        if every and self.learner.version % every == 0:
+            self._checkpoint()
+        for hook in list(self.on_step_hooks):
+            hook(self.learner.version)
+
+    def _checkpoint(self) -> None:
+        if self._last_ckpt == self.learner.version:
+            return  # this version is saved already (periodic save, then the final one)
+        self.learner.save(self.learner.version, extra={"runtime": self.buffer.snapshot()})
+        self._last_ckpt = self.learner.version
+        self._replay.clear()  # batches up to here live in the checkpoint
+
+    # ----------------------------------------------------------------------- learner failures
+    def _learner_step(self, trajs) -> dict:
+        """One learner step; if the learner dies, restart it from its checkpoint (rollouts keep
+        generating meanwhile), replay the batches trained since then, and train this batch."""
+        try:
+            if self._crash_learner:
+                self._crash_learner = False
+                raise InjectedFault("injected learner crash")
+            return self.learner.step(trajs)
+        except self.learner_failures as e:
+            t_fail = time.time()
+            log.warning("learner died (%r); restarting from its checkpoint", e)
+            self._restart_learner()
+            metrics = self.learner.step(trajs)
+            self.failures.append({"learner": repr(e), "t": round(t_fail - self.monitor.t0, 2),
+                                  "replayed_steps": len(self._replay), "recovery_s": round(time.time() - t_fail, 3)})
+            return metrics
+
+    def _restart_learner(self) -> None:
+        """A fresh learner from the last checkpoint, brought back to the version it died at by
+        replaying the batches trained since (deterministic: the same versions, bit for bit, which
+        the relays already hold; nothing is published again)."""
+        old = self.learner
+        abandon(old)
+        fresh = self.make_learner()
+        try:
+            fresh.restore_latest()
+            for batch in self._replay:
+                fresh.step(batch, publish=False)
+            if fresh.version != old.version:
+                raise RuntimeError(f"learner restart reached version {fresh.version}, expected {old.version}")
+            self.weights.attach(fresh, initial=False)
+        except BaseException:
+            abandon(fresh)
+            raise
+        self.learner = fresh
+
+    def inject_learner_crash(self) -> None:
+        """Fault injection: the learner dies at its next step."""
+        self._crash_learner = True
+
+    def inject_relay_failure(self) -> None:
+        """Fault injection: the (master) relay dies; servers fall back to the weight store."""
+        self.failures.append({"relay": self.weights.inject_failure(), "t": round(time.time() - self.monitor.t0, 2)})
+
+    # --------------------------------------------------------------------------- the end
+    def stats(self) -> RunStats:
+        return RunStats(t0=self.monitor.t0, t_rl=self.t_rl, learner_version=int(self.learner.version),
+                        servers=self.fleet.server_stats(), buffer=self.buffer_stats, failures=list(self.failures),
+                        repack_moves=self.repacker.moved if self.repacker else 0, redispatched=self.redispatched,
+                        sft_losses=self.sft_losses)
+
+    def summary(self, stopped_early: bool) -> dict:
+        s = self.monitor.summary(self.stats(), stopped_early)
+        if self.summary_extra is not None:
+            s.update(self.summary_extra(self))
+        return s
+
+    def _shutdown(self, clean: bool) -> None:
+        """Stop every loop and server; checkpoint only after a clean stop (a failed run resumes
+        from the last good checkpoint, and a wedged worker may hold the dispatcher's lock)."""
+        failed = None
+        try:
+            self.sup.check()
+        except Exception as e:  # noqa: BLE001 - re-raised below after cleanup
+            failed = e
+        stuck = self.sup.join(timeout=30) + self.fleet.stop(timeout=15.0)
+        errors: list[BaseException] = []
+        try:
+            if clean and failed is None and not stuck:
+                self._checkpoint()
+            if clean:
+                self.learner.flush(timeout=120)
+                self.buffer_stats = self.buffer.stats()
+        except BaseException as e:  # noqa: BLE001 - cleanup first, then raise
+            errors.append(e)
+        errors += close_all([self.weights.close, self.buffer.close, self.fleet.close, self.learner.close,
+                             self.monitor.close, *self.closers])
+        if not clean:
+            return  # the caller re-raises the error that stopped the run
+        if failed is not None:
+            raise failed
+        if stuck:
+            raise RuntimeError(f"workers did not stop within their timeouts: {stuck}")
+        if errors:
+            raise errors[0]

@@ -1,0 +1,154 @@
+"""The fleet of rollout servers as threads of this process (the local runtime's `Fleet`).
+
+Every server is a `RolloutWorker` (the same loop a Ray rollout actor runs) in a supervised thread,
+calling the in-process buffer service directly. The servers share compiled programs, so warming
+one up warms them all. A server whose thread raised, or whose loop went silent for
+`scheduler.heartbeat_timeout_s`, is reported once by `poll_health`; `replace` starts a new one on
+the newest published version.
+
+The Fleet interface (both implementations): start, warmup, snapshots, server_stats, export,
+import_, poll_health, replace, stop, close, inject_crash, kill.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import threading
+import time
+from typing import Callable, Optional
+
+from laminar_jax.runtime.loops import Failure, mark_replaced
+from laminar_jax.runtime.rollout_worker import RolloutWorker, pull_timeout, unflatten_params
+from laminar_jax.scheduler.modes import get_policy
+from laminar_jax.threads import Worker
+
+
+def server_name(i: int, generation: int) -> str:
+    """rollout-i, and rollout-i.g for the g-th replacement of server i."""
+    return f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
+
+
+def params_from_flat(model):
+    """flat published weights -> the engine's param pytree, for servers built on `model`."""
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+
+    _, template = nnx.split(model)
+    return functools.partial(unflatten_params, template=template, flatten=flatten_params)
+
+
+def server_factory(cfg, model, buffer, weights, timeline):
+    """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run."""
+    from laminar_jax.rollout import make_engine
+    from laminar_jax.rollout.server import RolloutServer
+
+    policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
+    from_flat = params_from_flat(model)
+
+    def make(i: int, generation: int, version: int, params) -> RolloutWorker:
+        name = server_name(i, generation)
+        section = dataclasses.replace(cfg.rollout, server_id=name, seed=cfg.seed + 17 * i + generation)
+        engine, _ = make_engine(model, section)
+        worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
+                               buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg), timeline=timeline)
+        buffer.register(i, name, version)
+        return worker
+
+    return make
+
+
+class ThreadFleet:
+    """workers: the running RolloutWorkers (index i at position i); make: `server_factory`'s
+    function, for replacements (None: a fleet that cannot replace, as in unit tests)."""
+
+    def __init__(self, workers: list[RolloutWorker], make: Optional[Callable] = None,
+                 heartbeat_timeout_s: float = 30.0):
+        self.workers, self.make, self.heartbeat_timeout_s = list(workers), make, heartbeat_timeout_s
+        self._stop = threading.Event()
+        self._threads: dict[int, Worker] = {}
+        self.generations = [0] * len(self.workers)
+
+    @classmethod
+    def build(cls, cfg, model, buffer, weights, timeline, version: int, params) -> "ThreadFleet":
+        make = server_factory(cfg, model, buffer, weights, timeline)
+        workers = [make(i, 0, version, params) for i in range(cfg.runtime.num_servers)]
+        return cls(workers, make, cfg.scheduler.heartbeat_timeout_s)
+
+    def _spawn(self, w: RolloutWorker) -> None:
+        # Not stop_on_failure: a dead server is the health loop's to replace, not a reason to stop.
+        self._threads[w.index] = Worker(w.name, functools.partial(w.run, self._stop), stop_on_failure=False).start()
+
+    # ------------------------------------------------------------------------------ Fleet
+    @property
+    def names(self) -> list[str]:
+        return [w.name for w in self.workers]
+
+    def start(self) -> None:
+        for w in self.workers:
+            w.last_beat = time.monotonic()  # silent through the warm-up is not dead
+            self._spawn(w)
+
+    def warmup(self) -> None:
+        if self.workers:  # one engine's programs: the servers share them
+            self.workers[0].server.warmup()
+
+    def _live(self) -> list[RolloutWorker]:
+        return [w for w in list(self.workers) if not w.killed.is_set()]
+
+    def snapshots(self) -> dict[int, dict]:
+        return {w.index: w.snapshot() for w in self._live()}
+
+    def server_stats(self) -> list:
+        return [w.server.stats() for w in list(self.workers)]
+
+    def _by_name(self, name: str) -> Optional[RolloutWorker]:
+        return next((w for w in self._live() if w.name == name), None)
+
+    def export(self, name: str, uid: str, version: int):
+        w = self._by_name(name)
+        return None if w is None else w.export_sequence(uid, version)
+
+    def import_(self, name: str, state) -> int:
+        w = self._by_name(name)
+        if w is None:
+            raise KeyError(f"rollout server {name} is not serving (dead or replaced)")
+        return w.import_sequence(state)
+
+    def poll_health(self) -> list[Failure]:
+        timeout, now, out = self.heartbeat_timeout_s, time.monotonic(), []
+        for w in self._live():
+            thread = self._threads.get(w.index)
+            if thread is not None and thread.error is not None:
+                out.append(Failure(w.index, w.name, thread.error, thread.traceback))
+            elif now - w.last_beat > timeout:
+                out.append(Failure(w.index, w.name, TimeoutError(
+                    f"rollout server {w.name}: no heartbeat for {now - w.last_beat:.1f}s "
+                    f"(scheduler.heartbeat_timeout_s={timeout})"), ""))
+            else:
+                continue
+            w.killed.set()  # reported once; its loop exits and anything it still returns is dropped
+        return out
+
+    def replace(self, i: int, record: dict, t_fail: float) -> None:
+        old = self.workers[i]
+        version, flat = old.client.pull(newer_than=-1, timeout=old.pull_timeout_s)
+        self.generations[i] += 1
+        fresh = self.make(i, self.generations[i], version, old.params_from_flat(flat))
+        self.workers[i] = fresh
+        self._spawn(fresh)
+        mark_replaced(record, fresh.name, version, t_fail)
+
+    def stop(self, timeout: float) -> list[str]:
+        self._stop.set()
+        return [t.name for t in list(self._threads.values()) if not t.join(timeout)]
+
+    def close(self) -> None:
+        pass  # threads end with stop(); the engines go with the process
+
+    def inject_crash(self, i: int) -> None:
+        """Fault injection: server i raises at its next iteration."""
+        self.workers[i].crash_next = True
+
+    kill = inject_crash  # a thread cannot be killed from outside: crashing it is the same failure

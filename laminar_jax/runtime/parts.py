@@ -1,0 +1,83 @@
+"""What every runtime builds the same way before wiring: paths, the warm-start, the entry wrapper.
+
+`resolve(cfg, run_dir)` fixes the run's paths and derived values once (the checkpoint directory
+and the learner's step count), so every process of a run reads the same values from config.json.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import threading
+from typing import Callable
+
+from laminar_jax.config import Config, resolve_run_dir, save_config
+
+
+def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
+    """(cfg with learner.checkpoint_dir and learner.total_steps resolved, whether a checkpoint exists).
+
+    The checkpoint directory defaults to <run_dir>/checkpoints; local paths are made absolute (orbax
+    refuses relative ones), URLs (gs://...) are kept as given.
+    """
+    path = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    if "://" not in path:
+        path = os.path.abspath(path)
+        resuming = os.path.isdir(path) and any(n.isdigit() for n in os.listdir(path))
+    else:
+        from etils import epath
+
+        p = epath.Path(path)
+        resuming = p.exists() and any(c.name.isdigit() for c in p.iterdir())
+    learner = dataclasses.replace(cfg.learner, checkpoint_dir=path, total_steps=cfg.runtime.total_steps)
+    runtime = dataclasses.replace(cfg.runtime, run_dir=run_dir)
+    return dataclasses.replace(cfg, learner=learner, runtime=runtime), resuming
+
+
+def sft_warmup(cfg: Config, model, tokenizer) -> list[float]:
+    """The supervised warm-start on the synthetic task's reference responses (losses per step)."""
+    from laminar_jax.data.synthetic_skew import sft_examples
+    from laminar_jax.runtime.sft import sft_warmup as train
+
+    if cfg.data.source != "synthetic_skew":
+        raise ValueError("runtime.sft_warmup_steps > 0 needs data.source='synthetic_skew' "
+                         f"(got {cfg.data.source!r}); warm-start other tasks offline")
+    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and cfg.data.add_bos else []
+    pairs = [(bos + tokenizer.encode(p), tokenizer.encode(r) + [tokenizer.eos_id])
+             for p, r in sft_examples(2048, seed=cfg.seed + 1)]
+    return train(model, pairs, cfg.runtime.sft_warmup_steps, cfg.runtime.sft_lr, seed=cfg.seed)
+
+
+def rpc_timeout(cfg: Config) -> float:
+    """Bound of a small cross-process call (a Ray actor method, a relay control op)."""
+    return min(cfg.runtime.wait_timeout_s, 120.0)
+
+
+def run_with(build: Callable, cfg: Config) -> dict:
+    """Write the run directory, run `build(cfg, run_dir, stop).run()` with SIGTERM/SIGINT mapped to
+    a clean stop (checkpoint, resumable), then write and print the summary."""
+    run_dir = resolve_run_dir(cfg)
+    save_config(resolve(cfg, run_dir)[0], run_dir)
+    stop = threading.Event()
+    previous = {}
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM/SIGINT: finish the current step, checkpoint, exit; a later run resumes from there.
+        # A second signal falls through to the previous handler (e.g. KeyboardInterrupt).
+        def on_signal(signum, frame):
+            if stop.is_set() and callable(previous.get(signum)):
+                previous[signum](signum, frame)
+            stop.set()
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            previous[sig] = signal.signal(sig, on_signal)
+    try:
+        summary = build(cfg, run_dir, stop).run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(json.dumps(summary))
+    return summary

@@ -1,0 +1,141 @@
+"""Ray actors of the rollout and relay roles, and the buffer service seen through Ray.
+
+`RolloutActor` hosts the SAME `RolloutWorker` + `RolloutServer` as the local runtime, in a
+supervised thread of its own; the worker's buffer is a `RemoteBuffer` (the buffer service's methods
+as bounded calls to its actor). `RelayActor` runs one `RelayServer` (TCP, bound to `relay.host`) on
+its node. The classes are plain Python; the runtime wraps them with `ray.remote`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import time
+import traceback
+from typing import Optional
+
+from laminar_jax.threads import Worker
+
+
+def node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+class RemoteBuffer:
+    """The buffer service's methods as bounded calls to its Ray actor; errors name the method."""
+
+    def __init__(self, handle, timeout_s: float):
+        self.handle, self.timeout_s = handle, timeout_s
+
+    def __getattr__(self, method: str):
+        import ray
+
+        remote = getattr(self.handle, method)
+
+        def call(*args):
+            # +1 s: get_batch waits inside the actor for up to its own (short) timeout argument.
+            try:
+                return ray.get(remote.remote(*args), timeout=self.timeout_s + 1.0)
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(f"buffer actor did not answer {method}() within {self.timeout_s + 1.0:.0f}s") \
+                    from None
+
+        return call
+
+
+class RelayActor:
+    """One relay server per node; rollout actors on that node pull from it (memfd when local)."""
+
+    def __init__(self, cfg):
+        from laminar_jax.relay import RelayServer
+
+        self.server = RelayServer(cfg.relay).start()
+
+    def address(self) -> str:
+        """host:port others reach it at (a wildcard bind advertises the node's IP)."""
+        import ray
+
+        host, _, port = self.server.address.rpartition(":")
+        if host in ("0.0.0.0", "::", ""):
+            host = ray.util.get_node_ip_address()
+        return f"{host}:{port}"
+
+    def set_successors(self, addresses: list[str]) -> None:
+        self.server.set_successors(addresses)
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
+class RolloutActor:
+    """One rollout server: its `RolloutWorker` loop in a thread (started by `start()`, after the
+    warm-up), plus the calls the fleet makes: stats (the heartbeat), export/import of live
+    sequences for repack, fault injection, stop."""
+
+    def __init__(self, cfg, index: int, name: str, relays: dict, store_url: Optional[str], buffer, seed: int,
+                 rpc_timeout_s: float):
+        from laminar_jax.model import build_model
+        from laminar_jax.relay import RelayClient, WeightStore
+        from laminar_jax.rollout import make_engine
+        from laminar_jax.rollout.server import RolloutServer
+        from laminar_jax.runtime.fleet import params_from_flat
+        from laminar_jax.runtime.rollout_worker import RolloutWorker, pull_timeout
+        from laminar_jax.scheduler.modes import get_policy
+
+        self.name = name
+        # Its own node's relay first (a local pull maps the relay's memory), the others after.
+        here = node_id()
+        addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]
+        store = WeightStore(store_url, keep_last=cfg.relay.keep_last) if store_url else None
+        client = RelayClient(addresses, store=store, config=cfg.relay, holder=name)
+        model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
+        engine, _ = make_engine(model, dataclasses.replace(cfg.rollout, server_id=name, seed=seed))
+        from_flat = params_from_flat(model)
+        version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
+        remote = RemoteBuffer(buffer, rpc_timeout_s)
+        policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
+        self.worker = RolloutWorker(index, name, RolloutServer(engine, from_flat(flat), version=version), client,
+                                    remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05)
+        remote.register(index, name, version)
+        self._loop = Worker(f"{name}-worker", self._run, stop_on_failure=False)
+
+    def _run(self) -> None:
+        self.worker.run(self._loop.stop)
+
+    def ready(self) -> dict:
+        return {"name": self.name, "version": self.worker.server.version, "node": node_id()}
+
+    def warmup(self) -> None:
+        self.worker.server.warmup()
+
+    def start(self) -> None:
+        self.worker.last_beat = time.monotonic()  # silent through the warm-up is not dead
+        if not self._loop.alive and self._loop.error is None:
+            self._loop.start()
+
+    def stats(self) -> dict:
+        """Heartbeat + the scheduler's view (RolloutWorker.snapshot) + the loop's traceback if it died."""
+        return {**self.worker.snapshot(), "error": self._loop.traceback or None}
+
+    def export_sequence(self, uid: str, version: int):
+        return self.worker.export_sequence(uid, version)
+
+    def import_sequence(self, state) -> int:
+        return self.worker.import_sequence(state)
+
+    def stacks(self) -> str:
+        """Every thread's Python stack (what a hung worker is stuck on, for the failure log)."""
+        names = {t.ident: t.name for t in threading.enumerate()}
+        return "\n".join(f"--- thread {names.get(tid, tid)}\n" + "".join(traceback.format_stack(frame))
+                         for tid, frame in sys._current_frames().items())
+
+    def inject_crash(self) -> None:
+        """Fault injection: the worker's next iteration raises (a crashed server)."""
+        self.worker.crash_next = True
+
+    def stop(self, timeout: float = 30.0) -> bool:
+        self._loop.stop.set()
+        return self._loop.join(timeout)

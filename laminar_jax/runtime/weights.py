@@ -1,0 +1,87 @@
+"""The weight plane as the Driver sees it: the versioned store, the relay chain and the publisher.
+
+The runtime starts the relays (an in-process `RelayServer`, or one `RelayActor` per Ray node) and
+hands their addresses here; everything else is the same for both runtimes: the store, the
+publisher, and `attach(learner)`, which connects a learner (or a multi-process learner group, whose
+process 0 publishes) to the chain and makes sure its current version is published.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Sequence
+
+
+class WeightsPlane:
+    def __init__(self, cfg, run_dir: str, relay_addresses: Sequence[str], stop_relays: Callable[[], None],
+                 kill_master: Callable[[], str], rpc_timeout_s: float):
+        from laminar_jax.relay import WeightStore
+
+        self.cfg, self.rcfg = cfg, cfg.relay
+        self.store_url = self.rcfg.store_url or os.path.join(run_dir, "weights")
+        self.store = WeightStore(self.store_url, keep_last=self.rcfg.keep_last)
+        self.relay_addresses = list(relay_addresses)
+        self._stop_relays, self._kill_master = stop_relays, kill_master
+        self.rpc_timeout_s = rpc_timeout_s
+        self.publisher = None
+        self.last_stats = None
+
+    def client(self, holder: str, addresses: Sequence[str] = ()):
+        """A relay client for one rollout server (its own node's relay first, then the others)."""
+        from laminar_jax.relay import RelayClient
+
+        return RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg, holder=holder)
+
+    def attach(self, learner, initial: bool) -> None:
+        """Give `learner` the publisher. `initial`: at start (or resume), make sure its current version
+        is in the store and on the relays (a resumed learner's numbers after its checkpoint are
+        retracted first: it publishes them again with other weights). After a restart the replayed
+        version is already published; a group re-publishes only if it never reached the store."""
+        from laminar_jax.runtime.ray_learner import GroupPublisherProxy, LearnerGroup
+
+        if initial:
+            self.store.retract_newer_than(learner.version)
+        stored = self.store.latest() == learner.version
+        if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
+            learner.attach_publisher(self.store_url, self.relay_addresses)
+            if initial or not stored:
+                learner.publish_current(relays_only=stored)
+            self.publisher = GroupPublisherProxy(learner)
+            return
+        if self.publisher is None:
+            from laminar_jax.relay import Publisher
+
+            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses)
+        if initial and not stored:
+            self.publisher.publish(learner.version, learner.policy_params())
+        elif initial:  # stored already (resume): put it on the relays too, where servers pull it from
+            self._seed_relays(learner.version, learner.policy_params())
+        learner.publisher = self.publisher
+
+    def _seed_relays(self, version: int, params) -> None:
+        from laminar_jax.relay import Publisher
+
+        seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses)
+        try:
+            seed.publish(version, params)
+            seed.flush(timeout=self.rpc_timeout_s)
+        finally:
+            seed.close()
+
+    def publisher_stats(self):
+        try:
+            return self.publisher.stats() if self.publisher is not None else None
+        except Exception:  # noqa: BLE001 - diagnostics only
+            return None
+
+    def inject_failure(self) -> str:
+        """Fault injection: the master relay dies; the publisher and clients go on without it."""
+        return self._kill_master()
+
+    def close(self) -> None:
+        self.last_stats = self.publisher_stats()  # for the summary, after the publisher is gone
+        try:
+            if self.publisher is not None:
+                self.publisher.close()
+        finally:
+            self._stop_relays()
