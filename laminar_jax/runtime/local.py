@@ -27,12 +27,13 @@ def _relay(cfg: Config) -> tuple:
 
     relay = RelayServer(cfg.relay)
     relay.start()
+    address = relay.address
 
     def kill() -> str:
         relay.stop()
-        return relay.address
+        return address
 
-    return relay.address, relay.stop, kill
+    return address, relay.stop, kill
 
 
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
