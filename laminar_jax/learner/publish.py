@@ -140,3 +140,36 @@ class HostCopy:
     def check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"publishing weight version {self.version} failed:\n{self._error}")
+
+
+def unflatten_params(flat: dict[str, Any], template: Any, drop: tuple[str, ...] = ("value_head",)) -> Any:
+    """Inverse of `flatten_params` (the one naming of weights on the wire): flat host arrays -> a
+    pytree shaped like `template`; leaves absent from `flat` (e.g. a dropped value head) keep the template's."""
+    state_names = list(flatten_params(template, drop=()).keys())
+    leaves, treedef = jax.tree_util.tree_flatten(template)
+    if len(state_names) != len(leaves):
+        raise ValueError(f"param naming mismatch: {len(state_names)} names for {len(leaves)} leaves")
+    return jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[n]) if n in flat else leaf
+                                                  for n, leaf in zip(state_names, leaves)])
+
+
+def model_params(model) -> dict[str, np.ndarray]:
+    """Every parameter of an nnx model (value head included), flat and on the host."""
+    from flax import nnx
+
+    return {k: np.asarray(v) for k, v in flatten_params(nnx.split(model)[1], drop=()).items()}
+
+
+def load_model_params(model, flat: dict[str, np.ndarray]) -> None:
+    """Inverse of model_params: overwrite `model`'s parameters in place (names and shapes must match)."""
+    from flax import nnx
+
+    state = nnx.split(model)[1]
+    expected = flatten_params(state, drop=())
+    missing = sorted(set(expected) - set(flat))
+    if missing:
+        raise ValueError(f"initial learner params: {len(missing)} parameters missing (e.g. {missing[:3]})")
+    for n, leaf in expected.items():
+        if tuple(np.shape(flat[n])) != tuple(np.shape(leaf)):
+            raise ValueError(f"initial learner params: {n} has shape {np.shape(flat[n])}, the model {np.shape(leaf)}")
+    nnx.update(model, unflatten_params(flat, state, drop=()))

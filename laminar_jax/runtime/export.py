@@ -13,10 +13,9 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     from flax import nnx
 
     from laminar_jax.config import load_config
-    from laminar_jax.learner.publish import flatten_params
+    from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model import build_model, save_pretrained
     from laminar_jax.relay import WeightStore
-    from laminar_jax.runtime.rollout_worker import unflatten_params
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
     store = WeightStore(cfg.relay.store_url or os.path.join(run_dir, "weights"), keep_last=cfg.relay.keep_last)
@@ -25,7 +24,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
         raise FileNotFoundError(f"{run_dir}: the weight store holds no version to export")
     model = build_model(cfg.model)
     graphdef, state = nnx.split(model)
-    nnx.update(model, unflatten_params(store.read(version), state, flatten_params))
+    nnx.update(model, unflatten_params(store.read(version), state))
     save_pretrained(model, out_dir)
     tok_dir = cfg.model.tokenizer if os.path.isdir(cfg.model.tokenizer) else cfg.model.path
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):

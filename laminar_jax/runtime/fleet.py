@@ -19,7 +19,7 @@ import time
 from typing import Callable, Optional
 
 from laminar_jax.runtime.loops import Failure, mark_replaced
-from laminar_jax.runtime.rollout_worker import RolloutWorker, pull_timeout, unflatten_params
+from laminar_jax.runtime.rollout_worker import RolloutWorker, params_on_device, pull_timeout
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import Worker
 
@@ -33,10 +33,8 @@ def params_from_flat(model):
     """flat published weights -> the engine's param pytree, for servers built on `model`."""
     from flax import nnx
 
-    from laminar_jax.learner.publish import flatten_params
-
     _, template = nnx.split(model)
-    return functools.partial(unflatten_params, template=template, flatten=flatten_params)
+    return functools.partial(params_on_device, template=template)
 
 
 def server_factory(cfg, model, buffer, weights, timeline):

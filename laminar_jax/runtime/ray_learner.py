@@ -40,35 +40,6 @@ class LearnerGroupError(RuntimeError):
     """A learner process died or did not answer in time: the group must be restarted."""
 
 
-# ----------------------------------------------------------------------------------- plain data
-def model_params(model) -> dict[str, np.ndarray]:
-    """Every parameter of an nnx model (value head included), flat and on the host."""
-    from flax import nnx
-
-    from laminar_jax.learner.publish import flatten_params
-
-    return {k: np.asarray(v) for k, v in flatten_params(nnx.split(model)[1], drop=()).items()}
-
-
-def load_model_params(model, flat: dict[str, np.ndarray]) -> None:
-    """Inverse of model_params: overwrite `model`'s parameters in place (names and shapes must match)."""
-    import jax
-    from flax import nnx
-
-    from laminar_jax.learner.publish import flatten_params
-
-    state = nnx.split(model)[1]
-    names = list(flatten_params(state, drop=()).keys())
-    leaves, treedef = jax.tree_util.tree_flatten(state)
-    missing = sorted(set(names) - set(flat))
-    if missing or len(names) != len(leaves):
-        raise ValueError(f"initial learner params: {len(missing)} parameters missing (e.g. {missing[:3]})")
-    for n, leaf in zip(names, leaves):
-        if tuple(np.shape(flat[n])) != tuple(np.shape(leaf)):
-            raise ValueError(f"initial learner params: {n} has shape {np.shape(flat[n])}, the model {np.shape(leaf)}")
-    nnx.update(model, jax.tree_util.tree_unflatten(treedef, [np.asarray(flat[n]) for n in names]))
-
-
 def _use_gloo_on_cpu(jax) -> None:
     """CPU collectives across processes need gloo (GPU uses NCCL whatever this says)."""
     try:
@@ -119,6 +90,8 @@ class LearnerProcess:
         cfg = finalize(json.loads(self.cfg_json))
         model = build_model(cfg.model)
         if init_params is not None:
+            from laminar_jax.learner.publish import load_model_params
+
             load_model_params(model, init_params)
         section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir, total_steps=cfg.runtime.total_steps)
         self.learner = Learner(section, model, cfg.mesh)

@@ -24,7 +24,8 @@ from laminar_jax.runtime.monitor import Monitor
 from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.ray_actors import RelayActor, RemoteBuffer
 from laminar_jax.runtime.ray_fleet import RayFleet
-from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError, model_params
+from laminar_jax.learner.publish import model_params
+from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError
 from laminar_jax.runtime.rollout_worker import InjectedFault
 from laminar_jax.runtime.weights import WeightsPlane
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -101,16 +101,13 @@ class BoardView:
         return [n for _, n in [self._mine, *self._others]]
 
 
-def unflatten_params(flat: dict[str, Any], template: Any, flatten: Callable[[Any], dict]) -> Any:
-    """Published flat weights -> the server's param pytree; leaves absent from `flat` keep the template's."""
-    names = list(flatten(template).keys())
-    leaves, treedef = jax.tree_util.tree_flatten(template)
-    if len(names) != len(leaves):
-        raise ValueError(f"param naming mismatch: {len(names)} names for {len(leaves)} leaves")
-    new = [np.asarray(flat[n]) if n in flat else leaf for n, leaf in zip(names, leaves)]
-    # One host->device copy now, instead of one per generate() call (and the relay's zero-copy
-    # views may be recycled once released).
-    return jax.device_put(jax.tree_util.tree_unflatten(treedef, new))
+def params_on_device(flat: dict[str, Any], template: Any) -> Any:
+    """Published flat weights -> the server's param pytree, on its device. One host->device copy
+    now, instead of one per generate() call (and the relay's zero-copy views may be recycled once
+    released)."""
+    from laminar_jax.learner.publish import unflatten_params
+
+    return jax.device_put(unflatten_params(flat, template))
 
 
 def make_request(item: WorkItem):

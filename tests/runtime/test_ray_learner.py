@@ -82,7 +82,8 @@ def test_learner_group_of_two_processes_matches_in_process_learner(tmp_path):
 
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model import build_model
-    from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError, model_params
+    from laminar_jax.learner.publish import model_params
+    from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError
     from laminar_jax.runtime.ray_runtime import connect
 
     cfg = _config(tmp_path)
