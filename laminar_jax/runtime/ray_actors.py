@@ -101,6 +101,7 @@ class RolloutActor:
                                     remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05)
         remote.register(index, name, version)
         self._loop = Worker(f"{name}-worker", self._run, stop_on_failure=False)
+        self.compiles = 0
 
     def _run(self) -> None:
         self.worker.run(self._loop.stop)
@@ -109,7 +110,16 @@ class RolloutActor:
         return {"name": self.name, "version": self.worker.server.version, "node": node_id()}
 
     def warmup(self) -> None:
+        """Compile the engine's programs; from here on, count what still compiles (0 when the
+        warm-up covered every shape the loop meets; `stats()['compiles']`)."""
+        import jax
+
         self.worker.server.warmup()
+        jax.monitoring.register_event_duration_secs_listener(self._count_compile)
+
+    def _count_compile(self, event: str, duration: float, **kwargs) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            self.compiles += 1
 
     def start(self) -> None:
         self.worker.last_beat = time.monotonic()  # silent through the warm-up is not dead
@@ -118,7 +128,7 @@ class RolloutActor:
 
     def stats(self) -> dict:
         """Heartbeat + the scheduler's view (RolloutWorker.snapshot) + the loop's traceback if it died."""
-        return {**self.worker.snapshot(), "error": self._loop.traceback or None}
+        return {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
 
     def export_sequence(self, uid: str, version: int):
         return self.worker.export_sequence(uid, version)
