@@ -1,6 +1,6 @@
 """GPU pod: Qwen2.5-7B GRPO on DAPO-Math-style data, 16K responses, 16 samples per prompt (Ray).
 
-Mirrors the set-up in the Laminar paper (REFERENCE.md): 512 prompts x 16 samples per iteration,
+Mirrors the set-up in the Laminar paper: 512 prompts x 16 samples per iteration,
 mini-batch 2048 trajectories (128 prompts) per learner step, clip-higher 0.2/0.28, no importance
 correction, max prompt 2K, max response 16K. See docs/DEPLOY.md for starting the cluster.
 

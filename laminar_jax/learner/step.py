@@ -7,7 +7,7 @@ train_step(state, batch) -> (state, metrics)     one optimizer update on a (mini
     gradient accumulation over `micro_batches` (lax.scan); a non-finite loss or gradient leaves
     params/opt_state unchanged and is counted.
 Both are built by closures over static configuration (graphdefs, the LearnerSection) and are
-jitted with shardings by `compile_step_fns`.
+jitted with shardings by `Learner` (learner/learner.py).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Start a chain of relay worker processes on this host (tests, benchmark, local runtime)."""
+"""Start a chain of relay worker processes on this host (tests and the relay benchmark; the runtimes start theirs in-process or as Ray actors)."""
 
 from __future__ import annotations
 
