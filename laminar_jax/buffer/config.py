@@ -15,12 +15,10 @@ class BufferSection:
     Attributes:
       max_staleness: The one staleness bound (learner version - generating version): dispatch obeys AReaL's capacity rule with it, and groups over it are dropped or skipped (on_stale); required by runtime.mode='stream'; None = unbounded (laminar's default: back-pressure only, runtime.max_inflight_batches).
       on_stale: 'drop' discards over-stale groups (counted); 'skip' leaves them unconsumed.
-      balance_tokens: Split each batch into token-balanced micro-batches (Karmarkar-Karp style).
     """
 
     max_staleness: Optional[int] = None
     on_stale: Literal["drop", "skip"] = "drop"
-    balance_tokens: bool = True
 
     def validate(self, prefix: str) -> None:
         if self.max_staleness is not None:

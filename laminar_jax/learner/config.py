@@ -65,6 +65,7 @@ class LearnerSection:
       async_checkpoint: Write checkpoints in the background (orbax async).
       seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.
       pad_token_id: Token id used for padding.
+      balance_tokens: Order each mini-batch's rows so the data-parallel ranks get near-equal token counts (equal row counts; balanced greedily, Karmarkar-Karp style); acts only on meshes with more than one data-parallel rank.
       pack_length: 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       seed: Seed of the learner RNG and of the mini-batch shuffles.
@@ -115,6 +116,7 @@ class LearnerSection:
     seq_len_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
     pad_token_id: int = 0
     pack_length: int = 0
+    balance_tokens: bool = True
     publish_timeout_s: float = 300.0
     seed: int = 0
 

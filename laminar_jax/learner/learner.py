@@ -130,7 +130,9 @@ class Learner:
         self._select = jax.jit(lambda b, idx: jax.tree.map(lambda x: x[idx], b),
                                in_shardings=(self.batch_shardings, rep), out_shardings=self.batch_shardings)
         shape = dict(mesh.shape)
-        self.row_multiple = shape["data"] * shape["fsdp"] * section.micro_batches * section.mini_batches
+        self.ranks = shape["data"] * shape["fsdp"]  # data-parallel ranks: each gets a contiguous block of rows
+        self.row_multiple = self.ranks * section.micro_batches * section.mini_batches
+        self._balance = section.balance_tokens and self.ranks > 1
 
     # ----------------------------------------------------------------------------------- step
     def collate(self, trajectories: Sequence[Trajectory], order: Optional[np.ndarray] = None) -> TrainBatch:
@@ -158,9 +160,12 @@ class Learner:
         if self._pending is not None:  # donation below would free buffers the host copy still reads
             self._pending.wait_copied(s.publish_timeout_s)
         per_update = []
+        row_tokens = (host.segment_ids > 0).sum(axis=1)
         for _ in range(s.ppo_epochs):
             perm = _epoch_rows(rng, b, s.mini_batches, bool(s.pack_length)) \
                 if s.mini_batches > 1 or s.ppo_epochs > 1 else None
+            if self._balance:
+                perm = balance_ranks(np.arange(b) if perm is None else perm, row_tokens, rows, self.ranks)
             for j in range(s.mini_batches):
                 mb = prepared if perm is None else self._select(
                     prepared, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
@@ -178,6 +183,8 @@ class Learner:
         self._start_publish(publish)
         n = len(trajectories)
         metrics.update(
+            rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
+                                                self.ranks),
             version=self.version, staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
             num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
             seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
@@ -207,7 +214,7 @@ class Learner:
             self._prepare.lower(self.state.params, self.ref_params, batch).compile()
             mb = b // s.mini_batches
             self._train_step.lower(self.state, self._abstract_batch(mb, t, mb)).compile()
-            if s.mini_batches > 1 or s.ppo_epochs > 1:
+            if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
                 idx = jax.ShapeDtypeStruct((mb,), np.int32, sharding=replicated(self.mesh))
                 self._select.lower(batch, idx).compile()
         return len(shapes)
@@ -272,6 +279,29 @@ def _scalar(x: Any) -> float:
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
     return float(np.asarray(x))
+
+
+def balance_ranks(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> np.ndarray:
+    """Reorder rows within each mini-batch (`rows` consecutive entries of `perm`) so that the
+    `ranks` contiguous blocks the data-parallel ranks receive carry near-equal token counts (equal
+    row counts, longest row to the lightest rank; learner.balance_tokens). Membership of every
+    mini-batch is unchanged, so the update is the same up to summation order."""
+    from laminar_jax.buffer.policies import balanced_microbatches
+
+    out = []
+    for j in range(len(perm) // rows):
+        idx = np.asarray(perm[j * rows:(j + 1) * rows])
+        out += [idx[b] for b in balanced_microbatches(row_tokens[idx].tolist(), ranks)]
+    return np.concatenate(out)
+
+
+def rank_imbalance(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> float:
+    """max / min tokens over the data-parallel ranks' blocks of each mini-batch (the worst one; 1.0 = even)."""
+    worst = 1.0
+    for j in range(len(perm) // rows):
+        sums = row_tokens[np.asarray(perm[j * rows:(j + 1) * rows])].reshape(ranks, -1).sum(axis=1)
+        worst = max(worst, float(sums.max()) / max(float(sums.min()), 1.0))
+    return worst
 
 
 def _epoch_rows(rng: np.random.Generator, b: int, mini_batches: int, packed: bool) -> np.ndarray:
