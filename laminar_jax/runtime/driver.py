@@ -131,9 +131,11 @@ class Driver:
                 self.monitor.duplicates += out["duplicates"]
                 return out["rows"]
             if time.monotonic() > deadline:
+                b = self.buffer.stats()
                 raise TimeoutError(
                     f"learner waited runtime.wait_timeout_s={rt.wait_timeout_s}s for {rt.prompts_per_step} "
-                    f"complete groups; buffer={self.buffer.stats()}, servers={self.fleet.server_stats()}")
+                    f"complete groups; ready={b['ready_groups']}, queued={b['queue']}, owned={b['owned']}, "
+                    f"servers={self.fleet.server_stats()}")
 
     def _train_on(self, rows: list[dict]) -> None:
         trajs = [from_row(r) for r in rows]  # their prompts were marked consumed by get_batch
