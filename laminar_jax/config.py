@@ -95,10 +95,26 @@ def repo_config(name: str, variant: str = "") -> ml_collections.ConfigDict:
 
 
 def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
-    """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError."""
-    cfg = from_config_dict(Config, cd)
+    """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError.
+
+    Linked values are derived here, once: `learner.total_steps` (the optimizer updates the lr
+    schedule spans) = runtime.total_steps x ppo_epochs x mini_batches, and, when the run directory is
+    known, `learner.checkpoint_dir` defaults to <runtime.run_dir>/checkpoints (absolute).
+    """
+    cfg = derive(from_config_dict(Config, cd))
     validate_tree(cfg)
     return cfg
+
+
+def derive(cfg: Config) -> Config:
+    """The values a run derives from others (see `finalize`); idempotent."""
+    ln, rt = cfg.learner, cfg.runtime
+    updates = {"total_steps": max(1, rt.total_steps * ln.ppo_epochs * ln.mini_batches)}
+    ckpt = ln.checkpoint_dir or (os.path.join(rt.run_dir, "checkpoints") if rt.run_dir else None)
+    if ckpt is not None and "://" not in ckpt:
+        ckpt = os.path.abspath(ckpt)  # orbax refuses relative paths; URLs (gs://...) pass through
+    updates["checkpoint_dir"] = ckpt
+    return dataclasses.replace(cfg, learner=dataclasses.replace(ln, **updates))
 
 
 def save_config(cfg: Config, run_dir: str) -> str:

@@ -63,3 +63,22 @@ def test_resolved_config_roundtrips_through_json(tmp_path):
     (tmp_path / "bad.json").write_text("{not json")
     with pytest.raises(ConfigError, match="bad.json: not valid JSON"):
         load_config(str(tmp_path / "bad.json"))
+
+
+def test_finalize_derives_linked_values_once(tmp_path):
+    from laminar_jax.config import default_config, finalize
+
+    c = default_config()
+    c.runtime.total_steps, c.learner.ppo_epochs, c.learner.mini_batches = 10, 2, 4
+    c.runtime.run_dir = str(tmp_path / "run")
+    cfg = finalize(c)
+    assert cfg.learner.total_steps == 80  # optimizer updates the lr schedule spans
+    assert cfg.learner.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
+    c.learner.checkpoint_dir = "gs://bucket/ckpt"
+    assert finalize(c).learner.checkpoint_dir == "gs://bucket/ckpt"
+    c.runtime.mode, c.buffer.max_staleness = "stream", None
+    import pytest
+    from laminar_jax.config import ConfigError
+
+    with pytest.raises(ConfigError, match="buffer.max_staleness"):
+        finalize(c)

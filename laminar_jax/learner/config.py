@@ -24,7 +24,7 @@ class LearnerSection:
       lr: Peak learning rate of AdamW.
       warmup_steps: Linear warm-up from 0 to `lr` over this many optimizer updates.
       lr_schedule: 'constant' (after warm-up) or 'cosine' (decay to lr*min_lr_ratio at total_steps).
-      total_steps: Optimizer updates over which the cosine schedule decays.
+      total_steps: Optimizer updates over which the cosine schedule decays; in a run, finalize derives it (runtime.total_steps x ppo_epochs x mini_batches).
       min_lr_ratio: Final learning rate of the cosine schedule as a fraction of `lr`.
       weight_decay: AdamW decoupled weight decay.
       grad_clip: Global-norm gradient clip; None disables clipping.
@@ -60,7 +60,7 @@ class LearnerSection:
       critic: 'none', 'shared' (value head on the actor trunk) or 'separate' (its own model).
       ref_path: HF directory of a separate reference model; None = frozen copy of the initial actor params.
       max_consecutive_skips: This many consecutive non-finite (skipped) updates raise an error.
-      checkpoint_dir: Orbax checkpoint directory; None disables checkpointing.
+      checkpoint_dir: Orbax checkpoint directory; None disables checkpointing (in a run, finalize defaults it to <runtime.run_dir>/checkpoints).
       keep_checkpoints: Number of checkpoints kept on disk.
       async_checkpoint: Write checkpoints in the background (orbax async).
       seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.

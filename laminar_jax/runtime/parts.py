@@ -17,23 +17,18 @@ from laminar_jax.config import Config, resolve_run_dir, save_config
 
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
-    """(cfg with learner.checkpoint_dir and learner.total_steps resolved, whether a checkpoint exists).
+    """(cfg with runtime.run_dir = run_dir and the values finalize derives from it, whether the
+    checkpoint directory holds a checkpoint)."""
+    from laminar_jax.config import derive
 
-    The checkpoint directory defaults to <run_dir>/checkpoints; local paths are made absolute (orbax
-    refuses relative ones), URLs (gs://...) are kept as given.
-    """
-    path = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    cfg = derive(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, run_dir=run_dir)))
+    path = cfg.learner.checkpoint_dir
     if "://" not in path:
-        path = os.path.abspath(path)
-        resuming = os.path.isdir(path) and any(n.isdigit() for n in os.listdir(path))
-    else:
-        from etils import epath
+        return cfg, os.path.isdir(path) and any(n.isdigit() for n in os.listdir(path))
+    from etils import epath
 
-        p = epath.Path(path)
-        resuming = p.exists() and any(c.name.isdigit() for c in p.iterdir())
-    learner = dataclasses.replace(cfg.learner, checkpoint_dir=path, total_steps=cfg.runtime.total_steps)
-    runtime = dataclasses.replace(cfg.runtime, run_dir=run_dir)
-    return dataclasses.replace(cfg, learner=learner, runtime=runtime), resuming
+    p = epath.Path(path)
+    return cfg, p.exists() and any(c.name.isdigit() for c in p.iterdir())
 
 
 def sft_warmup(cfg: Config, model, tokenizer) -> list[float]:
