@@ -37,7 +37,7 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     c.scheduler.admit_lag = 0
     # Warmed-up servers outrun the held learner: with more batches allowed in flight, work is still
     # being generated on both actors when the hook looks for a sequence to move.
-    c.runtime.max_inflight_batches = 4
+    c.runtime.max_inflight_batches = 3
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved = []
@@ -58,7 +58,8 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     def kill_once_it_owns_work(version):
         if version != 1:
             return
-        _wait(lambda: force_a_move() or moved, 60, "two actors at one version, one with a free slot")
+        # Bounded by what a loaded machine needs: the pair appears at the latest when the queue runs dry.
+        _wait(lambda: force_a_move() or moved, 180, "two actors at one version, one with a free slot")
         # Then wait (bounded) until an actor holds samples, and kill it. (Not always rollout-1: the
         # forced move may have taken its last sequence, and with the learner held here no new work
         # is dispatched.)
