@@ -31,8 +31,10 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    run(cfg)
-    return 0
+    summary = run(cfg)  # an interrupted run prints how to resume it
+    # Ctrl-C is a user's interruption (exit 130, as shells report it); SIGTERM is a scheduler's
+    # clean, resumable stop (exit 0).
+    return 130 if summary.get("interrupted_by") == "SIGINT" else 0
 
 
 if __name__ == "__main__":

@@ -88,13 +88,17 @@ class Driver:
         engine programs, before the RL clock starts: steady-state throughput is what the run
         reports, and a mid-run compile stalls its plane for seconds."""
         rt, t0 = self.cfg.runtime, time.time()
-        self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
+        self.monitor.phase("compiling the learner's programs (every batch shape a step can take)")
+        n = self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
+        self.monitor.phase(f"compiled {n} learner batch shapes; compiling the rollout engines' programs")
         self.fleet.warmup()
         log.info("compiled learner and engine programs in %.1fs", time.time() - t0)
 
     def run(self) -> dict:
         self._warm_up()
         self.fleet.start()
+        self.monitor.phase(f"{len(self.fleet.names)} rollout servers up; RL starts at learner version "
+                           f"{self.learner.version} of {self.cfg.runtime.total_steps}")
         self.sup.spawn("health", functools.partial(self.health.run, self.sup.stop))
         if self.repacker is not None:
             self.sup.spawn("scheduler", functools.partial(self.repacker.run, self.sup.stop))
@@ -211,7 +215,7 @@ class Driver:
         return RunStats(t0=self.monitor.t0, t_rl=self.t_rl, learner_version=int(self.learner.version),
                         servers=self.fleet.server_stats(), buffer=self.buffer_stats, failures=list(self.failures),
                         repack_moves=self.repacker.moved if self.repacker else 0, redispatched=self.redispatched,
-                        sft_losses=self.sft_losses)
+                        sft_losses=self.sft_losses, publish=self.weights.latest_timings())
 
     def summary(self, stopped_early: bool) -> dict:
         s = self.monitor.summary(self.stats(), stopped_early)

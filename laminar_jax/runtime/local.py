@@ -41,10 +41,11 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model import build_model, load_tokenizer
 
-    t0 = time.time()
     cfg, resuming = resolve(cfg, run_dir)
+    monitor = Monitor(cfg, run_dir, time.time())
+    monitor.phase(f"building the model ({cfg.model.path or cfg.model.preset})")
     model = build_model(cfg.model)
-    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer)) \
+    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase) \
         if cfg.runtime.sft_warmup_steps and not resuming else []
 
     def make_learner() -> Learner:
@@ -52,11 +53,13 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
 
     learner = make_learner()
     extra = learner.restore_latest()
+    if extra:
+        monitor.phase(f"resumed from the checkpoint at learner version {learner.version}")
     buffer = BufferService(cfg, learner.version, extra["runtime"] if extra else None)
     address, stop_relay, kill_relay = _relay(cfg)
     weights = WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg))
     weights.attach(learner, initial=True)
-    monitor = Monitor(cfg, run_dir, t0)
+    monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
     fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version,
                               params_from_flat(model)(learner.policy_params()))

@@ -1,18 +1,27 @@
-"""The metrics sink: progress display, TensorBoard scalars, the timeline and the summary line.
+"""The metrics sink: the console, `metrics.jsonl`, TensorBoard scalars, the timeline and the summary.
 
-It reads nothing of the run but the plain `RunStats` records the Driver hands it.
+It reads nothing of the run but the plain `RunStats` records the Driver hands it. Every step's
+scalars go to `<run_dir>/metrics.jsonl` (one JSON object per line: the curves); the summary is
+one JSON object of scalars.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 
+from laminar_jax.runtime.console import Console
 from laminar_jax.runtime.timeline import Timeline
+
+# Learner metrics that go to TensorBoard under train/ (when the step reports them).
+TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
+            "entropy", "clipfrac", "dual_clipfrac", "approx_kl_old", "kl", "kl_loss", "lr", "grad_norm", "vf_loss",
+            "vf_clipfrac", "rank_token_imbalance")
 
 
 @dataclasses.dataclass
@@ -28,6 +37,7 @@ class RunStats:
       repack_moves: Live sequences moved between servers.
       redispatched: Prompts re-dispatched by a resume.
       sft_losses: Losses of the supervised warm-start (empty without one).
+      publish: The weight plane's latest timings (learner stall, store/relay visibility), if known.
     """
 
     t0: float
@@ -39,6 +49,7 @@ class RunStats:
     repack_moves: int
     redispatched: int
     sft_losses: list
+    publish: Optional[dict] = None
 
 
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
@@ -62,12 +73,13 @@ class Monitor:
             self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
         except ImportError:  # TensorBoard output is optional; the summary JSON always exists
             self._tb = None
-        self._console = None
-        self._live = None
-        if cfg.runtime.progress:
-            from rich.console import Console
+        os.makedirs(run_dir, exist_ok=True)
+        self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
+        self.console = Console(cfg.runtime.progress, t0)
+        self._sft_logged = False
 
-            self._console = Console()
+    def phase(self, what: str) -> None:
+        self.console.phase(what)
 
     def on_publish(self, t: float, version: int) -> None:
         self.timeline.publish(t, version)
@@ -87,22 +99,27 @@ class Monitor:
         rec["versions"] = [s.version for s in stats.servers]
         self.steps.append(rec)
         step = int(metrics["version"])
+        self._metrics.write(json.dumps({"step": step, **rec}) + "\n")
+        self._metrics.flush()
         if self._tb is not None:
-            for k in ("reward_mean", "loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
-                      "entropy", "clip_frac", "kl", "grad_norm"):
-                if k in rec:
-                    self._tb.add_scalar(f"train/{k}", rec[k], step)
-            self._tb.add_scalar("rollout/queue", stats.buffer.get("queue", 0), step)
-        if self._console is not None:
-            self._print(rec, step, stats)
-
-    def _print(self, rec: dict, step: int, stats: RunStats) -> None:
-        slots = " ".join(f"{s.slots_used}/{s.slots_total}" for s in stats.servers)
+            self._tensorboard(rec, step, stats)
         tps = sum(r["tokens"] for r in self.steps) / max(rec["t"], 1e-9)
-        self._console.print(
-            f"[bold]step {step:4d}[/] reward {rec.get('reward_mean', float('nan')):.3f}  "
-            f"tok/s {tps:8.1f}  staleness {rec.get('staleness_mean', 0):.2f}  "
-            f"versions {rec['versions']}  slots {slots}  queue {stats.buffer.get('queue', 0)}", highlight=False)
+        self.console.step(step, self.cfg.runtime.total_steps, rec, tps, stats.servers, stats.buffer.get("queue", 0),
+                          rec["t"] * step / max(len(self.steps), 1))
+
+    def _tensorboard(self, rec: dict, step: int, stats: RunStats) -> None:
+        for k in TB_TRAIN:
+            if k in rec:
+                self._tb.add_scalar(f"train/{k}", rec[k], step)
+        self._tb.add_scalar("rollout/queue", stats.buffer.get("queue", 0), step)
+        if stats.buffer.get("latency_p50_s") is not None:
+            self._tb.add_scalar("rollout/latency_p50_s", stats.buffer["latency_p50_s"], step)
+        for k, v in (stats.publish or {}).items():  # learner stall, store and relay visibility of this version
+            self._tb.add_scalar(f"relay/{k}", v, step)
+        if stats.sft_losses and not self._sft_logged:
+            for i, loss in enumerate(stats.sft_losses):
+                self._tb.add_scalar("warm_start/loss", loss, i)
+            self._sft_logged = True
 
     def cpu_cores_busy(self) -> Optional[float]:
         """CPU seconds this process spent per second of RL, first step to last (how many cores the
@@ -162,5 +179,7 @@ class Monitor:
         }
 
     def close(self) -> None:
+        self.console.close()
+        self._metrics.close()
         if self._tb is not None:
             self._tb.close()

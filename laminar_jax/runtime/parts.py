@@ -10,6 +10,7 @@ import dataclasses
 import json
 import os
 import signal
+import sys
 import threading
 from typing import Callable
 
@@ -31,7 +32,7 @@ def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
     return cfg, p.exists() and any(c.name.isdigit() for c in p.iterdir())
 
 
-def sft_warmup(cfg: Config, model, tokenizer) -> list[float]:
+def sft_warmup(cfg: Config, model, tokenizer, phase: Callable[[str], None] = lambda s: None) -> list[float]:
     """The supervised warm-start on the synthetic task's reference responses (losses per step)."""
     from laminar_jax.data.synthetic_skew import sft_examples
     from laminar_jax.runtime.sft import sft_warmup as train
@@ -42,7 +43,10 @@ def sft_warmup(cfg: Config, model, tokenizer) -> list[float]:
     bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and cfg.data.add_bos else []
     pairs = [(bos + tokenizer.encode(p), tokenizer.encode(r) + [tokenizer.eos_id])
              for p, r in sft_examples(2048, seed=cfg.seed + 1)]
-    return train(model, pairs, cfg.runtime.sft_warmup_steps, cfg.runtime.sft_lr, seed=cfg.seed)
+    phase(f"supervised warm-start: {cfg.runtime.sft_warmup_steps} steps on {len(pairs)} reference responses")
+    losses = train(model, pairs, cfg.runtime.sft_warmup_steps, cfg.runtime.sft_lr, seed=cfg.seed)
+    phase(f"warm-start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "warm-start done")
+    return losses
 
 
 def rpc_timeout(cfg: Config) -> float:
@@ -56,13 +60,15 @@ def run_with(build: Callable, cfg: Config) -> dict:
     run_dir = resolve_run_dir(cfg)
     save_config(resolve(cfg, run_dir)[0], run_dir)
     stop = threading.Event()
-    previous = {}
+    previous: dict = {}
+    received: list[str] = []
     if threading.current_thread() is threading.main_thread():
         # SIGTERM/SIGINT: finish the current step, checkpoint, exit; a later run resumes from there.
         # A second signal falls through to the previous handler (e.g. KeyboardInterrupt).
         def on_signal(signum, frame):
             if stop.is_set() and callable(previous.get(signum)):
                 previous[signum](signum, frame)
+            received.append(signal.Signals(signum).name)
             stop.set()
 
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -72,7 +78,13 @@ def run_with(build: Callable, cfg: Config) -> dict:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+    summary["interrupted_by"] = received[0] if received else None
+    if received:
+        args = [a for a in sys.argv[1:] if not a.startswith("--config.runtime.run_dir")]
+        print(f"interrupted by {received[0]} at learner version {summary['steps']} (checkpointed); resume with:\n"
+              f"  python launch/run.py {' '.join(args)} --config.runtime.run_dir={run_dir}", file=sys.stderr, flush=True)
     with open(os.path.join(run_dir, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
-    print(json.dumps(summary))
+    # One line of scalars on stdout; the curves are in metrics.jsonl (and in the returned dict).
+    print(json.dumps({k: v for k, v in summary.items() if v is None or isinstance(v, (bool, int, float, str))}))
     return summary

@@ -121,15 +121,16 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.runtime.buffer_service import BufferService
 
-    t0 = time.time()
     cfg, resuming = resolve(cfg, run_dir)
     rt, rpc = cfg.runtime, rpc_timeout(cfg)
+    monitor = Monitor(cfg, run_dir, time.time())
     sft = bool(rt.sft_warmup_steps and not resuming)
     # A learner group's processes build their own model; the driver needs one only to train
     # in-process or to warm it up (the group then starts from these weights).
     model = build_model(cfg.model) if rt.learner_processes == 1 or sft else None
-    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer)) if sft else []
+    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase) if sft else []
     init_params = model_params(model) if sft and rt.learner_processes > 1 else None
+    monitor.phase("connecting to Ray" if rt.address else "starting a local Ray cluster")
     started = connect(rt)
     built: list = []  # what to tear down if the build fails
     try:
@@ -154,11 +155,11 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
                                kill_master=lambda: (ray.kill(master[0], no_restart=True), master[1])[1],
                                rpc_timeout_s=rpc)
         weights.attach(learner, initial=True)
-        monitor = Monitor(cfg, run_dir, t0)
+        monitor.phase(f"starting {rt.num_servers} rollout actors")
         fleet = RayFleet(cfg, handle, {n: a for n, (_, a) in relays.items()}, weights.store_url, monitor.timeline,
                          rpc, role_options("rollout", gpus))
     except BaseException:
-        close_all([*reversed(built), *([ray.shutdown] if started else [])])
+        close_all([*reversed(built), monitor.close, *([ray.shutdown] if started else [])])
         raise
     closers = [lambda: ray.kill(handle, no_restart=True), *([ray.shutdown] if started else [])]
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,

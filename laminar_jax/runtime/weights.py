@@ -68,6 +68,13 @@ class WeightsPlane:
         finally:
             seed.close()
 
+    def latest_timings(self) -> dict:
+        """The newest fully published version's timings in seconds (learner stall, store and relay
+        visibility after publish), for TensorBoard; {} before the first."""
+        st = self.publisher_stats()
+        done = {v: t for v, t in (st.timings.items() if st is not None else ()) if "relay_visible" in t}
+        return {f"{k}_s": float(v) for k, v in done[max(done)].items()} if done else {}
+
     def publisher_stats(self):
         try:
             return self.publisher.stats() if self.publisher is not None else None

@@ -121,6 +121,9 @@ class FakeWeights:
     def inject_failure(self) -> str:
         return "fake-relay"
 
+    def latest_timings(self) -> dict:
+        return {}
+
     def close(self) -> None:
         pass
 
