@@ -139,7 +139,7 @@ class Monitor:
         timeline_png = None
         if rt.timeline and self.timeline.samples:
             timeline_png = self.timeline.render(os.path.join(self.run_dir, "timeline.png"),
-                                                    title=f"mode={rt.mode}")
+                                                title=f"mode={rt.mode}", t_start=stats.t_rl)
         return {
             "mode": rt.mode,
             "steps": int(stats.learner_version),

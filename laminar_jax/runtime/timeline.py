@@ -53,16 +53,26 @@ class Timeline:
         with self._lock:
             return _time_weighted(self._closed(self.kv)) if self.kv else None
 
-    def render(self, path: str, title: str = "") -> str:
-        import matplotlib
-        import matplotlib.patches
-
+    def relative_to(self, t_start: Optional[float]) -> tuple[list, list]:
+        """(closed samples, publishes) with times in seconds since `t_start` (None: since t0)."""
+        shift = 0.0 if t_start is None else t_start - self.t0
         with self._lock:
-            samples, publishes = self._closed(list(self.samples)), list(self.publishes)
+            samples = [(t - shift, *rest) for t, *rest in self._closed(list(self.samples))]
+            return samples, [(t - shift, v) for t, v in self.publishes]
+
+    def render(self, path: str, title: str = "", t_start: Optional[float] = None) -> str:
+        """Draw the timeline; `t_start` (absolute time, e.g. the RL clock's start) is the axis' zero."""
+        import matplotlib
+        import matplotlib.cm
+        import matplotlib.colors
+
+        samples, publishes = self.relative_to(t_start)
         servers = sorted({s for _, s, *_ in samples})
         versions = sorted({v for *_, v in samples}) or [0]
-        cmap = matplotlib.colormaps["viridis"].resampled(max(2, len(versions)))
-        color = {v: cmap(i) for i, v in enumerate(versions)}
+        # A colour scale over versions (a legend of 80 entries covered the bars).
+        norm = matplotlib.colors.Normalize(vmin=versions[0], vmax=max(versions[-1], versions[0] + 1))
+        cmap = matplotlib.colormaps["viridis"]
+        color = {v: cmap(norm(v)) for v in versions}
         fig, ax = _figure((10, 1.0 + 0.8 * len(servers)))
         for row, server in enumerate(servers):
             pts = sorted((t, u, tot, v) for t, s, u, tot, v in samples if s == server)
@@ -75,10 +85,10 @@ class Timeline:
         for t, v in publishes:
             ax.axvline(t, color="red", linewidth=0.6, alpha=0.6)
         ax.set_yticks([i + 0.45 for i in range(len(servers))], servers)
-        ax.set_xlabel("seconds (bar height = slot occupancy; colour = weight version; red = publish)")
+        ax.set_xlim(left=0.0)
+        ax.set_xlabel("seconds of RL (bar height = slot occupancy; red = publish)")
         ax.set_title(title or "rollout slot occupancy")
-        handles = [matplotlib.patches.Rectangle((0, 0), 1, 1, color=color[v]) for v in versions[-8:]]
-        ax.legend(handles, [f"v{v}" for v in versions[-8:]], loc="upper right", fontsize=7, ncol=4)
+        fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="weight version", pad=0.01)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         return path

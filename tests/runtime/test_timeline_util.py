@@ -24,3 +24,13 @@ def test_repeated_samples_are_kept_as_change_points(tmp_path):
     assert abs(tl.slot_utilization() - expected) < 1e-9
     assert abs(tl.kv_utilization() - 0.5) < 1e-12
     assert tl.render(str(tmp_path / "t.png")) and (tmp_path / "t.png").stat().st_size > 0
+
+
+def test_render_starts_at_the_rl_clock_with_a_version_colour_scale(tmp_path):
+    tl = Timeline(100.0)  # process start
+    for v in range(80):  # 80 versions: a colour scale, not a legend
+        tl.sample(300.0 + v, "a", 1 + v % 4, 4, v)
+        tl.publish(300.0 + v, v)
+    samples, publishes = tl.relative_to(300.0)  # the RL clock started 200 s after the process
+    assert min(t for t, *_ in samples) == 0.0 and publishes[0] == (0.0, 0) and publishes[-1] == (79.0, 79)
+    assert tl.render(str(tmp_path / "t.png"), t_start=300.0) and (tmp_path / "t.png").stat().st_size > 0
