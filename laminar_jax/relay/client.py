@@ -17,18 +17,21 @@ from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from laminar_jax.relay import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, views
 from laminar_jax.relay.store import VersionNotFound
-from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
+from laminar_jax.relay.wire import AuthError, Peer, RemoteError, WireError, client_handshake, connect
 
 
 class RelayClient:
     """Pulls versions; ``addresses`` in preference order (local relay first)."""
 
     def __init__(self, addresses: Sequence[str], store: Any = None, config: RelaySection = RelaySection(),
-                 holder: Optional[str] = None):
+                 holder: Optional[str] = None, key: Optional[bytes] = None):
+        """``key``: the run's relay key (auth.run_key); None talks to relays that run without one."""
         self.addresses, self.store, self.cfg = tuple(addresses), store, config
+        self.key = auth.check_key(key, "RelayClient key")
         self.holder = holder or f"client-{socket.gethostname()}-{os.getpid()}"
         self.last_source: Optional[str] = None  # where the last pull came from (relay address or store URL)
         self.errors: list[str] = []  # relay errors met by the last call
@@ -79,7 +82,7 @@ class RelayClient:
         self.errors = []
         for addr in self.addresses:
             try:
-                peer = connect(addr, min(timeout, self.cfg.connect_timeout_s), timeout)
+                peer = connect(addr, min(timeout, self.cfg.connect_timeout_s), timeout, self.key)
                 try:
                     h, _ = peer.request({"op": "versions"}, "versions", "its version list")
                 finally:
@@ -92,7 +95,7 @@ class RelayClient:
     def wait_for(self, version: int, timeout: float, address: Optional[str] = None) -> int:
         """Block until ``address`` (default: the first relay) holds ``version`` or newer."""
         addr = address or self.addresses[0]
-        peer = connect(addr, self.cfg.connect_timeout_s, timeout + self.cfg.io_timeout_s)
+        peer = connect(addr, self.cfg.connect_timeout_s, timeout + self.cfg.io_timeout_s, self.key)
         try:
             h, _ = peer.request({"op": "wait", "version": version, "wait_s": timeout}, "ready",
                                 f"version {version} to be complete")
@@ -105,11 +108,14 @@ class RelayClient:
     # ---- relay paths
     def _pull_relay(self, addr: str, newer_than: int, wait: float) -> tuple[int, dict, bool]:
         for attempt in range(3):  # the version may be evicted between 'pull' and 'map'/'read'
-            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s + wait)
+            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s + wait, self.key)
             try:
                 h, _ = peer.request({"op": "pull", "newer_than": newer_than, "wait_s": wait}, "pulled",
                                     f"a version newer than {newer_than}")
                 m = Manifest.from_dict(h["manifest"], f"manifest of version {h.get('version')} from relay {addr}")
+                if self.key is not None and not auth.verify_version(self.key, m.version, m.digest(),
+                                                                    h.get("signature")):
+                    raise AuthError(f"relay {addr}: version {m.version} lacks a valid learner signature")
                 peer.settimeout(self.cfg.io_timeout_s)
                 try:
                     flat = None
@@ -134,7 +140,11 @@ class RelayClient:
         except OSError:
             s.close()
             return None
-        peer = Peer(s, f"relay {addr} (unix)")
+        try:
+            peer = client_handshake(s, f"relay {addr} (unix)", self.key, self.cfg.connect_timeout_s)
+        except BaseException:
+            s.close()
+            raise
         try:
             h, _ = peer.request({"op": "map", "version": m.version}, "mapped", f"the memfd of version {m.version}")
             _, fds, _, _ = socket.recv_fds(s, 1, 1)
@@ -173,7 +183,10 @@ class RelayClient:
                 try:
                     with self.store.lease(v, self.holder):
                         flat = self.store.read(v)
-                except VersionNotFound:  # collected between latest() and the lease: a newer one exists
+                except VersionNotFound:  # collected between latest() and the lease, or a dangling LATEST
+                    if time.monotonic() >= deadline:
+                        return None
+                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
                     continue
                 self.last_source = self.store.url
                 return v, flat

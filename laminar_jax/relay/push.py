@@ -18,6 +18,7 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from laminar_jax.relay import auth
 from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, first_array, num_chunks
 from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
 
@@ -33,6 +34,7 @@ class UpstreamStalled(TimeoutError):
 class ChunkSource(Protocol):
     manifest: Manifest
     chunk_bytes: int
+    signature: Optional[str]  # the learner's signature over version + manifest digest (None: no key)
 
     def ready_since(self, pos: int, timeout: float) -> list[int]:
         """Chunks that became sendable after the first ``pos`` of them, in the order they did
@@ -47,8 +49,10 @@ class ChunkSource(Protocol):
 class ArraysSource:
     """Chunks of a version held as separate host arrays (the publisher's side); always ready."""
 
-    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int):
+    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int,
+                 key: Optional[bytes] = None):
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
+        self.signature = None if key is None else auth.sign_version(key, manifest.version, manifest.digest())
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
         self._offsets = [e.offset for e in manifest.entries]
         self.n = num_chunks(manifest.total_bytes, chunk_bytes)
@@ -77,8 +81,10 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
     """
     m, v = src.manifest, src.manifest.version
     n = num_chunks(m.total_bytes, src.chunk_bytes)
-    reply, _ = peer.request({"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes},
-                            "have", f"push handshake of version {v}")
+    hello = {"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes}
+    if src.signature is not None:
+        hello["signature"] = src.signature
+    reply, _ = peer.request(hello, "have", f"push handshake of version {v}")
     if reply.get("complete") or reply.get("obsolete"):
         return "skipped"
     sent = set(int(i) for i in reply.get("chunks", ()))
@@ -120,8 +126,8 @@ def _send_chunk(peer: Peer, src: ChunkSource, version: int, idx: int, limiter: A
 class Downstream:
     """A link to the nearest live relay of an ordered list; dead ones are skipped for dead_retry_s."""
 
-    def __init__(self, cfg: Any, addresses: Sequence[str], limiter: Any, name: str):
-        self.cfg, self.limiter, self.name = cfg, limiter, name
+    def __init__(self, cfg: Any, addresses: Sequence[str], limiter: Any, name: str, key: Optional[bytes] = None):
+        self.cfg, self.limiter, self.name, self.key = cfg, limiter, name, key
         self.addresses: tuple[str, ...] = tuple(addresses)
         self._dead_until: dict[str, float] = {}
         self._link: Optional[tuple[str, Peer]] = None
@@ -153,7 +159,7 @@ class Downstream:
             if self._dead_until.get(addr, 0.0) > now:
                 continue
             try:
-                peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s)
+                peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s, self.key)
                 peer.request({"op": "ping"}, "pong", "ping after connect")
             except (OSError, WireError, RemoteError) as e:
                 self.mark_dead(addr, e)

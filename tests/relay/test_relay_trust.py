@@ -1,0 +1,193 @@
+"""Relay trust: the run key, authenticated frames, signed versions, read-only shared weights and
+bounded memory per peer. A bounded fuzz of hostile peers on loopback."""
+
+import logging
+import os
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from laminar_jax.relay import auth
+from laminar_jax.relay.client import RelayClient
+from laminar_jax.relay.config import RelaySection
+from laminar_jax.relay.manifest import plan_layout
+from laminar_jax.relay.publisher import Publisher
+from laminar_jax.relay.push import ArraysSource
+from laminar_jax.relay.server import RelayServer
+from laminar_jax.relay.wire import MAGIC, AuthError, Peer, RemoteError, WireError, connect
+
+KEY = bytes(range(32))
+CFG = RelaySection(chunk_bytes=64 << 10, io_timeout_s=3.0, heartbeat_s=0.1)
+
+
+def _flat(seed=0, n=50_000):
+    return {"w": np.random.default_rng(seed).random(n).astype(np.float32), "b": np.arange(5, dtype=np.int64)}
+
+
+def _published(server, flat, version=1, key=KEY):
+    with Publisher(CFG, relay_addresses=[server.address], key=key) as pub:
+        pub.publish(version, flat)
+        pub.flush(20)
+    assert RelayClient([server.address], config=CFG, key=key).wait_for(version, 10) == version
+
+
+def _wait(pred, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+# ---- the run key
+def test_run_key_is_created_once_owner_only_and_refused_when_readable_by_others(tmp_path):
+    k1 = auth.run_key(str(tmp_path))
+    assert len(k1) == 32 and auth.run_key(str(tmp_path)) == k1
+    path = tmp_path / auth.KEY_FILE
+    assert (path.stat().st_mode & 0o777) == 0o600
+    os.chmod(path, 0o644)
+    with pytest.raises(PermissionError, match="owner-only"):
+        auth.run_key(str(tmp_path))
+
+
+# ---- authenticated traffic
+@pytest.mark.parametrize("transport", ["memfd", "tcp"])
+def test_authenticated_publish_and_pull_roundtrip(transport):
+    cfg = RelaySection(chunk_bytes=64 << 10, local_transport=transport)
+    flat = _flat()
+    with RelayServer(cfg, key=KEY) as server:
+        _published(server, flat)
+        v, got = RelayClient([server.address], config=cfg, key=KEY).pull(0, timeout=10, copy=True)
+        assert v == 1
+        for k in flat:
+            np.testing.assert_array_equal(got[k], flat[k])
+        assert server.stats().get("auth_rejected", 0) == 0
+
+
+def test_peers_without_the_key_are_dropped_counted_and_logged_once(caplog):
+    with RelayServer(CFG, key=KEY) as server:
+        _published(server, _flat())
+        caplog.set_level(logging.WARNING, logger="laminar_jax.relay.server")
+        for key in (None, None, b"x" * 32):  # keyless twice, then a wrong key
+            with pytest.raises((AuthError, WireError, OSError), match="run key|authentication|closed|lost"):
+                RelayClient([server.address], config=CFG, key=key).pull(0, timeout=1)
+        assert _wait(lambda: server.stats().get("auth_rejected", 0) >= 3)
+        logged = [r for r in caplog.records if "failed authentication" in r.getMessage()]
+        assert len(logged) == 1 and "127.0.0.1" in logged[0].getMessage()
+
+
+def test_control_ops_without_the_key_do_nothing():
+    with RelayServer(CFG, key=KEY) as server:
+        for op in ({"op": "stop"}, {"op": "set_successors", "addresses": ["127.0.0.1:1"]}):
+            peer = connect(server.address, 2.0, 3.0)  # no key
+            try:
+                with pytest.raises((AuthError, WireError)):
+                    peer.request(op, "ok", "a control op")
+            finally:
+                peer.close()
+        time.sleep(0.2)
+        assert not server.stopped and server.stats()["successors"] == []
+        peer = connect(server.address, 2.0, 3.0, KEY)  # with the key they work
+        try:
+            peer.request({"op": "set_successors", "addresses": ["127.0.0.1:1"]}, "ok", "set_successors")
+        finally:
+            peer.close()
+        assert server.stats()["successors"] == ["127.0.0.1:1"]
+
+
+def _push_header(version, flat, key, signature="auto"):
+    m = plan_layout(flat, version)
+    src = ArraysSource(m, flat, CFG.chunk_bytes, key)
+    h = {"op": "push", "version": version, "manifest": m.to_dict(), "chunk_bytes": CFG.chunk_bytes}
+    sig = src.signature if signature == "auto" else signature
+    if sig is not None:
+        h["signature"] = sig
+    return h, src
+
+
+def test_forged_versions_are_refused_and_the_learner_keeps_reaching_rollouts():
+    flat = _flat(1)
+    with RelayServer(CFG, key=KEY) as server:
+        _published(server, flat, 1)
+        forged = {"w": np.zeros(50_000, np.float32), "b": np.zeros(5, np.int64)}
+        for sig in (None, "00" * 32, auth.sign_version(KEY, 1_000_000_001, "x")):
+            peer = connect(server.address, 2.0, 3.0, KEY)  # even a key holder cannot push unsigned versions
+            try:
+                h, _ = _push_header(1_000_000_000, forged, KEY, signature=sig)
+                with pytest.raises(RemoteError, match="signature"):
+                    peer.request(h, "have", "forged push")
+            finally:
+                peer.close()
+        peer = connect(server.address, 2.0, 3.0)  # and a keyless one is dropped at once
+        try:
+            h, _ = _push_header(1_000_000_000, forged, None)
+            with pytest.raises((AuthError, WireError)):
+                peer.request(h, "have", "forged push")
+        finally:
+            peer.close()
+        assert server.versions_held() == [1] and server.stats()["partial"] == {}
+        _published(server, _flat(2), 2)
+        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(1, timeout=5, copy=True)
+        assert v == 2 and np.array_equal(got["w"], _flat(2)["w"])
+
+
+class _Recorder:
+    """Stands in for a socket: keeps the bytes Peer.send writes, so they can be replayed."""
+
+    def __init__(self):
+        self.data = b""
+
+    def sendall(self, b):
+        self.data += bytes(b)
+
+
+def _open_session(server, client_nonce):
+    host, port = server.address.rsplit(":", 1)
+    s = socket.create_connection((host, int(port)), timeout=3)
+    challenge = s.recv(20, socket.MSG_WAITALL)
+    assert challenge[:4] == auth.CHALLENGE_MAGIC
+    s.sendall(client_nonce)
+    return s, auth.Session(KEY, challenge[4:], client_nonce, is_server=False)
+
+
+def _frame(session, header):
+    rec = _Recorder()
+    Peer(rec, "recorder", session).send(header)
+    return rec.data
+
+
+def test_replayed_frames_are_refused_within_and_across_connections():
+    with RelayServer(CFG, key=KEY) as server:
+        nonce = auth.new_nonce()
+        s, session = _open_session(server, nonce)
+        genuine = _frame(session, {"op": "set_successors", "addresses": ["127.0.0.1:1"]})
+        s.sendall(genuine)
+        Peer(s, "relay", session).expect("ok", "set_successors")
+        s.close()
+        assert server.stats()["successors"] == ["127.0.0.1:1"]
+        server.set_successors([])
+        # The same bytes (same client nonce) on a new connection: the relay's fresh nonce breaks the tag.
+        host, port = server.address.rsplit(":", 1)
+        s2 = socket.create_connection((host, int(port)), timeout=3)
+        s2.recv(20, socket.MSG_WAITALL)
+        s2.sendall(nonce + genuine)
+        assert _wait(lambda: server.stats().get("auth_rejected", 0) == 1)
+        s2.close()
+        assert server.stats()["successors"] == []
+        # Within one connection: a frame sent twice; the second fails (per-direction counter).
+        s3, session = _open_session(server, auth.new_nonce())
+        ping = _frame(session, {"op": "ping"})
+        s3.sendall(ping + ping)
+        peer = Peer(s3, "relay", session)
+        assert peer.expect("pong", "pong")[0]["op"] == "pong"
+        with pytest.raises((WireError, OSError)):
+            peer.recv("a second pong")
+        s3.close()
+        assert _wait(lambda: server.stats().get("auth_rejected", 0) == 2)
