@@ -191,3 +191,147 @@ def test_replayed_frames_are_refused_within_and_across_connections():
             peer.recv("a second pong")
         s3.close()
         assert _wait(lambda: server.stats().get("auth_rejected", 0) == 2)
+
+
+# ---- read-only shared weights
+_WRITER = textwrap.dedent("""
+    import ctypes, sys
+    import numpy as np
+    from laminar_jax.relay.client import RelayClient
+    from laminar_jax.relay.config import RelaySection
+    addr, key = sys.argv[1], bytes.fromhex(sys.stdin.readline().strip())
+    v, flat = RelayClient([addr], config=RelaySection(local_transport="memfd"), key=key).pull(0, timeout=10)
+    w = flat["w"]
+    assert not w.flags.writeable
+    print("mapped", flush=True)
+    ctypes.memset(w.ctypes.data, 0, 64)  # write through the mapping: must fault
+    print("wrote", flush=True)
+""")
+
+
+def test_a_client_write_through_the_shared_mapping_faults_and_weights_stay_unchanged():
+    flat = _flat(3)
+    with RelayServer(RelaySection(chunk_bytes=64 << 10), key=KEY) as server:
+        _published(server, flat)
+        p = subprocess.run([sys.executable, "-c", _WRITER, server.address], input=KEY.hex() + "\n",
+                           capture_output=True, text=True, timeout=60)
+        assert "mapped" in p.stdout and "wrote" not in p.stdout, p.stderr
+        assert p.returncode == -11, (p.returncode, p.stderr[-2000:])  # SIGSEGV
+        _, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        np.testing.assert_array_equal(got["w"], flat["w"])
+
+
+def test_the_memfd_itself_refuses_writes_resizes_and_writable_mappings():
+    import mmap
+
+    flat = _flat(4)
+    with RelayServer(RelaySection(chunk_bytes=64 << 10), key=KEY) as server:
+        _published(server, flat)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.settimeout(3)
+        s.connect(server.unix_name)
+        from laminar_jax.relay.wire import client_handshake
+
+        peer = client_handshake(s, "unix", KEY, 3.0)
+        peer.request({"op": "map", "version": 1}, "mapped", "memfd")
+        _, fds, _, _ = socket.recv_fds(s, 1, 1)
+        fd = fds[0]
+        try:
+            with pytest.raises(PermissionError):
+                mmap.mmap(fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            with pytest.raises(PermissionError):
+                os.pwrite(fd, b"\0" * 8, 0)
+            with pytest.raises(PermissionError):
+                os.ftruncate(fd, 1)
+            reopened = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # a fresh description: same seals
+            try:
+                with pytest.raises(PermissionError):
+                    os.pwrite(reopened, b"\0" * 8, 0)
+            finally:
+                os.close(reopened)
+        finally:
+            os.close(fd)
+            peer.close()
+        _, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        np.testing.assert_array_equal(got["w"], flat["w"])
+
+
+# ---- bounded memory per peer
+def test_an_unfinished_version_is_dropped_when_its_sender_disconnects_or_stalls():
+    flat = _flat(5, 400_000)  # ~1.6 MB: 25 chunks
+    with RelayServer(CFG, key=KEY) as server:
+        for stall in (False, True):
+            h, src = _push_header(7, flat, KEY)
+            peer = connect(server.address, 2.0, 10.0, KEY)
+            peer.request(h, "have", "push")
+            for i in range(src.n // 2):
+                segs, crc = src.chunk(i)
+                peer.send({"op": "chunk", "version": 7, "index": i, "crc": crc}, segs)
+            assert _wait(lambda: server.stats()["partial"].get(7) == src.n // 2)
+            if not stall:
+                peer.close()
+                assert _wait(lambda: server.stats()["partial"] == {}, 2.0)
+            else:  # silent sender: dropped after io_timeout_s (3 s)
+                assert _wait(lambda: server.stats()["partial"] == {}, CFG.io_timeout_s + 3)
+                peer.close()
+        assert server.stats()["partial_dropped"] == 2 and server.versions_held() == []
+
+
+def test_announced_bytes_are_capped_per_push_and_across_peers():
+    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=5.0, max_unverified_bytes=3 << 20)
+    with RelayServer(cfg, key=KEY) as server:
+        big = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB > cap
+        peer = connect(server.address, 2.0, 5.0, KEY)
+        try:
+            with pytest.raises(RemoteError, match="max_unverified_bytes"):
+                peer.request(_push_header(1, big, KEY)[0], "have", "push")
+        finally:
+            peer.close()
+        half = {"w": np.zeros(1 << 19, np.float32)}  # 2 MiB each: the second exceeds 3 MiB
+        first = connect(server.address, 2.0, 5.0, KEY)
+        second = connect(server.address, 2.0, 5.0, KEY)
+        try:
+            first.request(_push_header(2, half, KEY)[0], "have", "push")
+            with pytest.raises(RemoteError, match="not yet verified"):
+                second.request(_push_header(3, half, KEY)[0], "have", "push")
+        finally:
+            first.close()
+            second.close()
+        assert _wait(lambda: server.stats()["partial"] == {})
+        assert server.stats()["pushes_refused"] == 2
+
+
+# ---- bounded fuzz: hostile bytes and peers never take the relay down
+def test_fuzz_hostile_peers_leave_the_relay_serving():
+    flat = _flat(6)
+    rng = np.random.default_rng(0)
+    with RelayServer(RelaySection(chunk_bytes=64 << 10, io_timeout_s=2.0), key=KEY) as server:
+        _published(server, flat)
+        host, port = server.address.rsplit(":", 1)
+        idle = [socket.create_connection((host, int(port)), timeout=3) for _ in range(50)]
+        prefixes = [struct.pack("<4sIQ", MAGIC, (1 << 32) - 1, 0), struct.pack("<4sIQ", MAGIC, 10, 1 << 63),
+                    struct.pack("<4sIQ", b"LMA1", 64 << 20, 1 << 63)]
+        for payload in prefixes + [bytes(rng.integers(0, 256, int(n), dtype=np.uint8)) for n in (1, 17, 4000)]:
+            with socket.create_connection((host, int(port)), timeout=3) as s:
+                s.recv(20, socket.MSG_WAITALL)
+                try:
+                    s.sendall(auth.new_nonce() + payload)
+                    s.recv(64)
+                except OSError:
+                    pass
+        # Keyless versions of every op, forged push included.
+        for op in ({"op": "stop"}, {"op": "set_successors", "addresses": ["127.0.0.1:9"]},
+                   _push_header(10**9, flat, None)[0], {"op": "read", "version": 1}):
+            peer = connect(server.address, 2.0, 2.0)
+            try:
+                with pytest.raises((AuthError, WireError, OSError)):
+                    peer.request(op, "ok", "hostile op")
+            finally:
+                peer.close()
+        for s in idle:
+            s.close()
+        assert not server.stopped and server.versions_held() == [1] and server.stats()["successors"] == []
+        server.check()
+        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        assert v == 1 and np.array_equal(got["w"], flat["w"])
+        assert server.stats()["auth_rejected"] >= 10
