@@ -87,7 +87,9 @@ class Checkpointer:
                 state, meta = self.restore(step, like)
             except LayoutMismatch:
                 raise
-            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise many kinds for damaged files
+            except (ValueError, OSError, RuntimeError, KeyError, EOFError) as e:
+                # what orbax/tensorstore raise for damaged files; programming errors (TypeError,
+                # AttributeError) are not damage and propagate
                 err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 log.warning("checkpoint %s step %d does not restore (%s); trying the previous one",
                             self.directory, step, err)

@@ -118,15 +118,18 @@ class LocalRun:
 
     def _build_weights_plane(self) -> None:
         from laminar_jax.relay import Publisher, RelayServer, WeightStore
+        from laminar_jax.relay.auth import run_key
 
         rcfg = self.cfg.relay
         store_url = rcfg.store_url or os.path.join(self.run_dir, "weights")
         self.weight_store = WeightStore(store_url, keep_last=rcfg.keep_last)
-        self.relay = RelayServer(rcfg)
+        self.relay_key = run_key(self.run_dir)
+        self.relay = RelayServer(rcfg, key=self.relay_key)
         self.relay.start()
         # A resumed learner re-publishes the numbers after its checkpoint with new weights.
         self.weight_store.retract_newer_than(self.learner.version)
-        self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=[self.relay.address])
+        self.publisher = Publisher(rcfg, store=self.weight_store, relay_addresses=[self.relay.address],
+                                   key=self.relay_key)
         if self.weight_store.latest() != self.learner.version:
             self.publisher.publish(self.learner.version, self.learner.policy_params())
         self.learner.publisher = self.publisher
@@ -162,7 +165,8 @@ class LocalRun:
         name = f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
         section = dataclasses.replace(self.cfg.rollout, server_id=name, seed=self.cfg.seed + 17 * i + generation)
         engine, _ = make_engine(self.model, section)
-        client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay)
+        client = RelayClient([self.relay.address], store=self.weight_store, config=self.cfg.relay,
+                             key=self.relay_key)
         return RolloutWorker(i, RolloutServer(engine, params, version=version), client, self.queue, self.policy,
                              self.board, self._on_complete, make_request, self._from_flat, timeline=self.timeline,
                              pull_timeout_s=min(self.cfg.runtime.wait_timeout_s, 120.0))
