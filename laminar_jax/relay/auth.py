@@ -104,11 +104,33 @@ def tags_equal(a: bytes, b: bytes) -> bool:
     return hmac.compare_digest(a, b)
 
 
-def sign_version(key: bytes, version: int, digest: str) -> str:
-    """The learner's signature over a version number and its manifest digest (hex)."""
-    msg = b"laminar-version\0" + _COUNTER.pack(version & (2**64 - 1)) + digest.encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+def sign_version(key: bytes, version: int, digest: str, nonce: Optional[bytes] = None) -> str:
+    """The learner's signature over a version number and its manifest digest (hex), as
+    ``"<publish nonce>:<mac>"``: the nonce tells two publishes of one number apart (a resumed
+    learner publishes the numbers after its checkpoint again, with other weights)."""
+    nonce = os.urandom(8) if nonce is None else nonce
+    msg = b"laminar-version\0" + _COUNTER.pack(version & (2**64 - 1)) + nonce + digest.encode()
+    return nonce.hex() + ":" + hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
 def verify_version(key: bytes, version: int, digest: str, signature: object) -> bool:
-    return isinstance(signature, str) and hmac.compare_digest(sign_version(key, version, digest), signature)
+    if not isinstance(signature, str) or signature.count(":") != 1:
+        return False
+    nonce_hex, _ = signature.split(":")
+    try:
+        nonce = bytes.fromhex(nonce_hex)
+    except ValueError:
+        return False
+    return hmac.compare_digest(sign_version(key, version, digest, nonce), signature)
+
+
+def chunk_tag(key: bytes, version_signature: str, index: int, digest: str) -> str:
+    """The learner's tag on one chunk: binds its SHA-256 to the signed version and its index, so a
+    relay checks a chunk with one hash of its bytes and forwards it without hashing again."""
+    msg = b"laminar-chunk\0" + version_signature.encode() + _COUNTER.pack(index) + digest.encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
+def verify_chunk(key: bytes, version_signature: object, index: int, digest: object, tag: object) -> bool:
+    return (isinstance(version_signature, str) and isinstance(digest, str) and isinstance(tag, str)
+            and hmac.compare_digest(chunk_tag(key, version_signature, index, digest), tag))

@@ -4,6 +4,8 @@ Push protocol (sender -> receiver, one TCP connection, several versions one afte
 
     push {version, manifest, chunk_bytes}   -> have {chunks, complete, obsolete}
     chunk {version, index, crc} + bytes     (no reply; bytes land straight in the receiver's buffer)
+      or, with the run key: chunk {version, index, digest, tag}: the SHA-256 of the bytes and the
+      learner's tag on it (auth.chunk_tag); relays store both and forward them unchanged
     keepalive                               (no reply; sent while waiting for upstream chunks)
     end {version}                           -> missing {chunks}   (checksum failures: resent, repeat)
     abort {version}                         (no reply; the sender gave up on this version)
@@ -13,6 +15,7 @@ Used by the publisher (to the master relay) and by every relay (to its successor
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Optional, Protocol, Sequence
 
@@ -41,7 +44,9 @@ class ChunkSource(Protocol):
         (waiting up to ``timeout`` for one); every chunk appears once in this log."""
         ...
 
-    def chunk(self, index: int) -> tuple[list[Any], int]: ...
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
+        """(payload segments, header fields that vouch for them: {"crc"} or {"digest", "tag"})."""
+        ...
 
     def superseded(self) -> bool: ...
 
@@ -52,6 +57,7 @@ class ArraysSource:
     def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int,
                  key: Optional[bytes] = None):
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
+        self.key = key
         self.signature = None if key is None else auth.sign_version(key, manifest.version, manifest.digest())
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
         self._offsets = [e.offset for e in manifest.entries]
@@ -60,13 +66,19 @@ class ArraysSource:
     def ready_since(self, pos: int, timeout: float) -> list[int]:
         return list(range(pos, self.n))
 
-    def chunk(self, index: int) -> tuple[list[Any], int]:
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
         start, stop = chunk_span(index, self.manifest.total_bytes, self.chunk_bytes)
         segs = chunk_segments(self._pairs, start, stop, first_array(self._offsets, start))
+        if self.key is not None:  # one SHA-256 per chunk, here only; relays forward the tag as is
+            h = hashlib.sha256()
+            for s in segs:
+                h.update(memoryview(s).cast("B"))
+            digest = h.hexdigest()
+            return segs, {"digest": digest, "tag": auth.chunk_tag(self.key, self.signature, index, digest)}
         crc = 0
         for s in segs:
             crc = crc32_of(s, crc)
-        return segs, crc
+        return segs, {"crc": crc}
 
     def superseded(self) -> bool:
         return False
@@ -119,8 +131,9 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
 
 
 def _send_chunk(peer: Peer, src: ChunkSource, version: int, idx: int, limiter: Any) -> None:
-    segs, crc = src.chunk(idx)
-    peer.send({"op": "chunk", "version": version, "index": idx, "crc": crc}, segs, limiter)
+    segs, vouch = src.chunk(idx)
+    peer.send({"op": "chunk", "version": version, "index": idx, **vouch}, segs, limiter,
+              payload_mac="tag" not in vouch)
 
 
 class Downstream:

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import collections
 import fcntl
+import hashlib
 import logging
 import mmap
 import os
@@ -88,7 +89,7 @@ class VersionBuf:
             except (AttributeError, OSError):
                 self.fd, self.mm = None, mmap.mmap(-1, size)
         self.have = [False] * self.n
-        self.crcs: list[Optional[int]] = [None] * self.n
+        self.vouch: list[Optional[dict]] = [None] * self.n  # per chunk: {"crc"} or {"digest", "tag"}
         self.nhave = 0
         self.order: list[int] = []  # verified chunks in arrival order (what the forwarder walks)
         self.pins = 0  # users of the bytes: receivers, the forwarder, TCP reads, client mappings
@@ -137,8 +138,8 @@ class _BufSource:
                                        or self.server._stopping.is_set(), timeout)
             return order[pos:]
 
-    def chunk(self, index: int) -> tuple[list[Any], int]:
-        return [self.buf.view(index)], self.buf.crcs[index]
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
+        return [self.buf.view(index)], self.buf.vouch[index]
 
     @property
     def signature(self) -> Optional[str]:
@@ -505,10 +506,11 @@ class RelayServer:
             peer.send({"op": "have", "complete": False, "obsolete": True, "chunks": []})
             return
         try:
-            if buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes or buf.manifest != m:
+            if (buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes or buf.manifest != m
+                    or buf.signature != h.get("signature")):
                 peer.send(error_frame("conflict", f"version {v}: held with {buf.total} bytes / {buf.chunk_bytes}-"
                                                   f"byte chunks, pushed with {m.total_bytes} / {chunk_bytes} "
-                                                  f"(or another manifest)"))
+                                                  f"(or another manifest or publish)"))
                 return
             if buf.complete:
                 peer.send({"op": "have", "complete": True, "obsolete": False, "chunks": []})
@@ -563,9 +565,25 @@ class RelayServer:
                 continue
             if op != "chunk":
                 raise WireError(f"{peer.name}: unexpected {op!r} inside push of version {buf.version}")
-            self._receive_chunk(peer, buf, int(h["index"]), int(h["crc"]), plen)
+            self._receive_chunk(peer, buf, h, plen)
 
-    def _receive_chunk(self, peer: Peer, buf: VersionBuf, idx: int, crc: int, plen: int) -> None:
+    def _chunk_vouch(self, peer: Peer, buf: VersionBuf, h: dict, idx: int) -> dict:
+        """The header fields that vouch for a chunk's bytes; with a key, the learner's tag must hold."""
+        if self._key is None:
+            return {"crc": int(h["crc"])}
+        if not auth.verify_chunk(self._key, buf.signature, idx, h.get("digest"), h.get("tag")):
+            raise AuthError(f"{peer.name}: chunk {idx} of version {buf.version} lacks a valid learner tag")
+        return {"digest": h["digest"], "tag": h["tag"]}
+
+    @staticmethod
+    def _bytes_match(mv: memoryview, vouch: dict) -> bool:
+        if "digest" in vouch:
+            return hashlib.sha256(mv).hexdigest() == vouch["digest"]
+        return crc32_of(mv) == vouch["crc"]
+
+    def _receive_chunk(self, peer: Peer, buf: VersionBuf, h: dict, plen: int) -> None:
+        idx = int(h["index"])
+        vouch = self._chunk_vouch(peer, buf, h, idx)
         what = f"chunk {idx} of version {buf.version}"
         start, stop = chunk_span(idx, buf.total, buf.chunk_bytes) if 0 <= idx < buf.n else (0, -1)
         if plen != stop - start:
@@ -575,12 +593,12 @@ class RelayServer:
             return
         mv = buf.view(idx)
         peer.recv_into(mv, what)
-        if crc32_of(mv) != crc:
+        if not self._bytes_match(mv, vouch):
             self.counters["bad_chunks"] += 1
             return  # left missing: the sender resends it after 'end'
         with self._cond:
             if not buf.have[idx]:
-                buf.have[idx], buf.crcs[idx] = True, crc
+                buf.have[idx], buf.vouch[idx] = True, vouch
                 buf.nhave += 1
                 buf.bytes_have += stop - start
                 buf.order.append(idx)

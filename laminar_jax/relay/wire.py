@@ -7,6 +7,9 @@ Reads and writes are bounded by the socket timeout; errors name the peer and wha
 With a run key (see auth.py) a connection starts with a nonce exchange and every frame is
 magic ``b"LMA1"`` | lengths | header | header tag | payload | payload tag: the header tag is
 checked before any payload byte is read, the payload tag once the last payload byte is in.
+Ops in ``APP_AUTHENTICATED`` (chunks) may be sent with ``"pm": 0`` in their header and no payload
+tag: their bytes carry the learner's own per-chunk tag (auth.chunk_tag), checked by the receiver,
+so a relay forwards them without hashing them again.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ MAGIC = b"LMR1"
 MAGIC_AUTH = b"LMA1"
 _PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 << 20
+APP_AUTHENTICATED = frozenset({"chunk"})
 SLICE = 1 << 20  # bytes per send call, so rate limiting stays smooth
 
 
@@ -75,8 +79,15 @@ class Peer:
         except OSError:
             pass
 
-    def send(self, header: dict, segments: Sequence[Any] = (), limiter: Any = None) -> None:
-        """Send one frame; ``segments`` are buffers whose concatenation is the payload."""
+    def send(self, header: dict, segments: Sequence[Any] = (), limiter: Any = None,
+             payload_mac: bool = True) -> None:
+        """Send one frame; ``segments`` are buffers whose concatenation is the payload.
+        ``payload_mac=False`` (ops in APP_AUTHENTICATED only) leaves the payload to the
+        application's own tag."""
+        if not payload_mac and self.session is not None:
+            if header.get("op") not in APP_AUTHENTICATED:
+                raise ValueError(f"op {header.get('op')!r} must authenticate its payload on the wire")
+            header = dict(header, pm=0)
         hdr = json.dumps(header, separators=(",", ":")).encode()
         total = sum(_seg_len(s) for s in segments)
         mac = None
@@ -87,7 +98,11 @@ class Peer:
                 prefix = _PREFIX.pack(MAGIC_AUTH, len(hdr), total)
                 mac = self.session.send_mac(prefix, hdr)
                 head = prefix + hdr + mac.digest()
-                self.sock.sendall(head + auth.payload_tag(mac) if total == 0 else head)
+                if header.get("pm") == 0:
+                    mac = None
+                    self.sock.sendall(head)
+                else:
+                    self.sock.sendall(head + auth.payload_tag(mac) if total == 0 else head)
             for seg in segments:
                 mv = memoryview(seg).cast("B")
                 for lo in range(0, mv.nbytes, SLICE):
@@ -113,7 +128,7 @@ class Peer:
     def recv_into(self, mv: memoryview, what: str) -> None:
         """Read the next ``mv.nbytes`` payload bytes of the current frame into ``mv``."""
         self._read_into(mv, what)
-        if self.session is not None:
+        if self._rx_mac is not None:
             if mv.nbytes > self._rx_left:
                 raise WireError(f"{self.name}: read of {mv.nbytes} bytes past the payload of {what}")
             self._rx_mac.update(mv)
@@ -165,15 +180,20 @@ class Peer:
             if not auth.tags_equal(self._recv_exact(auth.TAG_BYTES, what), mac.digest()):
                 raise AuthError(f"{self.name}: frame failed authentication (wrong key, tampered or replayed) "
                                 f"waiting for {what}")
-            self._rx_mac, self._rx_left = mac, plen
-            if plen == 0:
-                self._check_payload_tag(what)
         try:
             header = json.loads(raw)
         except ValueError as e:
             raise WireError(f"{self.name}: header of {what} is not JSON: {e}") from None
         if not isinstance(header, dict) or not isinstance(header.get("op"), str):
             raise WireError(f"{self.name}: header of {what} lacks an 'op' string: {header!r:.200}")
+        if self.session is not None:
+            if header.get("pm") == 0:  # the payload carries the application's own tag
+                if header["op"] not in APP_AUTHENTICATED:
+                    raise AuthError(f"{self.name}: op {header['op']!r} sent without a payload tag")
+            else:
+                self._rx_mac, self._rx_left = mac, plen
+                if plen == 0:
+                    self._check_payload_tag(what)
         return header, plen
 
     def recv_payload(self, n: int, what: str) -> bytes:

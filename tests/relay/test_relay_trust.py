@@ -265,8 +265,8 @@ def test_an_unfinished_version_is_dropped_when_its_sender_disconnects_or_stalls(
             peer = connect(server.address, 2.0, 10.0, KEY)
             peer.request(h, "have", "push")
             for i in range(src.n // 2):
-                segs, crc = src.chunk(i)
-                peer.send({"op": "chunk", "version": 7, "index": i, "crc": crc}, segs)
+                segs, vouch = src.chunk(i)
+                peer.send({"op": "chunk", "version": 7, "index": i, **vouch}, segs, payload_mac=False)
             assert _wait(lambda: server.stats()["partial"].get(7) == src.n // 2)
             if not stall:
                 peer.close()
@@ -335,3 +335,40 @@ def test_fuzz_hostile_peers_leave_the_relay_serving():
         v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
         assert v == 1 and np.array_equal(got["w"], flat["w"])
         assert server.stats()["auth_rejected"] >= 10
+
+
+def test_chunks_need_the_learners_tag_and_corrupted_bytes_are_fetched_again():
+    flat = _flat(7, 100_000)
+    with RelayServer(CFG, key=KEY) as server:
+        h, src = _push_header(4, flat, KEY)
+        peer = connect(server.address, 2.0, 5.0, KEY)
+        try:
+            peer.request(h, "have", "push")
+            for i in range(src.n):
+                segs, vouch = src.chunk(i)
+                payload = bytearray(b"".join(bytes(s) for s in segs))
+                if i == 1:
+                    payload[17] ^= 0x01  # damaged in transit: its SHA-256 no longer matches
+                peer.send({"op": "chunk", "version": 4, "index": i, **vouch}, [payload], payload_mac=False)
+            assert peer.request({"op": "end", "version": 4}, "missing", "ack")[0]["chunks"] == [1]
+            segs, vouch = src.chunk(1)
+            peer.send({"op": "chunk", "version": 4, "index": 1, **vouch}, segs, payload_mac=False)
+            assert peer.request({"op": "end", "version": 4}, "missing", "ack")[0]["chunks"] == []
+        finally:
+            peer.close()
+        assert server.versions_held() == [4] and server.stats()["bad_chunks"] == 1
+        # A key holder that is not the learner's publish cannot tag chunks of a version it did not sign.
+        h, src = _push_header(5, flat, KEY)
+        peer = connect(server.address, 2.0, 5.0, KEY)
+        try:
+            peer.request(h, "have", "push")
+            segs, vouch = src.chunk(0)
+            vouch = dict(vouch, tag="0" * 64)
+            peer.send({"op": "chunk", "version": 5, "index": 0, **vouch}, segs, payload_mac=False)
+            with pytest.raises((WireError, OSError)):
+                peer.request({"op": "end", "version": 5}, "missing", "ack")
+        finally:
+            peer.close()
+        assert _wait(lambda: server.stats()["auth_rejected"] == 1 and server.stats()["partial"] == {})
+        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        assert v == 4 and np.array_equal(got["w"], flat["w"])
