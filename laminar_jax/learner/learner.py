@@ -7,6 +7,7 @@ is `learner.version - trajectory.version` measured when the step starts.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence
@@ -25,6 +26,8 @@ from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
 from laminar_jax.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class SkippedUpdatesError(RuntimeError):
@@ -255,6 +258,7 @@ class Learner:
             return None
         got = self._ckpt.restore_newest(self.state)
         if got is None:
+            log.info("no checkpoint in %s: the learner starts from its initial weights", self._ckpt.directory)
             self.restore_report = {"step": None, "skipped": []}
             return None
         self.state, self.version = got.state, int(got.meta["version"])

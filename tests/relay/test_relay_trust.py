@@ -372,3 +372,39 @@ def test_chunks_need_the_learners_tag_and_corrupted_bytes_are_fetched_again():
         assert _wait(lambda: server.stats()["auth_rejected"] == 1 and server.stats()["partial"] == {})
         v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
         assert v == 4 and np.array_equal(got["w"], flat["w"])
+
+
+def test_relay_worker_processes_get_the_key_on_stdin_or_from_the_key_file(tmp_path):
+    from laminar_jax.relay.chain import start_local_chain
+
+    flat = _flat(8)
+    with start_local_chain(2, CFG, key=KEY) as chain:
+        for p in chain.procs:  # never in argv
+            with open(f"/proc/{p.pid}/cmdline", "rb") as f:
+                assert KEY.hex().encode() not in f.read()
+        with Publisher(CFG, relay_addresses=chain.addresses, key=KEY) as pub:
+            pub.publish(1, flat)
+            pub.flush(20)
+        last = RelayClient([chain.addresses[-1]], config=CFG, key=KEY)
+        assert last.wait_for(1, 20) == 1
+        _, got = last.pull(0, timeout=5, copy=True)
+        assert np.array_equal(got["w"], flat["w"])
+        with pytest.raises((AuthError, WireError)):
+            RelayClient([chain.addresses[0]], config=CFG).wait_for(1, 1)
+    key = auth.run_key(str(tmp_path))
+    p = subprocess.Popen([sys.executable, "-m", "laminar_jax.relay.worker", "--port", "0", "--key-file",
+                          str(tmp_path / auth.KEY_FILE), "--parent-pid", str(os.getpid())],
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        import json
+
+        addr = json.loads(p.stdout.readline())["address"]
+        peer = connect(addr, 2.0, 3.0, key)
+        try:
+            assert peer.request({"op": "ping"}, "pong", "ping")[0]["op"] == "pong"
+        finally:
+            peer.close()
+    finally:
+        p.terminate()
+        p.wait(10)
+        p.stdout.close()
