@@ -8,6 +8,7 @@ and version waited for.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import socket
@@ -123,7 +124,7 @@ class RelayClient:
                         flat = self._map_local(addr, h["unix"], m)
                     if flat is not None:
                         return m.version, flat, False
-                    return m.version, self._read_tcp(peer, m), True
+                    return m.version, self._read_tcp(peer, m, h.get("signature")), True
                 except RemoteError as e:
                     if e.kind != "gone" or attempt == 2:
                         raise
@@ -163,14 +164,31 @@ class RelayClient:
         weakref.finalize(mm, peer.close)
         return views(mm, m)
 
-    def _read_tcp(self, peer: Peer, m: Manifest) -> dict:
+    def _read_tcp(self, peer: Peer, m: Manifest, signature: Optional[str] = None) -> dict:
         buf = np.empty(m.total_bytes, np.uint8)
         peer.send({"op": "read", "version": m.version, "offset": 0, "nbytes": m.total_bytes})
-        _, plen = peer.expect("data", f"bytes of version {m.version}")
+        h, plen = peer.expect("data", f"bytes of version {m.version}")
         if plen != m.total_bytes:
             raise WireError(f"{peer.name}: sent {plen} bytes for version {m.version}, expected {m.total_bytes}")
         peer.recv_into(memoryview(buf), f"{m.total_bytes} bytes of version {m.version}")
+        if h.get("pm") == 0:  # no wire tag on the payload: the learner's chunk tags must vouch for it
+            self._check_chunks(peer.name, h, memoryview(buf), m, signature)
         return views(buf, m)
+
+    def _check_chunks(self, name: str, h: dict, mv: memoryview, m: Manifest, signature: Optional[str]) -> None:
+        from laminar_jax.relay.manifest import chunk_span, num_chunks
+
+        chunk_bytes, chunks = int(h.get("chunk_bytes", 0)), h.get("chunks")
+        if (self.key is None or h.get("signature") != signature or chunk_bytes < 1 or not isinstance(chunks, list)
+                or len(chunks) != num_chunks(m.total_bytes, chunk_bytes)):
+            raise AuthError(f"{name}: bytes of version {m.version} come without valid chunk tags")
+        for i, pair in enumerate(chunks):
+            if not (isinstance(pair, list) and len(pair) == 2
+                    and auth.verify_chunk(self.key, signature, i, pair[0], pair[1])):
+                raise AuthError(f"{name}: chunk {i} of version {m.version} has no valid learner tag")
+            start, stop = chunk_span(i, m.total_bytes, chunk_bytes)
+            if hashlib.sha256(mv[start:stop]).hexdigest() != pair[0]:
+                raise AuthError(f"{name}: chunk {i} of version {m.version} does not match its tag")
 
     # ---- store path
     def _pull_store(self, newer_than: int, deadline: float, poll: bool) -> Optional[tuple[int, dict]]:

@@ -7,7 +7,7 @@ Reads and writes are bounded by the socket timeout; errors name the peer and wha
 With a run key (see auth.py) a connection starts with a nonce exchange and every frame is
 magic ``b"LMA1"`` | lengths | header | header tag | payload | payload tag: the header tag is
 checked before any payload byte is read, the payload tag once the last payload byte is in.
-Ops in ``APP_AUTHENTICATED`` (chunks) may be sent with ``"pm": 0`` in their header and no payload
+Ops in ``APP_AUTHENTICATED`` (chunks, whole-version reads) may be sent with ``"pm": 0`` in their header and no payload
 tag: their bytes carry the learner's own per-chunk tag (auth.chunk_tag), checked by the receiver,
 so a relay forwards them without hashing them again.
 """
@@ -25,7 +25,7 @@ MAGIC = b"LMR1"
 MAGIC_AUTH = b"LMA1"
 _PREFIX = struct.Struct("<4sIQ")
 MAX_HEADER = 64 << 20
-APP_AUTHENTICATED = frozenset({"chunk"})
+APP_AUTHENTICATED = frozenset({"chunk", "data"})
 SLICE = 1 << 20  # bytes per send call, so rate limiting stays smooth
 
 

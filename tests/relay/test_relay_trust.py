@@ -417,3 +417,29 @@ def test_relay_worker_processes_get_the_key_on_stdin_or_from_the_key_file(tmp_pa
         p.terminate()
         p.wait(10)
         p.stdout.close()
+
+
+def test_tcp_pulls_check_every_chunk_against_the_learners_tags():
+    flat = _flat(9, 100_000)
+    with RelayServer(CFG, key=KEY) as server:
+        _published(server, flat)
+        client = RelayClient([server.address], config=CFG, key=KEY)
+        peer = connect(server.address, 2.0, 5.0, KEY)
+        try:
+            h, _ = peer.request({"op": "pull", "newer_than": 0}, "pulled", "pull")
+            from laminar_jax.relay.manifest import Manifest
+
+            m = Manifest.from_dict(h["manifest"], "test")
+            peer.send({"op": "read", "version": 1, "offset": 0, "nbytes": m.total_bytes})
+            d, plen = peer.expect("data", "bytes")
+            assert d.get("pm") == 0 and len(d["chunks"]) > 1  # vouched for by chunk tags, not a wire tag
+            buf = bytearray(plen)
+            peer.recv_into(memoryview(buf), "bytes")
+        finally:
+            peer.close()
+        client._check_chunks("relay", d, memoryview(buf), m, h["signature"])  # intact: passes
+        buf[plen // 2] ^= 0x40
+        with pytest.raises(AuthError, match="does not match its tag"):
+            client._check_chunks("relay", d, memoryview(buf), m, h["signature"])
+        with pytest.raises(AuthError, match="without valid chunk tags"):
+            client._check_chunks("relay", d, memoryview(buf), m, auth.sign_version(KEY, 1, m.digest()))
