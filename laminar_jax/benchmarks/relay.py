@@ -2,6 +2,11 @@
 and the naive orbax save+restore alternative, measured side by side in one run.
 
     python -m laminar_jax.benchmarks.relay [--quick] [--sizes-mb 100,500,2000] [--link-mb-s 200]
+    python -m laminar_jax.benchmarks.relay --auth-overhead [--chain-mb 64] [--reps 5]
+
+``--auth-overhead`` measures only what the run key costs: the same relays with and without a
+key, side by side, alternating versions (rate-limited 2-relay chain, unlimited 1-hop publish,
+TCP and zero-copy pulls); medians, spread and auth/plain ratios.
 
 The learner's stall is measured through the learner's own publish path (``HostCopy``).
 
@@ -241,6 +246,57 @@ def bench_chain(total_mb: int, chunk_mb: Optional[float], link_rate: int, ns: li
     return med, every, chunk
 
 
+def bench_auth(total_mb: int, link_rate: int, reps: int) -> dict:
+    """The run key's cost: keyed and keyless relays side by side, alternating which goes first."""
+    from contextlib import ExitStack
+
+    flat = {k: np.asarray(v) for k, v in _host_params(total_mb).items()}
+    nbytes = _nbytes(flat)
+    limited = RelaySection(link_rate_bytes_per_s=link_rate, link_burst_bytes=1 * MB, keep_in_memory=1,
+                           io_timeout_s=120.0)
+    free = RelaySection(keep_in_memory=1, io_timeout_s=120.0)
+    tcp = dataclasses.replace(free, local_transport="tcp")
+    keys = {"plain": None, "auth": os.urandom(32)}
+    figures = {m: {"chain2_s": [], "hop_s": [], "pull_tcp_gbps": [], "pull_map_gbps": []} for m in keys}
+    with ExitStack() as stack:
+        rigs = {}
+        for mode, key in keys.items():
+            chain = stack.enter_context(start_local_chain(2, limited, key=key))
+            one = stack.enter_context(start_local_chain(1, free, key=key))
+            rigs[mode] = (stack.enter_context(Publisher(limited, relay_addresses=chain.addresses,
+                                                        copy_numpy=False, key=key)),
+                          RelayClient([chain.addresses[-1]], config=limited, key=key),
+                          stack.enter_context(Publisher(free, relay_addresses=one.addresses, copy_numpy=False,
+                                                        key=key)),
+                          RelayClient(one.addresses, config=tcp, key=key),
+                          RelayClient(one.addresses, config=free, key=key))
+        for rep in range(reps + 1):  # rep 0 warms every relay's buffers
+            for mode in (("plain", "auth") if rep % 2 else ("auth", "plain")):
+                pub2, last, pub1, ctcp, cmap = rigs[mode]
+                v = rep + 1
+                f = figures[mode]
+                dt, _ = _timed(lambda: (pub2.publish(v, flat), last.wait_for(v, timeout=600)))
+                f["chain2_s"].append(dt)
+                dt, _ = _timed(lambda: (pub1.publish(v, flat), ctcp.wait_for(v, timeout=600)))
+                f["hop_s"].append(dt)
+                dt, _ = _timed(lambda: ctcp.pull(v - 1, timeout=60, copy=True))
+                f["pull_tcp_gbps"].append(nbytes / dt / 1e9)
+                dt, got = _timed(lambda: cmap.pull(v - 1, timeout=60, copy=True))
+                f["pull_map_gbps"].append(nbytes / dt / 1e9)
+                del got
+                if rep == 0:
+                    for xs in f.values():
+                        xs.pop()
+    med = statistics.median
+    out = {"bench": "relay_auth", "bytes": nbytes, "reps": reps, "link_bytes_per_s": link_rate,
+           "load_avg": list(os.getloadavg())}
+    for name in figures["plain"]:
+        a, b = figures["auth"][name], figures["plain"][name]
+        out[name] = {"auth": med(a), "plain": med(b), "auth_vs_plain": med(a) / med(b),
+                     "auth_range": [min(a), max(a)], "plain_range": [min(b), max(b)]}
+    return out
+
+
 def _host_params(total_mb: int) -> dict:
     rng = np.random.default_rng(1)
     return {name: rng.random(shape, dtype=np.float32) for name, shape, _ in _param_shapes(total_mb)}
@@ -260,11 +316,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--chain-versions", type=int, default=None,
                    help="timed versions per chain length after 2 warm-up ones (median; default 5 quick, 3 full)")
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--auth-overhead", action="store_true",
+                   help="only the run key's cost: keyed vs keyless relays side by side (--chain-mb, --reps)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
+    if args.auth_overhead:
+        print(f"load average before: {os.getloadavg()}", flush=True)
+        result = bench_auth(args.chain_mb or 64, int(args.link_mb_s * MB), args.reps)
+        for k, v in result.items():
+            if isinstance(v, dict):
+                print(f"{k:14s} auth {v['auth']:.4g}  plain {v['plain']:.4g}  ratio {v['auth_vs_plain']:.3f}  "
+                      f"(auth {v['auth_range'][0]:.4g}..{v['auth_range'][1]:.4g}, "
+                      f"plain {v['plain_range'][0]:.4g}..{v['plain_range'][1]:.4g})")
+        print(f"load average after: {os.getloadavg()}")
+        print(json.dumps(result))
+        return result
     sizes = [int(s) for s in args.sizes_mb.split(",")] if args.sizes_mb else ([100] if args.quick else [100, 500, 2000])
     chain_mb = args.chain_mb or (128 if args.quick else 512)
     chain_versions = args.chain_versions or (5 if args.quick else 3)

@@ -23,26 +23,31 @@ def list_files(path: str) -> list[str]:
 
 
 def _read_jsonl(path: str) -> list[tuple[str, Any]]:
+    """Lines are decoded one by one: a line that is not UTF-8 is a bad row (named by file, row and
+    line), never a failure of the whole file."""
     rows = []
-    with open(path, encoding="utf-8") as f:
-        for line_no, line in enumerate(f, 1):
-            if not line.strip():
+    with open(path, "rb") as f:
+        for line_no, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             where = f"{path} row {len(rows)} (line {line_no})"
             try:
-                rows.append((where, json.loads(line)))
+                rows.append((where, json.loads(raw.decode("utf-8"))))
+            except UnicodeDecodeError as e:
+                rows.append((where, BadRowError(where, f"not valid UTF-8: byte 0x{raw[e.start]:02x} at "
+                                                       f"column {e.start + 1}")))
             except json.JSONDecodeError as e:
                 rows.append((where, BadRowError(where, f"invalid JSON: {e}")))
     return rows
 
 
 def _read_json(path: str) -> list[tuple[str, Any]]:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    with open(path, "rb") as f:
+        raw = f.read()
     try:
-        data = json.loads(text)
-    except json.JSONDecodeError:
-        return _read_jsonl(path)  # a .json file holding JSON lines
+        data = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return _read_jsonl(path)  # a .json file holding JSON lines (or a bad line to name)
     if not isinstance(data, list):
         raise ValueError(f"{path}: a .json prompt file must hold a list of rows, got {type(data).__name__}")
     return [(f"{path} row {i}", r) for i, r in enumerate(data)]

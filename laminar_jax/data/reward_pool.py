@@ -7,7 +7,10 @@ replaces just that worker. A timeout, an exception in the scorer, or a dead work
 0.0, are counted in ``stats()`` and logged; the run goes on.
 
 Process workers run the scorer in their main thread, which math_verify's signal-based timeouts
-need. ``mode="thread"`` suits scorers that release the GIL; a hung thread cannot be killed, so it
+need. They are all started by the pool's dispatcher thread, which lives as long as the pool: a
+worker dies with that thread (PR_SET_PDEATHSIG), so a killed run leaves no worker behind. A
+reward that is not a finite float32 (1e300, inf, nan) is a failure scoring 0.0; ``failures``
+counts every failed reward (errors, timeouts, crashes, bad requests). ``mode="thread"`` suits scorers that release the GIL; a hung thread cannot be killed, so it
 is abandoned (it exits when its call returns) and a fresh thread takes its place.
 """
 
@@ -26,7 +29,7 @@ import traceback
 from concurrent.futures import Future
 from typing import Any, NamedTuple, Optional, Sequence
 
-from laminar_jax.data.reward_worker import _score
+from laminar_jax.data.reward_worker import _score, check_reward
 from laminar_jax.data.rewards import load_registry
 
 log = logging.getLogger(__name__)
@@ -57,7 +60,7 @@ class _ProcWorker:
         env = dict(os.environ)
         paths = [_REPO_ROOT, *pool.pythonpath] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else [])
         env["PYTHONPATH"] = os.pathsep.join(paths)
-        cmd = [sys.executable, "-m", "laminar_jax.data.reward_worker", pool.registry_spec]
+        cmd = [sys.executable, "-m", "laminar_jax.data.reward_worker", pool.registry_spec, str(os.getpid())]
         self.proc = subprocess.Popen(
             cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True, encoding="utf-8", bufsize=1
         )
@@ -175,9 +178,13 @@ class RewardPool:
         )
         self._latency_sum = 0.0
         self._latency_max = 0.0
-        self._workers = [self._spawn() for _ in range(num_workers)]
-        self._thread = threading.Thread(target=self._run, name="reward-pool", daemon=True)
+        self._workers: list = []
+        started = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(started,), name="reward-pool", daemon=True)
         self._thread.start()
+        if not started.wait(self.start_timeout_s):  # spawning is quick; the workers' readiness is not awaited
+            raise RuntimeError(f"RewardPool: workers not spawned within {self.start_timeout_s}s")
+        self.check()
 
     # ---- public API --------------------------------------------------------------------------
 
@@ -212,6 +219,14 @@ class RewardPool:
     def check(self) -> None:
         if self._error is not None:
             raise RuntimeError(f"RewardPool failed: {self._error}")
+
+    @property
+    def failures(self) -> int:
+        """Rewards that failed (each scored 0.0): scorer errors incl. non-float32 rewards, timeouts,
+        crashed workers, unserialisable requests. What a run summary reports."""
+        with self._cond:
+            s = self._stats
+            return s["errors"] + s["timeouts"] + s["crashes"] + s["bad_requests"]
 
     def worker_pids(self) -> list[Optional[int]]:
         with self._cond:
@@ -262,8 +277,13 @@ class RewardPool:
             elif worker.task is not None and msg.get("id") == worker.task.id and worker in self._workers:
                 task, worker.task = worker.task, None
                 latency = time.monotonic() - task.started
-                ok = bool(msg.get("ok"))
-                done = (task, RewardResult(float(msg["reward"]) if ok else 0.0, ok, msg.get("error"), latency))
+                ok, reward, error = bool(msg.get("ok")), 0.0, msg.get("error")
+                if ok:
+                    try:  # a worker's number is checked here too: the summary must stay valid JSON
+                        reward = check_reward(float(msg["reward"]))
+                    except (TypeError, ValueError, KeyError) as e:
+                        ok, reward, error = False, 0.0, f"{type(e).__name__}: {e}"
+                done = (task, RewardResult(reward, ok, error, latency))
                 self._count(done[1], "ok" if ok else "errors")
             self._cond.notify_all()
         if done:
@@ -289,8 +309,12 @@ class RewardPool:
         if not task.future.done():
             task.future.set_result(result)
 
-    def _run(self) -> None:
+    def _run(self, started: threading.Event) -> None:
         try:
+            # Workers are spawned by this thread only: PR_SET_PDEATHSIG ties them to it.
+            with self._cond:
+                self._workers = [self._spawn() for _ in range(self.num_workers)]
+            started.set()
             while True:
                 with self._cond:
                     if self._closing:
@@ -309,6 +333,7 @@ class RewardPool:
                     return
         except BaseException:
             self._error = traceback.format_exc()
+            started.set()
             log.error("reward pool dispatcher died:\n%s", self._error)
             with self._cond:
                 doomed = list(self._pending) + [w.task for w in self._workers if w.task is not None]

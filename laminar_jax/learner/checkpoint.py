@@ -4,14 +4,36 @@ Layout per step: item 'state' = {leaf index: array} of the flattened TrainState 
 the live state's tree structure and shardings), item 'meta' = JSON {version, leaf_paths, extra}.
 Flattening keeps orbax independent of nnx/optax container types; `leaf_paths` checks on restore
 that the tree matches.
+
+`restore_newest` walks the steps newest first: a checkpoint that does not restore (truncated or
+corrupted files, e.g. a kill mid-save) is skipped and logged, and the newest one that restores
+wins. A layout mismatch is never skipped (it means another model or optimizer, not damage).
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import logging
+from typing import Any, NamedTuple, Optional
 
 import jax
 import orbax.checkpoint as ocp
+
+log = logging.getLogger(__name__)
+
+
+class LayoutMismatch(ValueError):
+    """The checkpoint's TrainState tree differs from the live learner's."""
+
+
+class NoUsableCheckpoint(RuntimeError):
+    """Checkpoints exist but none restores; the message names each step and its error."""
+
+
+class Restored(NamedTuple):
+    step: int
+    state: Any
+    meta: dict
+    skipped: tuple[tuple[int, str], ...]  # (step, error) of newer checkpoints that did not restore
 
 
 def _leaf_paths(tree: Any) -> list[str]:
@@ -44,13 +66,43 @@ class Checkpointer:
         meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         paths = _leaf_paths(like)
         if meta.get("leaf_paths") != paths:
-            raise ValueError(f"checkpoint {self.directory} step {step}: state layout differs from the live "
+            raise LayoutMismatch(f"checkpoint {self.directory} step {step}: state layout differs from the live "
                              f"learner ({len(meta.get('leaf_paths', []))} vs {len(paths)} leaves)")
         leaves, treedef = jax.tree.flatten(like)
         abstract = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                     for i, x in enumerate(leaves)}
         items = self._mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract)))["state"]
         return jax.tree.unflatten(treedef, [items[f"{i:05d}"] for i in range(len(leaves))]), meta
+
+    def all_steps(self) -> list[int]:
+        self._mgr.wait_until_finished()
+        return sorted(self._mgr.all_steps())
+
+    def restore_newest(self, like: Any) -> Optional[Restored]:
+        """The newest checkpoint that restores (None when there is none); damaged newer ones are
+        skipped with a warning naming the step and the error."""
+        skipped: list[tuple[int, str]] = []
+        for step in reversed(self.all_steps()):
+            try:
+                state, meta = self.restore(step, like)
+            except LayoutMismatch:
+                raise
+            except (ValueError, OSError, RuntimeError, KeyError, EOFError) as e:
+                # what orbax/tensorstore raise for damaged files; programming errors (TypeError,
+                # AttributeError) are not damage and propagate
+                err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
+                log.warning("checkpoint %s step %d does not restore (%s); trying the previous one",
+                            self.directory, step, err)
+                skipped.append((step, err))
+                continue
+            if skipped:
+                log.warning("checkpoint %s: resumed from step %d; newer step(s) %s did not restore",
+                            self.directory, step, [s for s, _ in skipped])
+            return Restored(step, state, meta, tuple(skipped))
+        if skipped:
+            raise NoUsableCheckpoint(f"checkpoint {self.directory}: no checkpoint restores: "
+                                     + "; ".join(f"step {s}: {e}" for s, e in skipped))
+        return None
 
     def wait(self) -> None:
         self._mgr.wait_until_finished()

@@ -7,6 +7,7 @@ is `learner.version - trajectory.version` measured when the step starts.
 
 from __future__ import annotations
 
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence
@@ -25,6 +26,8 @@ from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
 from laminar_jax.types import Trajectory
+
+log = logging.getLogger(__name__)
 
 
 class SkippedUpdatesError(RuntimeError):
@@ -99,6 +102,7 @@ class Learner:
         self.rules = tuple(DEFAULT_RULES if rules is None else rules)
         self.publisher = publisher
         self.version = 0
+        self.restore_report: Optional[dict] = None  # set by restore_latest: step restored, steps skipped
         self._pending: Optional[HostCopy] = None
         # One worker: publishes run in version order, and no thread is started per step.
         self._publish_worker = ThreadPoolExecutor(1, thread_name_prefix="publish")
@@ -257,15 +261,19 @@ class Learner:
         self._ckpt.save(step, self.state, {"version": self.version, "extra": extra or {}})
 
     def restore_latest(self) -> Optional[dict]:
-        """Restore the newest checkpoint, if any; returns its `extra` (None when there is none)."""
+        """Restore the newest checkpoint that restores, if any; returns its `extra` (None when there
+        is none). Damaged newer checkpoints are skipped and logged; `restore_report` says which
+        step was restored and which were skipped (for the run summary)."""
         if self._ckpt is None:
             return None
-        step = self._ckpt.latest_step()
-        if step is None:
+        got = self._ckpt.restore_newest(self.state)
+        if got is None:
+            log.info("no checkpoint in %s: the learner starts from its initial weights", self._ckpt.directory)
+            self.restore_report = {"step": None, "skipped": []}
             return None
-        self.state, meta = self._ckpt.restore(step, self.state)
-        self.version = int(meta["version"])
-        return meta["extra"]
+        self.state, self.version = got.state, int(got.meta["version"])
+        self.restore_report = {"step": got.step, "skipped": [{"step": s, "error": e} for s, e in got.skipped]}
+        return got.meta["extra"]
 
     def close(self) -> None:
         self.flush()

@@ -27,6 +27,9 @@ Interfaces (import from here or from the named module):
 - ``chain.start_local_chain(n, config) -> LocalChain`` (``.addresses``, ``.kill(i)``, ``.stop()``):
   n ``python -m laminar_jax.relay.worker`` processes, relay i forwarding to relays i+1, i+2, ...
 - ``config.RelaySection``: the plane's config section.
+- ``auth.run_key(run_dir) -> bytes``: the run's relay key (``<run_dir>/relay.key``, 0600). Pass it
+  as ``key=`` to RelayServer, Publisher, RelayClient and ``start_local_chain``: connections are then
+  authenticated (HMAC per frame, nonces against replay) and versions signed by the learner.
 
 Nothing here imports jax at import time; relay worker processes never do.
 """

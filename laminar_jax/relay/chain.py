@@ -20,8 +20,9 @@ _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__
 class LocalChain:
     """Handles to n relay processes chained in order: relay i forwards to relays i+1, i+2, ..."""
 
-    def __init__(self, procs: list[subprocess.Popen], addresses: list[str], cfg: RelaySection):
-        self.procs, self.addresses, self.cfg = procs, addresses, cfg
+    def __init__(self, procs: list[subprocess.Popen], addresses: list[str], cfg: RelaySection,
+                 key: Optional[bytes] = None):
+        self.procs, self.addresses, self.cfg, self.key = procs, addresses, cfg, key
 
     def __len__(self) -> int:
         return len(self.procs)
@@ -38,7 +39,7 @@ class LocalChain:
     def configure(self) -> None:
         """Tell every relay its successors (all later relays, nearest first)."""
         for i, addr in enumerate(self.addresses):
-            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s)
+            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s, self.key)
             try:
                 peer.request({"op": "set_successors", "addresses": self.addresses[i + 1:]}, "ok",
                              f"set_successors of relay {i}")
@@ -46,7 +47,7 @@ class LocalChain:
                 peer.close()
 
     def versions(self, i: int) -> dict:
-        peer = connect(self.addresses[i], self.cfg.connect_timeout_s, self.cfg.io_timeout_s)
+        peer = connect(self.addresses[i], self.cfg.connect_timeout_s, self.cfg.io_timeout_s, self.key)
         try:
             h, _ = peer.request({"op": "versions"}, "versions", f"versions of relay {i}")
         finally:
@@ -85,8 +86,11 @@ def _read_line(p: subprocess.Popen, timeout: float) -> Optional[str]:
 
 
 def start_local_chain(n: int, config: RelaySection = RelaySection(), startup_timeout: float = 30.0,
-                      env: Optional[dict] = None, python: Sequence[str] = (sys.executable,)) -> LocalChain:
-    """Spawn n ``laminar_jax.relay.worker`` processes (ephemeral ports), chain them, return handles."""
+                      env: Optional[dict] = None, python: Sequence[str] = (sys.executable,),
+                      key: Optional[bytes] = None) -> LocalChain:
+    """Spawn n ``laminar_jax.relay.worker`` processes (ephemeral ports), chain them, return handles.
+
+    ``key`` (the run's relay key) reaches each worker on its stdin, never in argv or environment."""
     from laminar_jax.relay.worker import config_json
 
     if n < 1:
@@ -95,9 +99,16 @@ def start_local_chain(n: int, config: RelaySection = RelaySection(), startup_tim
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [*python, "-m", "laminar_jax.relay.worker", "--port", "0", "--config-json", config_json(config),
-           "--parent-pid", str(os.getpid())]
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=env, cwd=_REPO) for _ in range(n)]
-    chain = LocalChain(procs, [], config)
+           "--parent-pid", str(os.getpid())] + (["--key-stdin"] if key is not None else [])
+    procs = []
+    for _ in range(n):
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE if key is not None else None,
+                             text=True, env=env, cwd=_REPO)
+        procs.append(p)
+        if key is not None:
+            p.stdin.write(key.hex() + "\n")
+            p.stdin.close()
+    chain = LocalChain(procs, [], config, key)
     try:
         deadline = time.monotonic() + startup_timeout
         for i, p in enumerate(procs):

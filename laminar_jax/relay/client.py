@@ -8,27 +8,32 @@ and version waited for.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 import os
 import socket
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
 
+from laminar_jax.relay import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, views
 from laminar_jax.relay.store import VersionNotFound
-from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
+from laminar_jax.relay.wire import AuthError, Peer, RemoteError, WireError, client_handshake, connect
 
 
 class RelayClient:
     """Pulls versions; ``addresses`` in preference order (local relay first)."""
 
     def __init__(self, addresses: Sequence[str], store: Any = None, config: RelaySection = RelaySection(),
-                 holder: Optional[str] = None):
+                 holder: Optional[str] = None, key: Optional[bytes] = None):
+        """``key``: the run's relay key (auth.run_key); None talks to relays that run without one."""
         self.addresses, self.store, self.cfg = tuple(addresses), store, config
+        self.key = auth.check_key(key, "RelayClient key")
         self.holder = holder or f"client-{socket.gethostname()}-{os.getpid()}"
         self.last_source: Optional[str] = None  # where the last pull came from (relay address or store URL)
         self.errors: list[str] = []  # relay errors met by the last call
@@ -79,7 +84,7 @@ class RelayClient:
         self.errors = []
         for addr in self.addresses:
             try:
-                peer = connect(addr, min(timeout, self.cfg.connect_timeout_s), timeout)
+                peer = connect(addr, min(timeout, self.cfg.connect_timeout_s), timeout, self.key)
                 try:
                     h, _ = peer.request({"op": "versions"}, "versions", "its version list")
                 finally:
@@ -92,7 +97,7 @@ class RelayClient:
     def wait_for(self, version: int, timeout: float, address: Optional[str] = None) -> int:
         """Block until ``address`` (default: the first relay) holds ``version`` or newer."""
         addr = address or self.addresses[0]
-        peer = connect(addr, self.cfg.connect_timeout_s, timeout + self.cfg.io_timeout_s)
+        peer = connect(addr, self.cfg.connect_timeout_s, timeout + self.cfg.io_timeout_s, self.key)
         try:
             h, _ = peer.request({"op": "wait", "version": version, "wait_s": timeout}, "ready",
                                 f"version {version} to be complete")
@@ -105,11 +110,14 @@ class RelayClient:
     # ---- relay paths
     def _pull_relay(self, addr: str, newer_than: int, wait: float) -> tuple[int, dict, bool]:
         for attempt in range(3):  # the version may be evicted between 'pull' and 'map'/'read'
-            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s + wait)
+            peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s + wait, self.key)
             try:
                 h, _ = peer.request({"op": "pull", "newer_than": newer_than, "wait_s": wait}, "pulled",
                                     f"a version newer than {newer_than}")
                 m = Manifest.from_dict(h["manifest"], f"manifest of version {h.get('version')} from relay {addr}")
+                if self.key is not None and not auth.verify_version(self.key, m.version, m.digest(),
+                                                                    h.get("signature")):
+                    raise AuthError(f"relay {addr}: version {m.version} lacks a valid learner signature")
                 peer.settimeout(self.cfg.io_timeout_s)
                 try:
                     flat = None
@@ -117,7 +125,7 @@ class RelayClient:
                         flat = self._map_local(addr, h["unix"], m)
                     if flat is not None:
                         return m.version, flat, False
-                    return m.version, self._read_tcp(peer, m), True
+                    return m.version, self._read_tcp(peer, m, h.get("signature")), True
                 except RemoteError as e:
                     if e.kind != "gone" or attempt == 2:
                         raise
@@ -134,7 +142,11 @@ class RelayClient:
         except OSError:
             s.close()
             return None
-        peer = Peer(s, f"relay {addr} (unix)")
+        try:
+            peer = client_handshake(s, f"relay {addr} (unix)", self.key, self.cfg.connect_timeout_s)
+        except BaseException:
+            s.close()
+            raise
         try:
             h, _ = peer.request({"op": "map", "version": m.version}, "mapped", f"the memfd of version {m.version}")
             _, fds, _, _ = socket.recv_fds(s, 1, 1)
@@ -153,14 +165,38 @@ class RelayClient:
         weakref.finalize(mm, peer.close)
         return views(mm, m)
 
-    def _read_tcp(self, peer: Peer, m: Manifest) -> dict:
+    def _read_tcp(self, peer: Peer, m: Manifest, signature: Optional[str] = None) -> dict:
         buf = np.empty(m.total_bytes, np.uint8)
         peer.send({"op": "read", "version": m.version, "offset": 0, "nbytes": m.total_bytes})
-        _, plen = peer.expect("data", f"bytes of version {m.version}")
+        h, plen = peer.expect("data", f"bytes of version {m.version}")
         if plen != m.total_bytes:
             raise WireError(f"{peer.name}: sent {plen} bytes for version {m.version}, expected {m.total_bytes}")
         peer.recv_into(memoryview(buf), f"{m.total_bytes} bytes of version {m.version}")
+        if h.get("pm") == 0:  # no wire tag on the payload: the learner's chunk tags must vouch for it
+            self._check_chunks(peer.name, h, memoryview(buf), m, signature)
         return views(buf, m)
+
+    def _check_chunks(self, name: str, h: dict, mv: memoryview, m: Manifest, signature: Optional[str]) -> None:
+        from laminar_jax.relay.manifest import chunk_span, num_chunks
+
+        chunk_bytes, chunks = int(h.get("chunk_bytes", 0)), h.get("chunks")
+        if (self.key is None or h.get("signature") != signature or chunk_bytes < 1 or not isinstance(chunks, list)
+                or len(chunks) != num_chunks(m.total_bytes, chunk_bytes)):
+            raise AuthError(f"{name}: bytes of version {m.version} come without valid chunk tags")
+        for i, pair in enumerate(chunks):
+            if not (isinstance(pair, list) and len(pair) == 2
+                    and auth.verify_chunk(self.key, signature, i, pair[0], pair[1])):
+                raise AuthError(f"{name}: chunk {i} of version {m.version} has no valid learner tag")
+
+        def digest(i: int) -> str:
+            start, stop = chunk_span(i, m.total_bytes, chunk_bytes)
+            return hashlib.sha256(mv[start:stop]).hexdigest()
+
+        # hashlib releases the GIL: the chunks hash in parallel on as many cores as there are
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(chunks)) or 1) as pool:
+            for i, got in enumerate(pool.map(digest, range(len(chunks)))):
+                if got != chunks[i][0]:
+                    raise AuthError(f"{name}: chunk {i} of version {m.version} does not match its tag")
 
     # ---- store path
     def _pull_store(self, newer_than: int, deadline: float, poll: bool) -> Optional[tuple[int, dict]]:
@@ -173,7 +209,10 @@ class RelayClient:
                 try:
                     with self.store.lease(v, self.holder):
                         flat = self.store.read(v)
-                except VersionNotFound:  # collected between latest() and the lease: a newer one exists
+                except VersionNotFound:  # collected between latest() and the lease, or a dangling LATEST
+                    if time.monotonic() >= deadline:
+                        return None
+                    time.sleep(min(0.05, max(0.0, deadline - time.monotonic())))
                     continue
                 self.last_source = self.store.url
                 return v, flat

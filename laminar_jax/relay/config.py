@@ -37,6 +37,7 @@ class RelaySection:
       base_port: TCP port of the relay server (0 = ephemeral, chosen by the OS).
       local_transport: How a rollout pulls from a relay on its own host: 'memfd' maps the relay's memory (one copy), 'tcp' streams bytes over the socket.
       gc_on_publish: Run the store's gc() after each version the publisher writes.
+      max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
     """
 
     store_url: Optional[str] = None
@@ -63,6 +64,7 @@ class RelaySection:
     base_port: int = 0
     local_transport: Literal["memfd", "tcp"] = "memfd"
     gc_on_publish: bool = True
+    max_unverified_bytes: int = 64 << 30
 
     def validate(self, prefix: str) -> None:
         expect(self.keep_last >= 1, f"{prefix}.keep_last", self.keep_last, ">= 1")
@@ -88,4 +90,6 @@ class RelaySection:
                f"< io_timeout_s ({self.io_timeout_s})")
         expect(self.max_chunk_retries >= 1, f"{prefix}.max_chunk_retries", self.max_chunk_retries, ">= 1")
         expect(0 <= self.base_port < 65536, f"{prefix}.base_port", self.base_port, "in [0, 65535]")
+        expect(self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes", self.max_unverified_bytes,
+               ">= 4096 (and at least one weight version's size)")
         expect(bool(self.host), f"{prefix}.host", self.host, "a non-empty interface address")

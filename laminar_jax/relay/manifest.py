@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
 import itertools
 import json
 import zlib
@@ -92,6 +93,10 @@ class Manifest:
 
     def to_json(self) -> bytes:
         return json.dumps(self.to_dict(), separators=(",", ":")).encode()
+
+    def digest(self) -> str:
+        """SHA-256 (hex) of the manifest's canonical JSON: what the learner signs with the version."""
+        return hashlib.sha256(json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str) -> "Manifest":

@@ -76,19 +76,22 @@ class PublisherStats:
 
 class Publisher:
     def __init__(self, config: RelaySection = RelaySection(), store: Any = None,
-                 relay_addresses: Optional[Sequence[str]] = None, copy_numpy: bool = True):
+                 relay_addresses: Optional[Sequence[str]] = None, copy_numpy: bool = True,
+                 key: Optional[bytes] = None):
         """``store``: a WeightStore (default: built from config.store_url, if set).
-        ``copy_numpy``: copy numpy leaves (the caller may mutate them after publish returns)."""
+        ``copy_numpy``: copy numpy leaves (the caller may mutate them after publish returns).
+        ``key``: the run's relay key (auth.run_key): authenticates the links and signs each version."""
+        from laminar_jax.relay.auth import check_key
         from laminar_jax.relay.store import WeightStore
 
         config.validate("relay")
-        self.cfg, self.copy_numpy = config, copy_numpy
+        self.cfg, self.copy_numpy, self._key = config, copy_numpy, check_key(key, "Publisher key")
         self.store = store if store is not None else (WeightStore.from_config(config) if config.store_url else None)
         addrs = tuple(config.relay_addresses if relay_addresses is None else relay_addresses)
         if self.store is None and not addrs:
             raise ValueError("Publisher: neither a store (relay.store_url) nor relay.relay_addresses configured")
         limiter = make_limiter(config.link_rate_bytes_per_s, config.link_burst_bytes)
-        self._down = Downstream(config, addrs, limiter, "publisher") if addrs else None
+        self._down = Downstream(config, addrs, limiter, "publisher", key=key) if addrs else None
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
         self._busy: Optional[int] = None
@@ -219,7 +222,7 @@ class Publisher:
             manifest = plan_layout(job.host, job.version)
             try:
                 chunk = chunk_bytes_for(self.cfg, manifest.total_bytes)
-                self._down.deliver(ArraysSource(manifest, job.host, chunk))
+                self._down.deliver(ArraysSource(manifest, job.host, chunk, self._key))
                 t["relay_visible"] = time.perf_counter() - job.t_publish
                 self._counts["relayed"] += 1
             except NoRelayReachable as e:

@@ -4,6 +4,8 @@ Push protocol (sender -> receiver, one TCP connection, several versions one afte
 
     push {version, manifest, chunk_bytes}   -> have {chunks, complete, obsolete}
     chunk {version, index, crc} + bytes     (no reply; bytes land straight in the receiver's buffer)
+      or, with the run key: chunk {version, index, digest, tag}: the SHA-256 of the bytes and the
+      learner's tag on it (auth.chunk_tag); relays store both and forward them unchanged
     keepalive                               (no reply; sent while waiting for upstream chunks)
     end {version}                           -> missing {chunks}   (checksum failures: resent, repeat)
     abort {version}                         (no reply; the sender gave up on this version)
@@ -13,11 +15,13 @@ Used by the publisher (to the master relay) and by every relay (to its successor
 
 from __future__ import annotations
 
+import hashlib
 import time
 from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
+from laminar_jax.relay import auth
 from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, first_array, num_chunks
 from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
 
@@ -33,13 +37,16 @@ class UpstreamStalled(TimeoutError):
 class ChunkSource(Protocol):
     manifest: Manifest
     chunk_bytes: int
+    signature: Optional[str]  # the learner's signature over version + manifest digest (None: no key)
 
     def ready_since(self, pos: int, timeout: float) -> list[int]:
         """Chunks that became sendable after the first ``pos`` of them, in the order they did
         (waiting up to ``timeout`` for one); every chunk appears once in this log."""
         ...
 
-    def chunk(self, index: int) -> tuple[list[Any], int]: ...
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
+        """(payload segments, header fields that vouch for them: {"crc"} or {"digest", "tag"})."""
+        ...
 
     def superseded(self) -> bool: ...
 
@@ -47,8 +54,11 @@ class ChunkSource(Protocol):
 class ArraysSource:
     """Chunks of a version held as separate host arrays (the publisher's side); always ready."""
 
-    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int):
+    def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int,
+                 key: Optional[bytes] = None):
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
+        self.key = key
+        self.signature = None if key is None else auth.sign_version(key, manifest.version, manifest.digest())
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
         self._offsets = [e.offset for e in manifest.entries]
         self.n = num_chunks(manifest.total_bytes, chunk_bytes)
@@ -56,13 +66,19 @@ class ArraysSource:
     def ready_since(self, pos: int, timeout: float) -> list[int]:
         return list(range(pos, self.n))
 
-    def chunk(self, index: int) -> tuple[list[Any], int]:
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
         start, stop = chunk_span(index, self.manifest.total_bytes, self.chunk_bytes)
         segs = chunk_segments(self._pairs, start, stop, first_array(self._offsets, start))
+        if self.key is not None:  # one SHA-256 per chunk, here only; relays forward the tag as is
+            h = hashlib.sha256()
+            for s in segs:
+                h.update(memoryview(s).cast("B"))
+            digest = h.hexdigest()
+            return segs, {"digest": digest, "tag": auth.chunk_tag(self.key, self.signature, index, digest)}
         crc = 0
         for s in segs:
             crc = crc32_of(s, crc)
-        return segs, crc
+        return segs, {"crc": crc}
 
     def superseded(self) -> bool:
         return False
@@ -77,8 +93,10 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
     """
     m, v = src.manifest, src.manifest.version
     n = num_chunks(m.total_bytes, src.chunk_bytes)
-    reply, _ = peer.request({"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes},
-                            "have", f"push handshake of version {v}")
+    hello = {"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes}
+    if src.signature is not None:
+        hello["signature"] = src.signature
+    reply, _ = peer.request(hello, "have", f"push handshake of version {v}")
     if reply.get("complete") or reply.get("obsolete"):
         return "skipped"
     sent = set(int(i) for i in reply.get("chunks", ()))
@@ -113,15 +131,16 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
 
 
 def _send_chunk(peer: Peer, src: ChunkSource, version: int, idx: int, limiter: Any) -> None:
-    segs, crc = src.chunk(idx)
-    peer.send({"op": "chunk", "version": version, "index": idx, "crc": crc}, segs, limiter)
+    segs, vouch = src.chunk(idx)
+    peer.send({"op": "chunk", "version": version, "index": idx, **vouch}, segs, limiter,
+              payload_mac="tag" not in vouch)
 
 
 class Downstream:
     """A link to the nearest live relay of an ordered list; dead ones are skipped for dead_retry_s."""
 
-    def __init__(self, cfg: Any, addresses: Sequence[str], limiter: Any, name: str):
-        self.cfg, self.limiter, self.name = cfg, limiter, name
+    def __init__(self, cfg: Any, addresses: Sequence[str], limiter: Any, name: str, key: Optional[bytes] = None):
+        self.cfg, self.limiter, self.name, self.key = cfg, limiter, name, key
         self.addresses: tuple[str, ...] = tuple(addresses)
         self._dead_until: dict[str, float] = {}
         self._link: Optional[tuple[str, Peer]] = None
@@ -153,7 +172,7 @@ class Downstream:
             if self._dead_until.get(addr, 0.0) > now:
                 continue
             try:
-                peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s)
+                peer = connect(addr, self.cfg.connect_timeout_s, self.cfg.io_timeout_s, self.key)
                 peer.request({"op": "ping"}, "pong", "ping after connect")
             except (OSError, WireError, RemoteError) as e:
                 self.mark_dead(addr, e)

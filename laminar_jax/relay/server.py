@@ -14,11 +14,23 @@ Requests (see wire.py for framing, push.py for the push sub-protocol):
     stop                               -> ok, then the server stops
 
 Version buffers are memfd-backed so a rollout on the same host maps them (one memcpy to pull).
+Each memfd is sealed against writes by anyone but this process (F_SEAL_FUTURE_WRITE, plus
+SHRINK/GROW/SEAL) as soon as it is created: a client can map it read-only and nothing else.
+
+With a run key (``key=``) every connection is authenticated (wire.py, auth.py): a peer without
+the key is dropped at its first message, counted in ``stats()["auth_rejected"]`` and logged once
+per address; pushes must carry the learner's signature over the version and manifest digest.
+A push is refused when its announced size, added to the bytes announced but not yet verified
+by all unfinished pushes, exceeds ``max_unverified_bytes``; an unfinished version is dropped
+(its memory freed) when its sender disconnects or stays silent past ``io_timeout_s``.
 """
 
 from __future__ import annotations
 
 import collections
+import fcntl
+import hashlib
+import logging
 import mmap
 import os
 import socket
@@ -28,11 +40,36 @@ import traceback
 import uuid
 from typing import Any, Optional, Sequence
 
+from laminar_jax.relay import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc32_of, num_chunks
 from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
 from laminar_jax.relay.ratelimit import make_limiter
-from laminar_jax.relay.wire import Peer, PeerClosed, WireError, error_frame
+from laminar_jax.relay.wire import AuthError, Peer, PeerClosed, WireError, error_frame, server_handshake
+
+log = logging.getLogger(__name__)
+PRE_AUTH_MAX_HEADER = 1 << 20  # a connection's first header, read before its tag can be checked
+_F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (5.1+); not in every Python's fcntl module
+_SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
+          | _F_SEAL_FUTURE_WRITE)
+
+
+def _sealed_memfd(name: str, size: int) -> tuple[int, mmap.mmap]:
+    """A memfd of ``size`` bytes mapped read-write here, then sealed: no other process can write
+    it, resize it or map it writable (our mapping, made before the seal, stays writable, so
+    buffers can be reused). Falls back to an unsealed memfd on kernels without the seals."""
+    fd = os.memfd_create(name, os.MFD_CLOEXEC | getattr(os, "MFD_ALLOW_SEALING", 2))
+    try:
+        os.ftruncate(fd, size)
+        mm = mmap.mmap(fd, size)
+        try:
+            fcntl.fcntl(fd, getattr(fcntl, "F_ADD_SEALS", 1033), _SEALS)
+        except OSError as e:  # pre-5.1 kernel: the read-only client mapping is the only guard
+            log.warning("relay: cannot seal weight buffers (%s); clients map them read-only", e)
+        return fd, mm
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 class VersionBuf:
@@ -48,17 +85,24 @@ class VersionBuf:
         else:
             size = max(1, self.total)
             try:
-                self.fd = os.memfd_create(f"laminar-relay-v{self.version}", os.MFD_CLOEXEC)
-                os.ftruncate(self.fd, size)
-                self.mm = mmap.mmap(self.fd, size)
+                self.fd, self.mm = _sealed_memfd(f"laminar-relay-v{self.version}", size)
             except (AttributeError, OSError):
                 self.fd, self.mm = None, mmap.mmap(-1, size)
         self.have = [False] * self.n
-        self.crcs: list[Optional[int]] = [None] * self.n
+        self.vouch: list[Optional[dict]] = [None] * self.n  # per chunk: {"crc"} or {"digest", "tag"}
         self.nhave = 0
         self.order: list[int] = []  # verified chunks in arrival order (what the forwarder walks)
         self.pins = 0  # users of the bytes: receivers, the forwarder, TCP reads, client mappings
+        self.receivers = 0  # connections pushing this version right now
+        self.signature: Optional[str] = None  # the learner's signature, forwarded downstream
         self.evicted = False
+
+        self.bytes_have = 0
+
+    @property
+    def unverified(self) -> int:
+        """Bytes announced but not verified yet."""
+        return self.total - self.bytes_have
 
     @property
     def complete(self) -> bool:
@@ -94,8 +138,12 @@ class _BufSource:
                                        or self.server._stopping.is_set(), timeout)
             return order[pos:]
 
-    def chunk(self, index: int) -> tuple[list[Any], int]:
-        return [self.buf.view(index)], self.buf.crcs[index]
+    def chunk(self, index: int) -> tuple[list[Any], dict]:
+        return [self.buf.view(index)], self.buf.vouch[index]
+
+    @property
+    def signature(self) -> Optional[str]:
+        return self.buf.signature
 
     def superseded(self) -> bool:
         """Evicted, or a newer version has started arriving (the forwarder always sends the newest)."""
@@ -109,9 +157,10 @@ class RelayServer:
     """See the module docstring. ``start()`` binds ``cfg.host:port`` (ephemeral when 0)."""
 
     def __init__(self, config: RelaySection = RelaySection(), successors: Sequence[str] = (),
-                 port: Optional[int] = None):
+                 port: Optional[int] = None, key: Optional[bytes] = None):
         config.validate("relay")
-        self.cfg = config
+        self.cfg, self._key = config, auth.check_key(key, "RelayServer key")
+        self._rejected_from: set[str] = set()  # addresses already logged for failing authentication
         self.relay_id = uuid.uuid4().hex
         self.unix_name = f"\0laminar-relay-{self.relay_id}"
         self._port = config.base_port if port is None else port
@@ -125,7 +174,8 @@ class RelayServer:
         self._conn_errors: collections.deque[str] = collections.deque(maxlen=20)
         self._delivered: dict[str, int] = {}
         self._down = Downstream(config, successors, make_limiter(config.link_rate_bytes_per_s,
-                                                                 config.link_burst_bytes), "relay forwarder")
+                                                                 config.link_burst_bytes), "relay forwarder",
+                                key=key)
         self._tcp: Optional[socket.socket] = None
         self._unix: Optional[socket.socket] = None
         self.counters = collections.Counter()
@@ -276,15 +326,41 @@ class RelayServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.cfg.io_timeout_s)
             name = f"{kind} peer {addr[0]}:{addr[1]}" if kind == "tcp" else "unix peer"
+            source = addr[0] if kind == "tcp" else "unix socket"
             self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(Peer(sock, name), kind), daemon=True,
+            threading.Thread(target=self._serve, args=(Peer(sock, name), kind, source), daemon=True,
                              name="relay-conn").start()
 
-    def _serve(self, peer: Peer, kind: str) -> None:
+    def _reject(self, peer: Peer, source: str, err: BaseException) -> None:
+        """Count a peer that failed authentication; log it once per address (a scanner must not
+        flood the log)."""
+        with self._cond:
+            self.counters["auth_rejected"] += 1
+            first = source not in self._rejected_from
+            if first and len(self._rejected_from) < 4096:
+                self._rejected_from.add(source)
+        if first:
+            log.warning("relay %s: dropped a connection from %s that failed authentication: %s "
+                        "(further ones from this address are only counted)", self.relay_id[:8], source, err)
+
+    def _serve(self, peer: Peer, kind: str, source: str = "") -> None:
         try:
+            if self._key is not None:
+                peer.max_header = PRE_AUTH_MAX_HEADER
+                try:
+                    server_handshake(peer, self._key)
+                    first = peer.recv("a request")
+                except (AuthError, WireError, OSError) as e:
+                    if not isinstance(e, PeerClosed):
+                        self._reject(peer, source, e)
+                    return
+                peer.max_header = Peer.max_header
+            else:
+                first = None
             while not self._stopping.is_set():
                 try:
-                    header, plen = peer.recv("a request")
+                    header, plen = first if first is not None else peer.recv("a request")
+                    first = None
                 except PeerClosed:
                     return  # clean close between requests
                 handler = getattr(self, f"_op_{header['op']}", None)
@@ -294,6 +370,8 @@ class RelayServer:
                     continue
                 if handler(peer, header, plen) is True:
                     return
+        except AuthError as e:  # an authenticated peer sent a bad tag later on: tampering
+            self._reject(peer, source, e)
         except (OSError, WireError, ManifestError, ValueError, KeyError, TypeError) as e:
             if not self._stopping.is_set():
                 self._conn_errors.append(f"{peer.name}: {type(e).__name__}: {e}")
@@ -341,7 +419,7 @@ class RelayServer:
         self.counters["pulls"] += 1
         peer.send({"op": "pulled", "version": buf.version, "manifest": buf.manifest.to_dict(),
                    "chunk_bytes": buf.chunk_bytes, "unix": self.unix_name if self._unix else None,
-                   "relay_id": self.relay_id})
+                   "relay_id": self.relay_id, "signature": buf.signature})
 
     def _op_wait(self, peer: Peer, h: dict, plen: int) -> None:
         v, wait_s = int(h["version"]), float(h.get("wait_s", 0.0))
@@ -372,7 +450,14 @@ class RelayServer:
                 peer.send(error_frame("bad_request", f"read range [{off}, {off + n}) outside version {v} "
                                                      f"of {buf.total} bytes"))
                 return
-            peer.send({"op": "data", "version": v}, [memoryview(buf.mm)[off:off + n]])
+            whole = off == 0 and n == buf.total and buf.signature is not None
+            if whole and all(x is not None and "tag" in x for x in buf.vouch):
+                # The learner's chunk tags vouch for the bytes: the client hashes once, we not at all.
+                peer.send({"op": "data", "version": v, "chunk_bytes": buf.chunk_bytes, "signature": buf.signature,
+                           "chunks": [[x["digest"], x["tag"]] for x in buf.vouch]},
+                          [memoryview(buf.mm)[off:off + n]], payload_mac=False)
+            else:
+                peer.send({"op": "data", "version": v}, [memoryview(buf.mm)[off:off + n]])
         finally:
             self._unpin(buf)
 
@@ -402,25 +487,37 @@ class RelayServer:
         v = int(h["version"])
         m = Manifest.from_dict(h["manifest"], f"push of version {v} from {peer.name}")
         chunk_bytes = int(h["chunk_bytes"])
-        if chunk_bytes < 1:
-            peer.send(error_frame("bad_request", f"push of version {v}: chunk_bytes={chunk_bytes}: must be >= 1"))
+        refusal = self._push_refusal(v, m, chunk_bytes, h.get("signature"))
+        if refusal is not None:
+            peer.send(error_frame(*refusal))
             return
         with self._cond:
             buf = self._versions.get(v)
             complete = sorted((x for x, b in self._versions.items() if b.complete), reverse=True)
             obsolete = buf is None and len(complete) >= self.cfg.keep_in_memory and v < complete[-1]
             if buf is None and not obsolete:
+                pending = sum(b.unverified for b in self._versions.values())
+                if pending + m.total_bytes > self.cfg.max_unverified_bytes:
+                    self.counters["pushes_refused"] += 1
+                    peer.send(error_frame("busy", f"push of version {v}: {m.total_bytes} bytes announced while "
+                                                  f"{pending} are not yet verified; relay.max_unverified_bytes="
+                                                  f"{self.cfg.max_unverified_bytes}"))
+                    return
                 buf = self._versions[v] = self._new_buf(m, chunk_bytes)
+                buf.signature = h.get("signature")
                 self._cond.notify_all()
             if buf is not None:
                 buf.pins += 1
+                buf.receivers += 1
         if obsolete:
             peer.send({"op": "have", "complete": False, "obsolete": True, "chunks": []})
             return
         try:
-            if buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes:
+            if (buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes or buf.manifest != m
+                    or buf.signature != h.get("signature")):
                 peer.send(error_frame("conflict", f"version {v}: held with {buf.total} bytes / {buf.chunk_bytes}-"
-                                                  f"byte chunks, pushed with {m.total_bytes} / {chunk_bytes}"))
+                                                  f"byte chunks, pushed with {m.total_bytes} / {chunk_bytes} "
+                                                  f"(or another manifest or publish)"))
                 return
             if buf.complete:
                 peer.send({"op": "have", "complete": True, "obsolete": False, "chunks": []})
@@ -429,7 +526,34 @@ class RelayServer:
                        "chunks": [i for i in range(buf.n) if buf.have[i]]})
             self._receive_chunks(peer, buf)
         finally:
+            with self._cond:
+                buf.receivers -= 1
+                if not buf.complete and buf.receivers == 0:
+                    self._drop_partial_locked(buf)
             self._unpin(buf)
+
+    def _push_refusal(self, v: int, m: Manifest, chunk_bytes: int, signature: object) -> Optional[tuple[str, str]]:
+        """(kind, message) of why a push is refused, or None. Pure checks on the announcement."""
+        if v != m.version:
+            return "bad_request", f"push of version {v} carries the manifest of version {m.version}"
+        if chunk_bytes < 1:
+            return "bad_request", f"push of version {v}: chunk_bytes={chunk_bytes}: must be >= 1"
+        if m.total_bytes > self.cfg.max_unverified_bytes:
+            self.counters["pushes_refused"] += 1
+            return "too_large", (f"push of version {v}: {m.total_bytes} bytes announced, above "
+                                 f"relay.max_unverified_bytes={self.cfg.max_unverified_bytes}")
+        if self._key is not None and not auth.verify_version(self._key, v, m.digest(), signature):
+            self.counters["pushes_refused"] += 1
+            return "forged", f"push of version {v}: no valid learner signature over the version and manifest"
+        return None
+
+    def _drop_partial_locked(self, buf: VersionBuf) -> None:
+        """Forget an unfinished version whose last sender left: its bytes are freed (or pooled)."""
+        if self._versions.get(buf.version) is buf:
+            del self._versions[buf.version]
+            buf.evicted = True
+            self.counters["partial_dropped"] += 1
+            self._cond.notify_all()
 
     def _receive_chunks(self, peer: Peer, buf: VersionBuf) -> None:
         while True:
@@ -448,9 +572,25 @@ class RelayServer:
                 continue
             if op != "chunk":
                 raise WireError(f"{peer.name}: unexpected {op!r} inside push of version {buf.version}")
-            self._receive_chunk(peer, buf, int(h["index"]), int(h["crc"]), plen)
+            self._receive_chunk(peer, buf, h, plen)
 
-    def _receive_chunk(self, peer: Peer, buf: VersionBuf, idx: int, crc: int, plen: int) -> None:
+    def _chunk_vouch(self, peer: Peer, buf: VersionBuf, h: dict, idx: int) -> dict:
+        """The header fields that vouch for a chunk's bytes; with a key, the learner's tag must hold."""
+        if self._key is None:
+            return {"crc": int(h["crc"])}
+        if not auth.verify_chunk(self._key, buf.signature, idx, h.get("digest"), h.get("tag")):
+            raise AuthError(f"{peer.name}: chunk {idx} of version {buf.version} lacks a valid learner tag")
+        return {"digest": h["digest"], "tag": h["tag"]}
+
+    @staticmethod
+    def _bytes_match(mv: memoryview, vouch: dict) -> bool:
+        if "digest" in vouch:
+            return hashlib.sha256(mv).hexdigest() == vouch["digest"]
+        return crc32_of(mv) == vouch["crc"]
+
+    def _receive_chunk(self, peer: Peer, buf: VersionBuf, h: dict, plen: int) -> None:
+        idx = int(h["index"])
+        vouch = self._chunk_vouch(peer, buf, h, idx)
         what = f"chunk {idx} of version {buf.version}"
         start, stop = chunk_span(idx, buf.total, buf.chunk_bytes) if 0 <= idx < buf.n else (0, -1)
         if plen != stop - start:
@@ -460,13 +600,14 @@ class RelayServer:
             return
         mv = buf.view(idx)
         peer.recv_into(mv, what)
-        if crc32_of(mv) != crc:
+        if not self._bytes_match(mv, vouch):
             self.counters["bad_chunks"] += 1
             return  # left missing: the sender resends it after 'end'
         with self._cond:
             if not buf.have[idx]:
-                buf.have[idx], buf.crcs[idx] = True, crc
+                buf.have[idx], buf.vouch[idx] = True, vouch
                 buf.nhave += 1
+                buf.bytes_have += stop - start
                 buf.order.append(idx)
                 self.counters["chunks_in"] += 1
                 if buf.complete:

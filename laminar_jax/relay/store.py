@@ -11,6 +11,10 @@ Atomicity: a single-key write is atomic on every kvstore, and the manifest is wr
 every array write has completed (tensorstore's file driver fsyncs). A writer killed mid-version
 leaves an unreferenced ``data/`` prefix that no reader can reach; gc() removes it.
 Single writer per store (the learner); any number of readers and gc callers.
+
+``LATEST`` is a hint, the manifests are the truth: a ``LATEST`` naming a version without a
+manifest (removed by gc under a resumed learner, or never committed) is ignored and the newest
+committed version wins; the next commit or retract rewrites it.
 """
 
 from __future__ import annotations
@@ -153,14 +157,23 @@ class WeightStore:
         return out
 
     def latest(self) -> Optional[int]:
-        """The version LATEST points to (None for an empty store)."""
+        """The newest committed version (None for an empty store): what LATEST points to when
+        that version has its manifest, else (a dangling or uncommitted LATEST) the newest version
+        that has one."""
+        hint = self._latest_hint()
+        if hint is not None and self._kv.read(f"manifests/{_vkey(hint)}.json").result().state == "value":
+            return hint
+        committed = self.versions()
+        return committed[-1] if committed else None
+
+    def _latest_hint(self) -> Optional[int]:
         r = self._kv.read("LATEST").result()
         if r.state != "value":
             return None
         try:
             return int(json.loads(r.value)["version"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise ManifestError(f"{self.url}LATEST: malformed ({e}): {bytes(r.value)[:100]!r}") from None
+        except (ValueError, KeyError, TypeError):
+            return None  # a torn or garbled LATEST is only a hint: the manifests decide
 
     def manifest(self, version: int) -> Manifest:
         key = f"manifests/{_vkey(version)}.json"
@@ -229,8 +242,8 @@ class WeightStore:
 
     def _move_latest(self, version: int) -> None:
         cur = self.latest()
-        if cur is None or version > cur:
-            self._kv.write("LATEST", json.dumps({"version": version}).encode()).result()
+        if cur is None or version >= cur or self._latest_hint() != cur:
+            self._kv.write("LATEST", json.dumps({"version": max(version, cur or version)}).encode()).result()
 
     # ---- leases and gc
     def lease(self, version: int, holder: str, ttl_s: Optional[float] = None) -> Lease:
@@ -302,8 +315,12 @@ class WeightStore:
         for v in reversed(doomed):
             self._kv.delete_range(_prefix_range(f"manifests/{_vkey(v)}.json")).result()
             self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
-        if doomed:
-            self._kv.write("LATEST", json.dumps({"version": version}).encode()).result()
+        # LATEST names a committed version, never ``version`` itself when gc already removed it.
+        left = self.versions()
+        if left:
+            self._kv.write("LATEST", json.dumps({"version": left[-1]}).encode()).result()
+        else:
+            self._kv.delete_range(_prefix_range("LATEST")).result()
         return doomed
 
     def _gc_orphans(self, committed: set[int], newest: int) -> list[str]:

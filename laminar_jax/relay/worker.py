@@ -1,5 +1,8 @@
 """Relay worker process: ``python -m laminar_jax.relay.worker [--port P] [--config-json J] [--successors a,b]
-[--parent-pid P]``.
+[--parent-pid P] [--key-stdin | --key-file F]``.
+
+With ``--key-stdin`` the run's relay key (hex) is the first line of stdin; with ``--key-file``
+it is read from an owner-only key file (auth.run_key). The key never appears in argv.
 
 Prints one JSON line ``{"address": "host:port", "pid": ...}`` on stdout once listening, then
 serves until SIGTERM/SIGINT or a ``stop`` request. A background failure is printed to stderr
@@ -30,14 +33,30 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--successors", default="", help="comma-separated host:port of the next relays, nearest first")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is no longer our parent (it died: no orphaned relays)")
+    p.add_argument("--key-stdin", action="store_true", help="read the run's relay key (hex) from stdin's first line")
+    p.add_argument("--key-file", default=None, help="read the run's relay key from this owner-only file")
     return p.parse_args(argv)
+
+
+def read_key(args: argparse.Namespace) -> "bytes | None":
+    from laminar_jax.relay.auth import check_key, load_key
+
+    if args.key_file:
+        return load_key(args.key_file)
+    if not args.key_stdin:
+        return None
+    line = sys.stdin.readline().strip()
+    try:
+        return check_key(bytes.fromhex(line), "relay key on stdin")
+    except ValueError:
+        raise SystemExit("relay worker: --key-stdin: stdin's first line must be the key as hex") from None
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = from_config_dict(RelaySection, json.loads(args.config_json), "relay")
     successors = [a for a in args.successors.split(",") if a]
-    server = RelayServer(cfg, successors=successors, port=args.port).start()
+    server = RelayServer(cfg, successors=successors, port=args.port, key=read_key(args)).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

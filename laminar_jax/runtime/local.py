@@ -21,11 +21,11 @@ from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.weights import WeightsPlane
 
 
-def _relay(cfg: Config) -> tuple:
+def _relay(cfg: Config, key: bytes) -> tuple:
     """The in-process relay: (its address, stop, kill-for-fault-injection)."""
     from laminar_jax.relay import RelayServer
 
-    relay = RelayServer(cfg.relay)
+    relay = RelayServer(cfg.relay, key=key)
     relay.start()
     address = relay.address
 
@@ -40,6 +40,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     """Build every plane of a local run from the config; `.run()` trains and returns the summary."""
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.relay.auth import run_key
 
     cfg, resuming = resolve(cfg, run_dir)
     monitor = Monitor(cfg, run_dir, time.time())
@@ -56,8 +57,9 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     if extra:
         monitor.phase(f"resumed from the checkpoint at learner version {learner.version}")
     buffer = BufferService(cfg, learner.version, extra["runtime"] if extra else None)
-    address, stop_relay, kill_relay = _relay(cfg)
-    weights = WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg))
+    key = run_key(run_dir)
+    address, stop_relay, kill_relay = _relay(cfg, key)
+    weights = WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.

@@ -49,10 +49,10 @@ class RemoteBuffer:
 class RelayActor:
     """One relay server per node; rollout actors on that node pull from it (memfd when local)."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, key: bytes):
         from laminar_jax.relay import RelayServer
 
-        self.server = RelayServer(cfg.relay).start()
+        self.server = RelayServer(cfg.relay, key=key).start()
 
     def address(self) -> str:
         """host:port others reach it at (a wildcard bind advertises the node's IP)."""
@@ -76,7 +76,7 @@ class RolloutActor:
     sequences for repack, fault injection, stop."""
 
     def __init__(self, cfg, index: int, name: str, relays: dict, store_url: Optional[str], buffer, seed: int,
-                 rpc_timeout_s: float):
+                 rpc_timeout_s: float, key: bytes):
         from laminar_jax.model import build_model
         from laminar_jax.relay import RelayClient, WeightStore
         from laminar_jax.rollout import make_engine
@@ -90,7 +90,7 @@ class RolloutActor:
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]
         store = WeightStore(store_url, keep_last=cfg.relay.keep_last) if store_url else None
-        client = RelayClient(addresses, store=store, config=cfg.relay, holder=name)
+        client = RelayClient(addresses, store=store, config=cfg.relay, holder=name, key=key)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
         engine, _ = make_engine(model, dataclasses.replace(cfg.rollout, server_id=name, seed=seed))
         from_flat = params_from_flat(model)

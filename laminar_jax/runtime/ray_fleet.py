@@ -20,8 +20,9 @@ from laminar_jax.runtime.loops import Failure, mark_replaced
 
 class RayFleet:
     def __init__(self, cfg, buffer_handle, relays: dict, store_url: str, timeline, rpc_timeout_s: float,
-                 actor_options: dict):
+                 actor_options: dict, key: bytes):
         self.cfg, self.buffer_handle, self.relays, self.store_url = cfg, buffer_handle, relays, store_url
+        self.key = key  # handed to each actor in its constructor (Ray's object store; never argv or logs)
         self.timeline, self.rpc_timeout_s, self.actor_options = timeline, rpc_timeout_s, actor_options
         n = cfg.runtime.num_servers
         self.generations = [0] * n
@@ -41,7 +42,7 @@ class RayFleet:
 
         return ray.remote(RolloutActor).options(**self.actor_options).remote(
             self.cfg, i, server_name(i, self.generations[i]), self.relays, self.store_url, self.buffer_handle,
-            self.cfg.seed + 17 * i + self.generations[i], self.rpc_timeout_s)
+            self.cfg.seed + 17 * i + self.generations[i], self.rpc_timeout_s, self.key)
 
     def _get(self, ref, what: str, timeout: Optional[float] = None):
         """ray.get, bounded; the error names what it waited for."""

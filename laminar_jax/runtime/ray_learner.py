@@ -61,6 +61,7 @@ class LearnerProcess:
         self.learner = None
         self.publisher = None  # process 0 only: relay Publisher, or an in-memory one (tests)
         self._relays: list[str] = []
+        self._key: Optional[bytes] = None
 
     def coordinator_address(self, host: Optional[str] = None) -> str:
         """host:port for the jax.distributed coordinator (process 0's node, a free port).
@@ -101,8 +102,9 @@ class LearnerProcess:
         return {"process": jax.process_index(), "devices": jax.device_count(),
                 "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
 
-    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str]) -> None:
-        """Process 0 publishes each version to the weight store and the relay chain."""
+    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
+                         key: Optional[bytes] = None) -> None:
+        """Process 0 publishes each version to the weight store and the relay chain (signed with `key`)."""
         if self.index != 0:
             return
         from laminar_jax.config import finalize
@@ -111,7 +113,8 @@ class LearnerProcess:
         rcfg = finalize(json.loads(self.cfg_json)).relay
         store = WeightStore(store_url, keep_last=rcfg.keep_last) if store_url else None
         self._relays = list(relay_addresses)
-        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays)
+        self._key = key
+        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, key=key)
         self.learner.publisher = self.publisher
 
     def _gather_policy(self) -> dict[str, np.ndarray]:
@@ -138,7 +141,8 @@ class LearnerProcess:
                 from laminar_jax.config import finalize
                 from laminar_jax.relay import Publisher
 
-                pub = Publisher(finalize(json.loads(self.cfg_json)).relay, store=None, relay_addresses=self._relays)
+                pub = Publisher(finalize(json.loads(self.cfg_json)).relay, store=None, relay_addresses=self._relays,
+                                key=self._key)
             try:
                 pub.publish(self.learner.version, host)
                 if relays_only:
@@ -293,9 +297,10 @@ class LearnerGroup:
         self.version += 1
         return out[0]["metrics"]
 
-    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str]) -> None:
+    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
+                         key: Optional[bytes] = None) -> None:
         self._all("attach_publisher", "learner process 0 to build its weight publisher", store_url,
-                  list(relay_addresses), timeout=self.rpc_timeout_s)
+                  list(relay_addresses), key, timeout=self.rpc_timeout_s)
 
     def publish_current(self, relays_only: bool = False) -> None:
         """Publish the current version (gathered; process 0 publishes)."""

@@ -73,7 +73,7 @@ def _node_affinity(node_id: str, soft: bool):
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def _start_relays(cfg: Config, gpus: float, timeout_s: float) -> dict:
+def _start_relays(cfg: Config, gpus: float, timeout_s: float, key: bytes) -> dict:
     """One relay actor per alive node, chained master-first: {node: (actor, address)}."""
     import ray
 
@@ -81,7 +81,7 @@ def _start_relays(cfg: Config, gpus: float, timeout_s: float) -> dict:
     cls = ray.remote(RelayActor)
     for node in [n["NodeID"] for n in ray.nodes() if n.get("Alive")]:
         actor = cls.options(**role_options("relay", gpus), scheduling_strategy=_node_affinity(node, soft=False)
-                            ).remote(cfg)
+                            ).remote(cfg, key)
         out[node] = (actor, ray.get(actor.address.remote(), timeout=timeout_s))
     chain = [a for _, a in out.values()]
     for i, (actor, _) in enumerate(out.values()):  # each forwards down the chain
@@ -119,6 +119,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
     import ray
 
     from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.relay.auth import run_key
     from laminar_jax.runtime.buffer_service import BufferService
 
     cfg, resuming = resolve(cfg, run_dir)
@@ -146,18 +147,19 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
                                                                         extra["runtime"] if extra else None)
         built.append(lambda: ray.kill(handle, no_restart=True))
         buffer = RemoteBuffer(handle, rpc)
-        relays = _start_relays(cfg, gpus, rpc)
+        key = run_key(run_dir)
+        relays = _start_relays(cfg, gpus, rpc, key)
         built += [lambda a=a: ray.kill(a, no_restart=True) for a, _ in relays.values()]
         master = next(iter(relays.values()))
         weights = WeightsPlane(cfg, run_dir, [a for _, a in relays.values()],
                                stop_relays=lambda: close_all([lambda a=a: ray.kill(a, no_restart=True)
                                                               for a, _ in relays.values()]),
                                kill_master=lambda: (ray.kill(master[0], no_restart=True), master[1])[1],
-                               rpc_timeout_s=rpc)
+                               rpc_timeout_s=rpc, key=key)
         weights.attach(learner, initial=True)
         monitor.phase(f"starting {rt.num_servers} rollout actors")
         fleet = RayFleet(cfg, handle, {n: a for n, (_, a) in relays.items()}, weights.store_url, monitor.timeline,
-                         rpc, role_options("rollout", gpus))
+                         rpc, role_options("rollout", gpus), key)
     except BaseException:
         close_all([*reversed(built), monitor.close, *([ray.shutdown] if started else [])])
         raise

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 class WeightsPlane:
     def __init__(self, cfg, run_dir: str, relay_addresses: Sequence[str], stop_relays: Callable[[], None],
-                 kill_master: Callable[[], str], rpc_timeout_s: float):
+                 kill_master: Callable[[], str], rpc_timeout_s: float, key: bytes):
         from laminar_jax.relay import WeightStore
 
         self.cfg, self.rcfg = cfg, cfg.relay
@@ -23,6 +23,7 @@ class WeightsPlane:
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s
+        self.key = key  # the run's relay key (relay/auth.py): every relay message is authenticated with it
         self.publisher = None
         self.last_stats = None
 
@@ -30,7 +31,8 @@ class WeightsPlane:
         """A relay client for one rollout server (its own node's relay first, then the others)."""
         from laminar_jax.relay import RelayClient
 
-        return RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg, holder=holder)
+        return RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg, holder=holder,
+                           key=self.key)
 
     def attach(self, learner, initial: bool) -> None:
         """Give `learner` the publisher. `initial`: at start (or resume), make sure its current version
@@ -43,7 +45,7 @@ class WeightsPlane:
             self.store.retract_newer_than(learner.version)
         stored = self.store.latest() == learner.version
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
-            learner.attach_publisher(self.store_url, self.relay_addresses)
+            learner.attach_publisher(self.store_url, self.relay_addresses, self.key)
             if initial or not stored:
                 learner.publish_current(relays_only=stored)
             self.publisher = GroupPublisherProxy(learner)
@@ -51,7 +53,7 @@ class WeightsPlane:
         if self.publisher is None:
             from laminar_jax.relay import Publisher
 
-            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses)
+            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses, key=self.key)
         if initial and not stored:
             self.publisher.publish(learner.version, learner.policy_params())
         elif initial:  # stored already (resume): put it on the relays too, where servers pull it from
@@ -61,7 +63,7 @@ class WeightsPlane:
     def _seed_relays(self, version: int, params) -> None:
         from laminar_jax.relay import Publisher
 
-        seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses)
+        seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses, key=self.key)
         try:
             seed.publish(version, params)
             seed.flush(timeout=self.rpc_timeout_s)

@@ -31,9 +31,20 @@ def _pid(response, ground_truth, extra_info):
     return float(os.getpid())
 
 
+def _huge(response, ground_truth, extra_info):
+    return float(response)  # e.g. "1e300": finite in float64, inf in float32
+
+
+def _gil_hog(response, ground_truth, extra_info):
+    import re
+
+    re.match(r"(a+)+$", "a" * 64 + "b")  # catastrophic backtracking inside C, holding the GIL
+    return 1.0
+
+
 def registry() -> RewardRegistry:
     reg = default_registry()
-    for name, fn in [("echo", _echo), ("raise", _raise), ("hang", _hang), ("crash", _crash), ("nan", _nan), ("pid", _pid)]:
+    for name, fn in [("huge", _huge), ("gil_hog", _gil_hog), ("echo", _echo), ("raise", _raise), ("hang", _hang), ("crash", _crash), ("nan", _nan), ("pid", _pid)]:
         reg.register_reward(name, fn)
     return reg
 

@@ -180,3 +180,17 @@ def test_a_whole_epoch_of_rejected_rows_raises_instead_of_spinning(tmp_path):
     src = _source(path, shuffle=False, max_prompt_tokens=2, overlong="filter")
     with pytest.raises(ValueError, match="no usable prompt in a whole epoch"):
         next(src)
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "json"])
+def test_non_utf8_bytes_name_file_and_row_and_can_be_skipped(tmp_path, suffix):
+    path = tmp_path / f"latin.{suffix}"
+    lines = [json.dumps(_row(i)).encode() for i in range(3)]
+    lines[1] = lines[1].replace(b"What is", b"Wh\xe4t is")  # one latin-1 byte
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    src = _source(str(path), shuffle=False)
+    assert next(src).index == 0
+    with pytest.raises(BadRowError, match=rf"latin\.{suffix} row 1 \(line 2\).*not valid UTF-8: byte 0xe4"):
+        next(src)
+    src = _source(str(path), shuffle=False, num_epochs=1, skip_bad_rows=True)
+    assert [p.index for p in src] == [0, 2] and src.counters["bad_rows_skipped"] == 1

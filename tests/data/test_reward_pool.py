@@ -114,3 +114,57 @@ def test_close_resolves_pending_and_refuses_new_work():
     assert not hung.result(timeout=5).ok and queued.result(timeout=5).error == "reward pool closed"
     with pytest.raises(RuntimeError):
         p.submit("echo", "1", None)
+
+
+def test_rewards_outside_float32_range_are_counted_failures(pool):
+    import json
+    import math
+
+    before = pool.failures
+    for text in ("1e300", "-1e39", "inf"):
+        r = pool.score("huge", text, None)
+        assert (r.reward, r.ok) == (0.0, False) and "float32" in r.error, r
+        json.dumps({"reward": r.reward}, allow_nan=False)  # a summary stays valid JSON
+    assert pool.failures - before == 3
+    r = pool.score("huge", "3e38", None)  # the float32 maximum is still a reward
+    assert r.ok and math.isclose(r.reward, 3e38)
+
+
+_POOL_OWNER = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+from laminar_jax.data import RewardPool
+pool = RewardPool(num_workers=2, timeout_s=600, registry_spec="data_reward_probes:registry", pythonpath=[sys.argv[1]])
+deadline = time.monotonic() + 60
+while not all(w.ready for w in pool._workers) and time.monotonic() < deadline:
+    time.sleep(0.05)
+pool.submit("gil_hog", "x", None)  # one worker stuck in C code holding its GIL
+time.sleep(0.5)
+print(" ".join(str(p) for p in pool.worker_pids()), flush=True)
+time.sleep(600)
+"""
+
+
+def test_workers_die_with_a_killed_parent_even_while_a_scorer_holds_the_gil():
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(HERE))
+    env = dict(os.environ, PYTHONPATH=repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    owner = subprocess.Popen([sys.executable, "-c", _POOL_OWNER, HERE], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        pids = [int(p) for p in owner.stdout.readline().split()]
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+    finally:
+        owner.kill()
+        owner.wait(10)
+    _wait_for(lambda: not any(_alive(p) for p in pids), "reward workers to exit after their parent's SIGKILL",
+              timeout_s=5.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False

@@ -176,6 +176,72 @@ def _checkpoint_relative(tmp_path, monkeypatch):
             pass
 
 
+def _relay_without_key():
+    from laminar_jax.relay import RelayServer, RelaySection
+
+    with RelayServer(RelaySection(io_timeout_s=2.0), key=b"k" * 32) as server:
+        return raised(lambda: RelayClient([server.address]).wait_for(1, 0.5))
+
+
+def _relay_push_refusal(**cfg):
+    from laminar_jax.relay import RelaySection, RelayServer
+    from laminar_jax.relay.manifest import plan_layout
+    from laminar_jax.relay.wire import connect
+
+    m = plan_layout({"w": np.zeros(4096, np.float32)}, 5)
+    with RelayServer(RelaySection(io_timeout_s=2.0, **cfg), key=b"k" * 32) as server:
+        peer = connect(server.address, 2.0, 2.0, b"k" * 32)
+        try:
+            return raised(lambda: peer.request({"op": "push", "version": 5, "manifest": m.to_dict(),
+                                                "chunk_bytes": 4096}, "have", "push"))
+        finally:
+            peer.close()
+
+
+def _utf8_bad_row(tmp_path) -> str:
+    p = tmp_path / "latin.jsonl"
+    good = json.dumps({"data_source": "exact_match", "prompt": "hi", "reward_model": {"ground_truth": "4"}})
+    p.write_bytes(good.encode() + b"\n" + good.encode().replace(b'"hi"', b'"h\xe9"') + b"\n")
+    src = _source(tmp_path, source="file", path=str(p), shuffle=False)
+    return raised(lambda: [next(src) for _ in range(2)])
+
+
+def _reward_float32() -> str:
+    from laminar_jax.data.reward_worker import _score
+    from laminar_jax.data.rewards import RewardRegistry
+
+    reg = RewardRegistry()
+    reg.register_reward("huge", lambda r, g, e: 1e300)
+    return _score(reg, {"id": 0, "data_source": "huge", "response": "", "ground_truth": None})["error"]
+
+
+def _checkpoint_damage(tmp_path, caplog, keep_one: bool) -> str:
+    import jax.numpy as jnp
+
+    from laminar_jax.learner.checkpoint import Checkpointer
+
+    d = str(tmp_path / "ckpt")
+    ck = Checkpointer(d, keep=3, async_save=False)
+    for step in (1, 2):
+        ck.save(step, {"w": np.full(4096, step, np.float32)}, {"version": step})
+    ck.close()
+    for step in ((2,) if keep_one else (1, 2)):
+        for root, _, files in os.walk(os.path.join(d, str(step), "state")):
+            for f in files:
+                path = os.path.join(root, f)
+                if os.path.getsize(path) > 64 and not f.endswith((".json", "_METADATA", "manifest.ocdbt")):
+                    os.truncate(path, os.path.getsize(path) // 2)
+    ck = Checkpointer(d, keep=3, async_save=False)
+    try:
+        with caplog.at_level(logging.WARNING, logger="laminar_jax.learner.checkpoint"):
+            if keep_one:
+                assert ck.restore_newest({"w": jnp.zeros(4096, jnp.float32)}).step == 1
+                return "\n".join(r.getMessage() for r in caplog.records)
+            return raised(lambda: ck.restore_newest({"w": jnp.zeros(4096, jnp.float32)}))
+    finally:
+        ck.close()
+
+
 def _publisher_nowhere():
     from laminar_jax.relay import Publisher, RelaySection
 
@@ -215,6 +281,13 @@ TRIGGERS = {
     "relay-pull-timeout": lambda t, m, c: raised(
         lambda: RelayClient(["127.0.0.1:9"]).pull(timeout=0.3)),
     "publisher-nowhere": lambda t, m, c: raised(_publisher_nowhere),
+    "relay-no-key": lambda t, m, c: _relay_without_key(),
+    "relay-forged": lambda t, m, c: _relay_push_refusal(),
+    "relay-too-large": lambda t, m, c: _relay_push_refusal(max_unverified_bytes=8192),
+    "bad-row-utf8": lambda t, m, c: _utf8_bad_row(t),
+    "reward-float32": lambda t, m, c: _reward_float32(),
+    "checkpoint-skipped": lambda t, m, c: _checkpoint_damage(t, c, keep_one=True),
+    "checkpoint-none": lambda t, m, c: _checkpoint_damage(t, c, keep_one=False),
     "unsupported-arch": lambda t, m, c: raised(lambda: from_pretrained(
         _hf_dir(t, {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))),
     "unsupported-rope": lambda t, m, c: raised(lambda: load_hf_config(

@@ -104,16 +104,16 @@ def test_a_chunk_with_a_bad_checksum_is_fetched_again():
                                     "chunk_bytes": CFG.chunk_bytes}, "have", "handshake")
             assert have["chunks"] == [] and not have["complete"]
             for i in range(src.n):
-                segs, crc = src.chunk(i)
+                segs, vouch = src.chunk(i)
                 payload = bytearray(b"".join(bytes(s) for s in segs))
                 if i == 1:
                     payload[17] ^= 0x01  # corrupted on the wire; crc is of the good bytes
-                peer.send({"op": "chunk", "version": 5, "index": i, "crc": crc}, [payload])
+                peer.send({"op": "chunk", "version": 5, "index": i, **vouch}, [payload])
             missing, _ = peer.request({"op": "end", "version": 5}, "missing", "ack")
             assert missing["chunks"] == [1]
             assert server.versions_held() == []
-            segs, crc = src.chunk(1)
-            peer.send({"op": "chunk", "version": 5, "index": 1, "crc": crc}, segs)
+            segs, vouch = src.chunk(1)
+            peer.send({"op": "chunk", "version": 5, "index": 1, **vouch}, segs)
             missing, _ = peer.request({"op": "end", "version": 5}, "missing", "ack")
             assert missing["chunks"] == []
         finally:

@@ -85,8 +85,8 @@ def test_relay_forwards_chunks_in_arrival_order_even_out_of_order():
             peer.request({"op": "push", "version": 3, "manifest": m.to_dict(), "chunk_bytes": cfg.chunk_bytes},
                          "have", "handshake")
             for i in order:
-                segs, crc = src.chunk(i)
-                peer.send({"op": "chunk", "version": 3, "index": i, "crc": crc}, segs)
+                segs, vouch = src.chunk(i)
+                peer.send({"op": "chunk", "version": 3, "index": i, **vouch}, segs)
             missing, _ = peer.request({"op": "end", "version": 3}, "missing", "ack")
             assert missing["chunks"] == []
         finally:

@@ -173,3 +173,59 @@ def test_expired_lease_no_longer_pins(tmp_path):
         assert store.gc().deleted == (1,)
     with pytest.raises(ValueError, match="holder"):
         store.lease(2, "bad holder/name")
+
+
+def _point_latest_at(store: WeightStore, version: int) -> None:
+    store._kv.write("LATEST", ('{"version": %d}' % version).encode()).result()
+
+
+def test_a_dangling_or_uncommitted_latest_is_repaired_by_the_newest_committed_version(tmp_path):
+    store = WeightStore(str(tmp_path / "s"), keep_last=5)
+    for v in (1, 2, 3):
+        store.write(v, _weights(v))
+    _point_latest_at(store, 9)  # dangling: gc removed it under a resumed learner
+    assert store.latest() == 3
+    store.write(4, _weights(4))  # the writer goes on from the newest committed version
+    assert store.latest() == 4 and store._latest_hint() == 4
+    # Uncommitted: the data of version 5 exist, its manifest does not (killed before the commit).
+    store.write(5, _weights(5))
+    store._kv.delete_range(store._kv.KeyRange("manifests/v000000000005.json", "manifests/v000000000005.json\0")).result()
+    _point_latest_at(store, 5)
+    fresh = WeightStore(str(tmp_path / "s"), keep_last=5)  # what a resume or an export opens
+    assert fresh.latest() == 4 and _same_bits(fresh.read(fresh.latest())["['step']"], np.array(4, np.int64))
+    fresh.write(5, _weights(55))  # the number is free again; the commit rewrites LATEST
+    assert fresh.latest() == 5 and fresh.read(5)["['step']"] == 55
+
+
+def test_retracting_to_a_collected_version_leaves_latest_on_a_committed_one(tmp_path):
+    store = WeightStore(str(tmp_path / "s"), keep_last=2)
+    for v in (1, 2, 3, 4):
+        store.write(v, _weights(v))
+        store.gc()
+    assert store.versions() == [3, 4]
+    assert store.retract_newer_than(2) == [3, 4]  # resume from a checkpoint at version 2 (collected)
+    assert store.latest() is None and store._latest_hint() is None
+    store.write(3, _weights(33))
+    assert store.latest() == 3
+
+
+class FakeDanglingStore:
+    """A store whose LATEST names a version it cannot read (the old bug's state)."""
+
+    url = "fake://dangling/"
+
+    def latest(self):
+        return 7
+
+    def lease(self, version, holder):
+        raise VersionNotFound(f"version {version} gone")
+
+
+def test_pull_with_store_fallback_respects_its_deadline_on_a_dangling_version():
+    from laminar_jax.relay.client import RelayClient
+
+    client = RelayClient([], store=FakeDanglingStore())
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match="no newer version within 1.0s"):
+        client.pull(newer_than=3, timeout=1.0)
+    assert time.monotonic() - t0 < 3.0
