@@ -64,6 +64,12 @@ class Config:
             expect(self.data.max_prompt_tokens <= self.rollout.max_prompt_len, "data.max_prompt_tokens",
                    self.data.max_prompt_tokens,
                    f"<= rollout.max_prompt_len={self.rollout.max_prompt_len} (or rollout.overlong_prompt='truncate')")
+        if self.learner.adv_estimator in ("grpo", "rloo"):
+            # A group of one has no baseline: its advantage is 0 and the prompt trains nothing
+            # (verl would give GRPO r/(1+eps) and RLOO r). We refuse rather than silently waste it.
+            expect(self.runtime.samples_per_prompt >= 2, "runtime.samples_per_prompt", self.runtime.samples_per_prompt,
+                   f">= 2 with learner.adv_estimator={self.learner.adv_estimator!r} (a group of one trajectory has "
+                   "no baseline and gets advantage 0; use 'gae' with a critic for one sample per prompt)")
         if self.learner.pack_length:
             # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
             expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",
@@ -94,8 +100,17 @@ def repo_config(name: str, variant: str = "") -> ml_collections.ConfigDict:
 
 def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError."""
-    cfg = from_config_dict(Config, cd)
+    cfg = _derive(from_config_dict(Config, cd))
     validate_tree(cfg)
+    return cfg
+
+
+def _derive(cfg: Config) -> Config:
+    """Fill keys whose default depends on another section (documented on each key)."""
+    if cfg.learner.pack_length is None:
+        # The longest trajectory is rollout.max_total_len tokens; one packed row must hold it.
+        learner = dataclasses.replace(cfg.learner, pack_length=cfg.rollout.max_total_len)
+        cfg = dataclasses.replace(cfg, learner=learner)
     return cfg
 
 

@@ -91,7 +91,13 @@ def gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: flo
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array, eps: float) -> jax.Array:
-    """(x - mean) / (std + eps) over the masked entries (population std); 0 where mask = 0."""
+    """(x - mean) / (std + eps) over the masked entries; 0 where mask = 0.
+
+    std is the population std (divides by n) and eps is added to the std (AdvantageParams.eps,
+    1e-6 by default). verl's masked_whiten uses the unbiased variance (n - 1) and adds 1e-8 to the
+    variance instead; the two differ by a factor sqrt(n / (n - 1)), negligible for the thousands of
+    tokens in a batch. We keep ours on purpose: it is defined for a single masked token.
+    """
     n = jnp.maximum(mask.sum(), 1.0)
     mean = (x * mask).sum() / n
     var = (((x - mean) * mask) ** 2).sum() / n
