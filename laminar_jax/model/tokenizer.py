@@ -68,6 +68,37 @@ class BuiltinTokenizer:
                          tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
+    def save_pretrained(self, path: str) -> list[str]:
+        """Write this tokenizer as tokenizer.json + tokenizer_config.json that transformers loads as is.
+
+        One token per character (WordLevel over single-character splits, joined back by a Fuse
+        decoder); the post-processor prepends <bos> when special tokens are added, as the data plane
+        does (data.add_bos); the chat template is BUILTIN_CHAT_TEMPLATE after {{ bos_token }}, so
+        transformers' apply_chat_template(tokenize=True) gives exactly the demo's prompt ids.
+        """
+        from tokenizers import Regex, Tokenizer as _Tok, decoders, models, pre_tokenizers, processors
+
+        st = self.SPECIAL_TOKENS
+        vocab = {st["pad_token"]: self.PAD, st["bos_token"]: self.BOS, st["eos_token"]: self.EOS,
+                 st["unk_token"]: self.UNK, **self._to_id}
+        tok = _Tok(models.WordLevel(vocab, unk_token=self.SPECIAL_TOKENS["unk_token"]))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(list(self.SPECIAL_TOKENS.values()))
+        bos = self.SPECIAL_TOKENS["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, self.BOS)])
+        os.makedirs(path, exist_ok=True)
+        files = [os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer_config.json")]
+        tok.save(files[0])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.SPECIAL_TOKENS, "add_bos_token": True,
+                  "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                  "chat_template": "{{- bos_token }}" + ct.BUILTIN_CHAT_TEMPLATE}
+        with open(files[1], "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        return files
+
+
 class HFTokenizer:
     """A Hugging Face `tokenizer.json` (+ optional tokenizer_config.json for special tokens and the chat template).
 
