@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup")
 
 
 def main(argv):

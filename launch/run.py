@@ -23,6 +23,12 @@ def main(argv):
     level = os.environ.get("LAMINAR_LOG", "WARNING")
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     absl_logging.set_verbosity(level.lower())  # orbax logs every checkpoint at INFO otherwise
+    if _CONFIG.value is None:
+        print("usage: python launch/run.py --config=configs/<file>.py[:variant] [--config.<section>.<key>=<value> ...]\n"
+              "  e.g. python launch/run.py --config=configs/demo.py   (configs/ holds demo.py, gpu_single.py, "
+              "gpu_pod.py)", file=sys.stderr)
+        return 2
+    from laminar_jax.compile_cache import enable_compilation_cache
     from laminar_jax.config import ConfigError, finalize
     from laminar_jax.runtime import run
 
@@ -31,6 +37,7 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # before anything compiles
     run(cfg)
     return 0
 
