@@ -114,6 +114,31 @@ def _derive(cfg: Config) -> Config:
     return cfg
 
 
+def unknown_override(argv: list[str]) -> Optional[str]:
+    """The first ``--config.<section>.<key>=...`` in argv naming no config key, as a ConfigError message.
+
+    ml_collections stops on such a flag with a bare ``AttributeError`` traceback; entry points call
+    this first so the user sees the dotted key and the keys the section has.
+    """
+    import typing
+
+    hints = typing.get_type_hints(Config)
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        section, _, field = key.partition(".")
+        if section not in hints:
+            return f"{key}: unknown key; Config has {sorted(hints)}"
+        sec_cls = hints[section]
+        if not dataclasses.is_dataclass(sec_cls):
+            continue
+        names = sorted(f.name for f in dataclasses.fields(sec_cls))
+        if field.split(".")[0] not in names:
+            return f"{key}: unknown key; {sec_cls.__name__} has {names}"
+    return None
+
+
 def save_config(cfg: Config, run_dir: str) -> str:
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")

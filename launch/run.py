@@ -1,4 +1,4 @@
-"""Entry point: python launch/run.py --config=configs/demo.py[:variant] --config.learner.lr=1e-3
+"""Entry point: python launch/run.py --config=configs/demo.py[:variant] --config.learner.lr=1e-3 [--dry_run]
 
 Parses the config, finalizes it (validation names the bad key), writes the run directory and
 starts the configured runtime. Logging and environment are configured here and nowhere else.
@@ -10,12 +10,13 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app  # noqa: E402
+from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Path to a configs/*.py file[:variant].",
                                           lock_config=True)
+_DRY_RUN = flags.DEFINE_bool("dry_run", False, "Validate the config, print it as JSON and exit (starts nothing).")
 
 
 def main(argv):
@@ -37,10 +38,21 @@ def main(argv):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    if _DRY_RUN.value:
+        from laminar_jax.configlib import to_json
+
+        print(to_json(cfg))
+        return 0
     enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # before anything compiles
     run(cfg)
     return 0
 
 
 if __name__ == "__main__":
+    from laminar_jax.config import unknown_override
+
+    _bad = unknown_override(sys.argv[1:])  # before ml_collections fails on it with a bare traceback
+    if _bad:
+        print(f"config error: {_bad}", file=sys.stderr)
+        sys.exit(2)
     app.run(lambda argv: sys.exit(main(argv)))

@@ -49,4 +49,10 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    from laminar_jax.config import unknown_override
+
+    _bad = unknown_override(sys.argv[1:])  # before ml_collections fails on it with a bare traceback
+    if _bad:
+        print(f"config error: {_bad}", file=sys.stderr)
+        sys.exit(2)
     app.run(lambda argv: sys.exit(main(argv)))
