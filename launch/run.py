@@ -49,6 +49,9 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    if {"-h", "--help", "--helpshort"} & set(sys.argv[1:]):  # absl's own --help exits 1
+        print(__doc__.strip() + "\n\nflags:\n" + flags.FLAGS.main_module_help().split("\n", 1)[-1])
+        sys.exit(0)
     from laminar_jax.config import unknown_override
 
     _bad = unknown_override(sys.argv[1:])  # before ml_collections fails on it with a bare traceback
