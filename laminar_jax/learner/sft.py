@@ -76,7 +76,7 @@ def run_sft(cfg, out_dir: str, steps: Optional[int] = None, log: Callable[[str],
     """
     from laminar_jax.data.sft import sft_pairs
     from laminar_jax.model import build_model, load_tokenizer
-    from laminar_jax.runtime.export import write_hf_dir
+    from laminar_jax.model.export import write_hf_dir
 
     steps = cfg.runtime.sft_warmup_steps if steps is None else steps
     if steps < 1:

@@ -56,6 +56,7 @@ RULES = [
     Rule(r"launch/plan\.py --config=my_sim_config\.py", "skip", "needs the user's own config file"),
     Rule(r"launch/bench\.py learner --memory-plan .*--preset", "run",
          "compiles a 7B gradient pass on abstract shapes (~20-40 s)", slow=True),
+    Rule(r"launch/bench\.py --help$", "run", "prints the list of benchmarks"),
     Rule(r"launch/bench\.py", "help", "benchmarks run for minutes; see docs/BENCHMARKS.md"),
     Rule(r"launch/plan\.py", "help", "the planner simulates minutes of a cluster"),
     Rule(r"-m laminar_jax\.sim\.calibrate", "help", "needs the user's benchmark JSON lines"),

@@ -81,7 +81,7 @@ def test_demo_export_loads_in_transformers_with_equal_logits_and_ids(tmp_path):
 
 def test_tokenizer_json_file_spec_is_copied_with_its_companions(tmp_path):
     from laminar_jax.model import build_model
-    from laminar_jax.runtime.export import write_hf_dir
+    from laminar_jax.model.export import write_hf_dir
     from tests.model.chat_fixtures import write_tokenizer_dir
 
     tok_dir = write_tokenizer_dir(str(tmp_path / "tok"), "qwen3")
@@ -100,7 +100,7 @@ def test_tokenizer_json_file_spec_is_copied_with_its_companions(tmp_path):
 
 def test_missing_tokenizer_is_an_error_naming_the_keys(tmp_path):
     from laminar_jax.model import build_model
-    from laminar_jax.runtime.export import write_hf_dir
+    from laminar_jax.model.export import write_hf_dir
 
     cd = repo_config("demo", "short")
     cd.model.tokenizer = str(tmp_path)  # a directory without tokenizer.json
