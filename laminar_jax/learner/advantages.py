@@ -130,7 +130,9 @@ def grpo(rewards: jax.Array, group_ids: jax.Array, norm_by_std: bool, eps: float
         A_i =  r_i - mean_g                     otherwise        (Dr.GRPO)
 
     over the n trajectories of i's group g. Groups of one trajectory, and groups whose rewards
-    are all equal, get exactly A = 0 (no float residue of r - mean amplified by 1/eps).
+    are all equal, get exactly A = 0 (no float residue of r - mean amplified by 1/eps). A group of
+    one has no baseline (verl gives it r / (1 + eps)); the config refuses GRPO with
+    runtime.samples_per_prompt = 1 instead of training nothing on it.
     """
     g = _group_stats(rewards, group_ids)
     centred = rewards - g.mean
@@ -143,7 +145,8 @@ def rloo(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
 
         A_i = r_i - (1/(n-1)) * sum_{j in g, j != i} r_j  =  n/(n-1) * (r_i - mean_g)
 
-    Groups of one trajectory and all-equal groups get exactly A = 0.
+    Groups of one trajectory and all-equal groups get exactly A = 0 (verl gives a lone trajectory
+    A = r); the config refuses RLOO with runtime.samples_per_prompt = 1.
     """
     g = _group_stats(rewards, group_ids)
     adv = g.n / jnp.maximum(g.n - 1.0, 1.0) * (rewards - g.mean)
