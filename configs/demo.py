@@ -34,7 +34,7 @@ def get_config(variant: str = ""):
     c.learner.off_policy = "tis"
     c.learner.loss_agg = "seq-mean-token-mean"  # long responses do not drown short ones
     c.learner.seq_len_buckets = (64, 128, 192, 256)
-    c.learner.pack_length = 192  # = rollout.max_total_len: pack the long-tail batch, don't pad it
+    # learner.pack_length is left to default to rollout.max_total_len: the long-tail batch is packed, not padded
     c.learner.grad_clip = 1.0
 
     c.runtime.mode = "laminar"

@@ -42,7 +42,7 @@ def get_config(variant: str = ""):
     c.learner.loss_agg = "token-mean"
     c.learner.micro_batches = 64
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
-    c.learner.pack_length = 18432  # = rollout.max_total_len: pack the long-tail batch instead of padding it
+    # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "full"  # 7B at 16K tokens per row: recompute each layer in the backward pass
     # Dense attention would hold f32[28, 18432, 18432] scores (38 GB) per row and layer; flash works in
     # 1024-token blocks and skips the masked future ones ('pallas_gpu' is the kernel alternative;

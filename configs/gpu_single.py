@@ -38,7 +38,7 @@ def get_config(variant: str = ""):
     c.learner.loss_agg = "seq-mean-token-mean"
     c.learner.micro_batches = 8
     c.learner.seq_len_buckets = (512, 1024, 2048, 2560)
-    c.learner.pack_length = 2560  # = rollout.max_total_len: pack the long-tail batch instead of padding it
+    # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "dots_with_no_batch_dims_saveable"  # keep matmul outputs, recompute the rest
 
     c.runtime.mode = "laminar"

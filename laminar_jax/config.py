@@ -66,6 +66,12 @@ class Config:
             expect(self.data.max_prompt_tokens <= self.rollout.max_prompt_len, "data.max_prompt_tokens",
                    self.data.max_prompt_tokens,
                    f"<= rollout.max_prompt_len={self.rollout.max_prompt_len} (or rollout.overlong_prompt='truncate')")
+        if self.learner.adv_estimator in ("grpo", "rloo"):
+            # A group of one has no baseline: its advantage is 0 and the prompt trains nothing
+            # (verl would give GRPO r/(1+eps) and RLOO r). We refuse rather than silently waste it.
+            expect(self.runtime.samples_per_prompt >= 2, "runtime.samples_per_prompt", self.runtime.samples_per_prompt,
+                   f">= 2 with learner.adv_estimator={self.learner.adv_estimator!r} (a group of one trajectory has "
+                   "no baseline and gets advantage 0; use 'gae' with a critic for one sample per prompt)")
         if self.learner.pack_length:
             # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
             expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",
@@ -97,9 +103,10 @@ def repo_config(name: str, variant: str = "") -> ml_collections.ConfigDict:
 def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError.
 
-    Linked values are derived here, once: `learner.total_steps` (the optimizer updates the lr
-    schedule spans) = runtime.total_steps x ppo_epochs x mini_batches, and, when the run directory is
-    known, `learner.checkpoint_dir` defaults to <runtime.run_dir>/checkpoints (absolute).
+    Linked values are derived here, once: `learner.pack_length` (unless set) = rollout.max_total_len,
+    `learner.total_steps` (the optimizer updates the lr schedule spans) = runtime.total_steps x
+    ppo_epochs x mini_batches, and, when the run directory is known, `learner.checkpoint_dir`
+    defaults to <runtime.run_dir>/checkpoints (absolute).
     """
     cfg = derive(from_config_dict(Config, cd))
     validate_tree(cfg)
@@ -110,11 +117,39 @@ def derive(cfg: Config) -> Config:
     """The values a run derives from others (see `finalize`); idempotent."""
     ln, rt = cfg.learner, cfg.runtime
     updates = {"total_steps": max(1, rt.total_steps * ln.ppo_epochs * ln.mini_batches)}
+    if ln.pack_length is None:
+        # The longest trajectory is rollout.max_total_len tokens; one packed row must hold it.
+        updates["pack_length"] = cfg.rollout.max_total_len
     ckpt = ln.checkpoint_dir or (os.path.join(rt.run_dir, "checkpoints") if rt.run_dir else None)
     if ckpt is not None and "://" not in ckpt:
         ckpt = os.path.abspath(ckpt)  # orbax refuses relative paths; URLs (gs://...) pass through
     updates["checkpoint_dir"] = ckpt
     return dataclasses.replace(cfg, learner=dataclasses.replace(ln, **updates))
+
+
+def unknown_override(argv: list[str]) -> Optional[str]:
+    """The first ``--config.<section>.<key>=...`` in argv naming no config key, as a ConfigError message.
+
+    ml_collections stops on such a flag with a bare ``AttributeError`` traceback; entry points call
+    this first so the user sees the dotted key and the keys the section has.
+    """
+    import typing
+
+    hints = typing.get_type_hints(Config)
+    for arg in argv:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        section, _, field = key.partition(".")
+        if section not in hints:
+            return f"{key}: unknown key; Config has {sorted(hints)}"
+        sec_cls = hints[section]
+        if not dataclasses.is_dataclass(sec_cls):
+            continue
+        names = sorted(f.name for f in dataclasses.fields(sec_cls))
+        if field.split(".")[0] not in names:
+            return f"{key}: unknown key; {sec_cls.__name__} has {names}"
+    return None
 
 
 def save_config(cfg: Config, run_dir: str) -> str:

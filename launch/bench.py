@@ -1,4 +1,12 @@
-"""Benchmarks: python launch/bench.py <learner|engine|relay|e2e|faults|sim> [--quick] [options]
+"""Benchmarks: python launch/bench.py <name> [--quick] [options]   (python launch/bench.py <name> --help)
+
+  learner   one learner step: tokens/s, MFU; --memory-plan (does a row fit), --attention-speed
+  engine    the paged-KV rollout engine vs a padded-batch and an HF baseline, long-tail workload
+  relay     weight publishing: learner stall, publish-to-visible latency, pull bandwidth, chain fan-out
+  e2e       the same workload in every mode (sync, one_step, stream, laminar), side by side
+  faults    the demo under a scripted chaos schedule (kill a rollout server, the relay, the learner)
+  sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
+  startup   compile time of a cold run vs a run that finds the persistent compilation cache
 
 Each prints a table and, as its last line, one JSON object with the figures.
 """
@@ -9,12 +17,16 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup")
 
 
 def main(argv):
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(__doc__.strip())
+        return 0
     if not argv or argv[0] not in NAMES:
-        print(f"usage: bench.py <{'|'.join(NAMES)}> [--quick] [options]", file=sys.stderr)
+        print(__doc__.strip(), file=sys.stderr)
+        print(f"\nerror: expected one of {', '.join(NAMES)}, got {argv[0] if argv else 'nothing'}", file=sys.stderr)
         return 2
     mod = importlib.import_module(f"laminar_jax.benchmarks.{argv[0]}")
     mod.main(argv[1:])  # prints its table, then its JSON line last

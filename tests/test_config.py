@@ -82,3 +82,12 @@ def test_finalize_derives_linked_values_once(tmp_path):
 
     with pytest.raises(ConfigError, match="buffer.max_staleness"):
         finalize(c)
+def test_pack_length_follows_max_total_len_unless_set():
+    cd = default_config()
+    cd.rollout.max_prompt_len, cd.rollout.max_total_len, cd.rollout.num_pages = 256, 768, 1000
+    assert finalize(cd).learner.pack_length == 768  # derived: the longest trajectory fits
+    cd.learner.pack_length = 0
+    assert finalize(cd).learner.pack_length == 0  # explicitly off
+    cd.learner.pack_length = 192  # explicitly too short for a 768-token trajectory
+    with pytest.raises(ConfigError, match=r"learner\.pack_length=192: must be >= rollout\.max_total_len=768"):
+        finalize(cd)

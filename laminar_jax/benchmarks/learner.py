@@ -7,7 +7,8 @@
   python -m laminar_jax.benchmarks.learner --memory-plan --preset qwen2.5-7b --batch 1 --seq 18432 \
                                             --dtype bfloat16 --remat full --attention chunked
     compiles one gradient pass on abstract shapes (nothing allocated, no device needed) and prints
-    XLA's scratch/argument bytes for it: does a row length fit, and with which attention/remat.
+    XLA's scratch/argument bytes for it, then whether the row fits a --device-gb device (default 80)
+    with the state sharded over --devices (default 1), and the fewest devices that fit.
   python -m laminar_jax.benchmarks.learner --attention-speed [--seq 4096]
     times forward + backward of the training attentions alone, side by side on one packed row.
 
@@ -151,6 +152,30 @@ def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq:
             "output_gb": mem.output_size_in_bytes / 1e9, "compile_s": time.perf_counter() - t0}
 
 
+# Bytes per parameter the learner keeps: f32 params + f32 grads + AdamW's two f32 moments.
+STATE_BYTES_PER_PARAM = 16
+
+
+def plan_fit(plan: dict, device_gb: float, devices: int) -> dict:
+    """Does the row fit: state (STATE_BYTES_PER_PARAM, sharded over `devices` by fsdp) + the row's
+    autodiff residuals (one row per device) against `device_gb`; and the fewest devices that fit."""
+    state_gb = plan["params"] * STATE_BYTES_PER_PARAM / 1e9
+    need = state_gb / devices + plan["residual_gb"]
+    room = device_gb - plan["residual_gb"]
+    min_devices = int(-(-state_gb // room)) if room > 0 else None
+    return {"device_gb": device_gb, "devices": devices, "state_gb": state_gb,
+            "need_gb_per_device": need, "fits": need <= device_gb, "min_devices": min_devices}
+
+
+def fit_line(plan: dict) -> str:
+    verdict = "FITS" if plan["fits"] else "DOES NOT FIT"
+    more = (f"; needs >= {plan['min_devices']} devices sharing the state (mesh fsdp)" if plan["min_devices"]
+            else "; the row's residuals alone exceed one device: use remat=full / attention flash / a shorter row")
+    return (f"{verdict}: [{plan['rows']} x {plan['seq']}] needs {plan['need_gb_per_device']:.1f} GB per device "
+            f"(state {plan['state_gb']:.1f} GB / {plan['devices']} devices + residuals {plan['residual_gb']:.1f} GB) "
+            f"of {plan['device_gb']:.0f} GB{'' if plan['fits'] else more}")
+
+
 def attention_speed(seq: int, heads: int = 8, kv_heads: int = 2, head_dim: int = 64, block: int = 512,
                     reps: int = 3) -> dict:
     """Seconds per forward + backward of each training attention on one row of ``seq`` tokens (4 segments)."""
@@ -197,6 +222,10 @@ def main(argv: list[str]) -> dict:
                     help=f"learner.attention_chunk (default {LearnerSection().attention_chunk}; 512 with --attention-speed)")
     ap.add_argument("--memory-plan", action="store_true",
                     help="only compile one gradient pass on abstract shapes and print its memory (see memory_plan)")
+    ap.add_argument("--device-gb", type=float, default=80.0,
+                    help="--memory-plan: memory of one device in GB (default 80, an H100)")
+    ap.add_argument("--devices", type=int, default=1,
+                    help="--memory-plan: devices the params/grads/optimizer state are sharded over (mesh fsdp)")
     ap.add_argument("--attention-speed", action="store_true",
                     help="only time forward + backward of each training attention (see attention_speed)")
     args = ap.parse_args(argv)
@@ -220,6 +249,8 @@ def main(argv: list[str]) -> dict:
                              attention_chunk=args.attention_chunk or LearnerSection().attention_chunk)
     if args.memory_plan:
         result = memory_plan(cfg, section, batch, seq, dtype)
+        result.update(plan_fit(result, args.device_gb, args.devices))
+        print(fit_line(result))
         print(json.dumps(result))
         return result
     t0 = time.perf_counter()

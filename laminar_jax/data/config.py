@@ -24,7 +24,9 @@ class DataSection:
       max_prompt_tokens: Prompts longer than this (in tokens, BOS included) are handled by `overlong`.
       overlong: 'filter' drops over-long prompts, 'truncate' keeps their last tokens, 'error' raises.
       skip_bad_rows: Skip (and count) malformed rows instead of raising.
-      add_bos: Prepend the tokenizer's BOS id to prompt_ids when it has one.
+      add_bos: Prepend the tokenizer's BOS id to prompt_ids when it has one and the prompt does not already start with it (a chat template such as Llama-3's writes it itself).
+      chat_template: Jinja chat template for chat-message prompts, as a path to a file or the template text itself; None uses the tokenizer's own (chat_template.jinja or tokenizer_config.json's chat_template).
+      chat_template_kwargs: Flags passed to the chat template, e.g. {'enable_thinking': False} for Qwen3.
       reward_workers: Worker processes (or threads) scoring rewards off the learner's critical path.
       reward_timeout_s: Per-response scoring deadline; a timeout scores 0.0 and replaces the worker.
       reward_mode: 'process' (subprocess workers; needed for math_verify's signal timeouts) or 'thread'.
@@ -48,6 +50,8 @@ class DataSection:
     overlong: Literal["filter", "truncate", "error"] = "filter"
     skip_bad_rows: bool = False
     add_bos: bool = True
+    chat_template: Optional[str] = None
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)
     reward_workers: int = 2
     reward_timeout_s: float = 10.0
     reward_mode: Literal["process", "thread"] = "process"
@@ -68,6 +72,9 @@ class DataSection:
         expect(self.max_prompt_tokens >= 1, f"{p}.max_prompt_tokens", self.max_prompt_tokens, ">= 1")
         expect(self.reward_workers >= 1, f"{p}.reward_workers", self.reward_workers, ">= 1")
         expect(self.reward_timeout_s > 0, f"{p}.reward_timeout_s", self.reward_timeout_s, "> 0")
+        reserved = {"messages", "tools", "documents", "add_generation_prompt"}
+        expect(not reserved & set(self.chat_template_kwargs), f"{p}.chat_template_kwargs", self.chat_template_kwargs,
+               f"template flags other than {sorted(reserved)} (those are set per prompt)")
         expect(":" in self.reward_registry, f"{p}.reward_registry", self.reward_registry, "'module:function'")
         expect(self.skew_repeat_median >= 1, f"{p}.skew_repeat_median", self.skew_repeat_median, ">= 1")
         expect(self.skew_repeat_sigma >= 0, f"{p}.skew_repeat_sigma", self.skew_repeat_sigma, ">= 0")

@@ -31,9 +31,10 @@ class RowSpec(NamedTuple):
     """A validated verl-layout row, before templating and tokenisation."""
 
     data_source: str
-    prompt: Any  # str (used verbatim) or list of {"role", "content"} messages
+    prompt: Any  # str (used verbatim) or list of {"role", "content", ...} messages
     ground_truth: Any
     extra_info: dict
+    tools: Any = None  # list of JSON-schema tool descriptions for the chat template, or None
 
 
 class Rejected(NamedTuple):

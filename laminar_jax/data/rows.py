@@ -3,9 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any, Literal, Union
+from typing import Any, Literal, NamedTuple, Optional, Union
 
 from laminar_jax.data.records import BadRowError, Prompt, Rejected, RowSpec, make_uid
+
+
+class ChatOptions(NamedTuple):
+    """How chat-message prompts are rendered: the template (None: the tokenizer's own) and its flags."""
+
+    template: Optional[str] = None  # Jinja text (data.chat_template, already read from its file)
+    kwargs: dict = {}  # data.chat_template_kwargs, e.g. {"enable_thinking": False}
+    add_generation_prompt: bool = True
 
 
 def _json_ok(value: Any) -> bool:
@@ -20,8 +28,10 @@ def parse_row(raw: Any, where: str) -> RowSpec:
     """Check one row's columns; raises BadRowError(where, problem) on anything malformed.
 
     Columns: ``data_source`` str, ``prompt`` non-empty str or non-empty list of
-    ``{"role": str, "content": str}``, ``reward_model`` dict with a non-null ``ground_truth``,
-    ``extra_info`` dict or missing/null.
+    ``{"role": str, "content": str, ...}`` (other JSON keys such as ``tool_calls`` pass through to
+    the template; ``content`` may be missing only beside ``tool_calls``), ``reward_model`` dict with
+    a non-null ``ground_truth``, ``extra_info`` dict or missing/null, ``tools`` (optional) a list of
+    JSON-schema objects given to the chat template.
     """
     if isinstance(raw, BadRowError):
         raise raw
@@ -36,7 +46,9 @@ def parse_row(raw: Any, where: str) -> RowSpec:
             raise BadRowError(where, "'prompt' is an empty string")
     elif isinstance(prompt, list) and prompt:
         for i, m in enumerate(prompt):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
+            content_ok = isinstance(m, dict) and (
+                isinstance(m.get("content"), str) or (m.get("content") is None and bool(m.get("tool_calls"))))
+            if not (content_ok and isinstance(m.get("role"), str) and _json_ok(m)):
                 raise BadRowError(where, f"'prompt'[{i}] must be {{'role': str, 'content': str}}, got {m!r}")
     else:
         raise BadRowError(where, f"'prompt' must be a string or a non-empty list of chat messages, got {prompt!r}")
@@ -52,13 +64,33 @@ def parse_row(raw: Any, where: str) -> RowSpec:
     extra = {} if extra is None else extra
     if not isinstance(extra, dict) or not _json_ok(extra):
         raise BadRowError(where, f"'extra_info' must be a JSON-serialisable object, got {extra!r}")
-    messages = prompt if isinstance(prompt, str) else [{"role": m["role"], "content": m["content"]} for m in prompt]
-    return RowSpec(ds, messages, gt, extra)
+    tools = raw.get("tools")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)
+                                  and _json_ok(tools)):
+        raise BadRowError(where, f"'tools' must be a list of JSON-schema objects, got {tools!r:.200}")
+    if tools is not None and isinstance(prompt, str):
+        raise BadRowError(where, "'tools' needs a chat-message 'prompt' (a plain string is used verbatim)")
+    messages = prompt if isinstance(prompt, str) else [dict(m) for m in prompt]
+    return RowSpec(ds, messages, gt, extra, tools or None)
 
 
-def render_prompt(prompt: Union[str, list], tokenizer) -> str:
-    """A plain string is used verbatim (already templated); chat messages go through the template."""
-    return prompt if isinstance(prompt, str) else tokenizer.apply_chat_template(prompt)
+def _row_specific(e: Exception) -> bool:
+    """A template that rejects these messages (raise_exception, bad message) vs one that cannot run at all."""
+    import jinja2
+
+    from laminar_jax.model.chat_template import MissingChatTemplateError
+
+    if isinstance(e, (MissingChatTemplateError, jinja2.TemplateSyntaxError)):
+        return False
+    return isinstance(e, (jinja2.TemplateError, ValueError, TypeError))
+
+
+def render_prompt(prompt: Union[str, list], tokenizer, chat: ChatOptions = ChatOptions(), tools=None) -> str:
+    """A plain string is used verbatim (already templated); chat messages go through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    return tokenizer.apply_chat_template(prompt, tools=tools, add_generation_prompt=chat.add_generation_prompt,
+                                         chat_template=chat.template, **chat.kwargs)
 
 
 def build_prompt(
@@ -72,19 +104,30 @@ def build_prompt(
     max_prompt_tokens: int,
     overlong: Literal["filter", "truncate", "error"],
     add_bos: bool,
+    chat: ChatOptions = ChatOptions(),
 ) -> Union[Prompt, Rejected]:
     """Row -> Prompt, or Rejected("bad_row" | "overlong", message naming the row).
 
-    'truncate' keeps BOS and the *last* ``max_prompt_tokens - 1`` tokens (the question and the
+    BOS: with add_bos it is prepended unless the ids already start with it (templates such as
+    Llama-3's write ``{{ bos_token }}`` themselves; it is never doubled).
+    'truncate' keeps a leading BOS and the *last* tokens (the question and the
     assistant turn sit at the end of a chat prompt); the text is re-decoded from the kept ids.
     """
     try:
         spec = parse_row(raw, where)
     except BadRowError as e:
         return Rejected("bad_row", e.where, e.problem)
-    text = render_prompt(spec.prompt, tokenizer)
-    bos = [tokenizer.bos_id] if add_bos and tokenizer.bos_id is not None else []
-    ids = bos + list(tokenizer.encode(text))
+    try:
+        text = render_prompt(spec.prompt, tokenizer, chat, spec.tools)
+    except Exception as e:  # noqa: BLE001 - a template's raise_exception() is about this row
+        if not _row_specific(e):
+            raise
+        return Rejected("bad_row", where, f"chat template: {e}")
+    ids = list(tokenizer.encode(text))
+    bos_id = tokenizer.bos_id
+    if add_bos and bos_id is not None and ids[:1] != [bos_id]:
+        ids = [bos_id] + ids
+    bos = [bos_id] if bos_id is not None and ids[:1] == [bos_id] else []
     truncated = False
     if len(ids) > max_prompt_tokens:
         if overlong != "truncate":

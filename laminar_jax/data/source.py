@@ -16,7 +16,7 @@ import grain
 from laminar_jax.data import synthetic_skew
 from laminar_jax.data.config import DataSection
 from laminar_jax.data.records import BadRowError, OverlongPromptError, Prompt, Rejected
-from laminar_jax.data.rows import build_prompt
+from laminar_jax.data.rows import ChatOptions, build_prompt
 
 STATE_VERSION = 1
 _COUNTERS = ("yielded", "bad_rows_skipped", "overlong_filtered", "overlong_truncated")
@@ -81,6 +81,7 @@ class PromptSource:
         overlong: str = "filter",
         skip_bad_rows: bool = False,
         add_bos: bool = True,
+        chat: ChatOptions = ChatOptions(),
         read_threads: int = 2,
         prefetch: int = 16,
     ):
@@ -91,7 +92,7 @@ class PromptSource:
             raise ValueError(f"overlong={overlong!r}: must be 'filter', 'truncate' or 'error'")
         self.dataset, self.seed, self.shuffle, self.num_epochs = dataset, seed, shuffle, num_epochs
         self.overlong, self.skip_bad_rows = overlong, skip_bad_rows
-        opts = dict(max_prompt_tokens=max_prompt_tokens, overlong=overlong, add_bos=add_bos)
+        opts = dict(max_prompt_tokens=max_prompt_tokens, overlong=overlong, add_bos=add_bos, chat=chat)
         n = self.num_rows
         ds = grain.MapDataset.range(n)
         if shuffle:
@@ -183,9 +184,17 @@ def _rows_and_name(section: DataSection) -> tuple[RowSource, str]:
     raise ValueError(f"data.source={section.source!r}: must be 'synthetic_skew', 'file' or 'reasoning_gym'")
 
 
+def chat_options(section: DataSection) -> ChatOptions:
+    """data.chat_template (a file or Jinja text; None: the tokenizer's own) and data.chat_template_kwargs."""
+    from laminar_jax.model.chat_template import resolve_override
+
+    return ChatOptions(resolve_override(section.chat_template), dict(section.chat_template_kwargs))
+
+
 def build_prompt_source(section: DataSection, tokenizer) -> PromptSource:
     """The configured prompt iterator (validates the section first)."""
     section.validate("data")
+    chat = chat_options(section)
     rows, name = _rows_and_name(section)
     return PromptSource(
         rows,
@@ -198,4 +207,5 @@ def build_prompt_source(section: DataSection, tokenizer) -> PromptSource:
         overlong=section.overlong,
         skip_bad_rows=section.skip_bad_rows,
         add_bos=section.add_bos,
+        chat=chat,
     )

@@ -91,7 +91,13 @@ def gae(token_rewards: jax.Array, values: jax.Array, mask: jax.Array, gamma: flo
 
 
 def masked_whiten(x: jax.Array, mask: jax.Array, eps: float) -> jax.Array:
-    """(x - mean) / (std + eps) over the masked entries (population std); 0 where mask = 0."""
+    """(x - mean) / (std + eps) over the masked entries; 0 where mask = 0.
+
+    std is the population std (divides by n) and eps is added to the std (AdvantageParams.eps,
+    1e-6 by default). verl's masked_whiten uses the unbiased variance (n - 1) and adds 1e-8 to the
+    variance instead; the two differ by a factor sqrt(n / (n - 1)), negligible for the thousands of
+    tokens in a batch. We keep ours on purpose: it is defined for a single masked token.
+    """
     n = jnp.maximum(mask.sum(), 1.0)
     mean = (x * mask).sum() / n
     var = (((x - mean) * mask) ** 2).sum() / n
@@ -124,7 +130,9 @@ def grpo(rewards: jax.Array, group_ids: jax.Array, norm_by_std: bool, eps: float
         A_i =  r_i - mean_g                     otherwise        (Dr.GRPO)
 
     over the n trajectories of i's group g. Groups of one trajectory, and groups whose rewards
-    are all equal, get exactly A = 0 (no float residue of r - mean amplified by 1/eps).
+    are all equal, get exactly A = 0 (no float residue of r - mean amplified by 1/eps). A group of
+    one has no baseline (verl gives it r / (1 + eps)); the config refuses GRPO with
+    runtime.samples_per_prompt = 1 instead of training nothing on it.
     """
     g = _group_stats(rewards, group_ids)
     centred = rewards - g.mean
@@ -137,7 +145,8 @@ def rloo(rewards: jax.Array, group_ids: jax.Array) -> jax.Array:
 
         A_i = r_i - (1/(n-1)) * sum_{j in g, j != i} r_j  =  n/(n-1) * (r_i - mean_g)
 
-    Groups of one trajectory and all-equal groups get exactly A = 0.
+    Groups of one trajectory and all-equal groups get exactly A = 0 (verl gives a lone trajectory
+    A = r); the config refuses RLOO with runtime.samples_per_prompt = 1.
     """
     g = _group_stats(rewards, group_ids)
     adv = g.n / jnp.maximum(g.n - 1.0, 1.0) * (rewards - g.mean)

@@ -66,7 +66,7 @@ class LearnerSection:
       seq_len_buckets: Allowed padded sequence lengths (sorted); a batch is padded to the smallest that fits.
       pad_token_id: Token id used for padding.
       balance_tokens: Order each mini-batch's rows so the data-parallel ranks get near-equal token counts (equal row counts; balanced greedily, Karmarkar-Karp style); acts only on meshes with more than one data-parallel rank.
-      pack_length: 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
+      pack_length: None (default): set at finalize to rollout.max_total_len, the longest possible trajectory (a LearnerSection used without the whole config treats None as 0). 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       seed: Seed of the learner RNG and of the mini-batch shuffles.
     """
@@ -115,7 +115,7 @@ class LearnerSection:
     async_checkpoint: bool = True
     seq_len_buckets: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
     pad_token_id: int = 0
-    pack_length: int = 0
+    pack_length: Optional[int] = None
     balance_tokens: bool = True
     publish_timeout_s: float = 300.0
     seed: int = 0
@@ -154,7 +154,8 @@ class LearnerSection:
         impls = ("dense", "chunked", "flash", "pallas_gpu")
         expect(self.attention_impl in impls, f"{prefix}.attention_impl", self.attention_impl, f"one of {list(impls)}")
         expect(self.attention_chunk >= 1, f"{prefix}.attention_chunk", self.attention_chunk, ">= 1")
-        expect(self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length, ">= 0 (0 disables packing)")
+        expect(self.pack_length is None or self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length,
+               "None (= rollout.max_total_len) or >= 0 (0 disables packing)")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")

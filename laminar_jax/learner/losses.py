@@ -92,13 +92,16 @@ def value_loss(values: jax.Array, old_values: jax.Array, returns: jax.Array,
                clip: Optional[float]) -> tuple[jax.Array, jax.Array]:
     """Per-token clipped value loss and the 'clipped branch taken' indicator.
 
-        v_c = v_old + clip(v - v_old, -clip, clip)
+        v_c = clip(v, v_old - clip, v_old + clip)
         L   = 0.5 * max((v - R)^2, (v_c - R)^2)        (0.5 (v - R)^2 when clip is None)
+
+    v_c is computed by clipping v itself, not as v_old + clip(v - v_old): the latter differs from v
+    by float32 round-off even when nothing is clipped, and the indicator then counts such tokens.
     """
     l1 = (values - returns) ** 2
     if clip is None:
         return 0.5 * l1, jnp.zeros_like(l1)
-    vc = old_values + jnp.clip(values - old_values, -clip, clip)
+    vc = jnp.clip(values, old_values - clip, old_values + clip)
     l2 = (vc - returns) ** 2
     return 0.5 * jnp.maximum(l1, l2), (l2 > l1).astype(jnp.float32)
 
@@ -122,9 +125,15 @@ def kl_k2(logp: jax.Array, logp_ref: jax.Array) -> jax.Array:
 
 
 def kl_k3(logp: jax.Array, logp_ref: jax.Array) -> jax.Array:
-    """k3 = r - 1 - log r with r = pi_ref / pi (unbiased, >= 0; Schulman's estimator)."""
+    """k3 = r - 1 - log r with r = pi_ref / pi (unbiased, >= 0; Schulman's estimator), clamped to [-10, 10].
+
+    k3 is unbounded: logp = -3, logp_ref = 0 gives 16.09, and its gradient 1 - pi_ref/pi grows
+    like e^d when pi_ref >> pi. As verl does, the value is clamped to [-10, 10]; beyond the clamp
+    the gradient is 0, so a single very unlikely token cannot dominate the update. The inner clip of
+    d keeps exp() finite before the clamp.
+    """
     d = jnp.clip(logp_ref - logp, -20.0, 20.0)
-    return jnp.exp(d) - 1.0 - d
+    return jnp.clip(jnp.exp(d) - 1.0 - d, -10.0, 10.0)
 
 
 KL_ESTIMATORS: dict[str, Callable[[jax.Array, jax.Array], jax.Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}

@@ -1,8 +1,12 @@
 """Tokenizers: a built-in character tokenizer for CPU demos, and HF `tokenizer.json` via `tokenizers`.
 
 Both satisfy the same small protocol used by data pipelines and the rollout engine:
-``encode(text) -> list[int]``, ``decode(ids) -> str``, ``apply_chat_template(messages) -> str``,
+``encode(text) -> list[int]``, ``decode(ids) -> str``,
+``apply_chat_template(messages, tools=None, add_generation_prompt=True, chat_template=None, **flags) -> str``,
 and the ids ``pad_id``, ``bos_id`` (or None), ``eos_id``, plus ``vocab_size``.
+
+Chat messages are rendered through the model's own Jinja template (laminar_jax.model.chat_template);
+the built-in tokenizer's template is BUILTIN_CHAT_TEMPLATE.
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import json
 import os
 from typing import Optional, Protocol, Sequence
+
+from laminar_jax.model import chat_template as ct
 
 
 class Tokenizer(Protocol):
@@ -22,17 +28,8 @@ class Tokenizer(Protocol):
 
     def decode(self, ids: Sequence[int]) -> str: ...
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str: ...
-
-
-def _plain_chat(messages: Sequence[dict]) -> str:
-    # Minimal, model-agnostic rendering: "role: content" lines, then the assistant's turn.
-    for i, m in enumerate(messages):
-        if not isinstance(m, dict) or "content" not in m:
-            raise ValueError(f"chat message {i} must be a dict with 'role' and 'content', got {m!r}")
-    if len(messages) == 1 and messages[0].get("role") == "user":
-        return str(messages[0]["content"])
-    return "".join(f"{m.get('role', 'user')}: {m['content']}\n" for m in messages) + "assistant: "
+    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, **template_kwargs) -> str: ...
 
 
 class BuiltinTokenizer:
@@ -61,12 +58,53 @@ class BuiltinTokenizer:
             out.append(self._CHARS[i - 4] if 4 <= i < self.vocab_size else "?")
         return "".join(out)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        return _plain_chat(messages)
+    # Special tokens as the exported tokenizer.json names them (laminar_jax.runtime.export).
+    SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
+
+    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, **template_kwargs) -> str:
+        """BUILTIN_CHAT_TEMPLATE (or `chat_template`): a lone user message verbatim, else role lines."""
+        return ct.render(chat_template or ct.BUILTIN_CHAT_TEMPLATE, messages, special_tokens=self.SPECIAL_TOKENS,
+                         tools=tools, add_generation_prompt=add_generation_prompt, **template_kwargs)
+
+
+    def save_pretrained(self, path: str) -> list[str]:
+        """Write this tokenizer as tokenizer.json + tokenizer_config.json that transformers loads as is.
+
+        One token per character (WordLevel over single-character splits, joined back by a Fuse
+        decoder); the post-processor prepends <bos> when special tokens are added, as the data plane
+        does (data.add_bos); the chat template is BUILTIN_CHAT_TEMPLATE after {{ bos_token }}, so
+        transformers' apply_chat_template(tokenize=True) gives exactly the demo's prompt ids.
+        """
+        from tokenizers import Regex, Tokenizer as _Tok, decoders, models, pre_tokenizers, processors
+
+        st = self.SPECIAL_TOKENS
+        vocab = {st["pad_token"]: self.PAD, st["bos_token"]: self.BOS, st["eos_token"]: self.EOS,
+                 st["unk_token"]: self.UNK, **self._to_id}
+        tok = _Tok(models.WordLevel(vocab, unk_token=self.SPECIAL_TOKENS["unk_token"]))
+        tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+        tok.decoder = decoders.Fuse()
+        tok.add_special_tokens(list(self.SPECIAL_TOKENS.values()))
+        bos = self.SPECIAL_TOKENS["bos_token"]
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A $B",
+                                                           special_tokens=[(bos, self.BOS)])
+        os.makedirs(path, exist_ok=True)
+        files = [os.path.join(path, "tokenizer.json"), os.path.join(path, "tokenizer_config.json")]
+        tok.save(files[0])
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", **self.SPECIAL_TOKENS, "add_bos_token": True,
+                  "add_eos_token": False, "clean_up_tokenization_spaces": False,
+                  "chat_template": "{{- bos_token }}" + ct.BUILTIN_CHAT_TEMPLATE}
+        with open(files[1], "w", encoding="utf-8") as f:
+            json.dump(config, f, indent=2)
+        return files
 
 
 class HFTokenizer:
-    """A Hugging Face `tokenizer.json` (+ optional tokenizer_config.json for special tokens)."""
+    """A Hugging Face `tokenizer.json` (+ optional tokenizer_config.json for special tokens and the chat template).
+
+    The chat template is `chat_template.jinja` beside tokenizer.json, else tokenizer_config.json's
+    `chat_template`; a tokenizer without one renders chat messages only with an explicit template.
+    """
 
     def __init__(self, path: str):
         from tokenizers import Tokenizer as _Tok
@@ -88,6 +126,14 @@ class HFTokenizer:
                 tok = tok.get("content")
             return None if tok is None else self._tok.token_to_id(tok)
 
+        # Templates read special tokens by name (e.g. Llama-3's {{ bos_token }}), as in transformers.
+        self.special_tokens = {}
+        for name in ct.SPECIAL_TOKEN_NAMES:
+            tok = cfg.get(name)
+            tok = tok.get("content") if isinstance(tok, dict) else tok
+            if isinstance(tok, str):
+                self.special_tokens[name] = tok
+        self.templates = ct.TemplateSource(os.path.dirname(os.path.abspath(file)), cfg)
         self.eos_id = _id("eos_token")
         if self.eos_id is None:
             raise ValueError(f"{file}: no eos_token found (set it in tokenizer_config.json)")
@@ -101,8 +147,12 @@ class HFTokenizer:
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
 
-    def apply_chat_template(self, messages: Sequence[dict]) -> str:
-        return _plain_chat(messages)
+    def apply_chat_template(self, messages: Sequence[dict], *, tools=None, add_generation_prompt: bool = True,
+                            chat_template: Optional[str] = None, **template_kwargs) -> str:
+        """The model's template (or `chat_template`); MissingChatTemplateError naming the file if none."""
+        source = chat_template or self.templates.template(with_tools=tools is not None)
+        return ct.render(source, messages, special_tokens=self.special_tokens, tools=tools,
+                         add_generation_prompt=add_generation_prompt, **template_kwargs)
 
 
 def load_tokenizer(spec: str) -> Tokenizer:

@@ -33,6 +33,7 @@ class RuntimeSection:
       address: Ray cluster address for kind='ray' (None starts a local cluster).
       learner_processes: Learner processes joined by jax.distributed into one mesh (kind='ray' only; 1 = the learner runs in the driver process). mesh spans every process's devices.
       learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
+      compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
       learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 
@@ -55,6 +56,7 @@ class RuntimeSection:
     learner_processes: int = 1
     learner_gpus_per_process: int = 1
     learner_resource: Optional[str] = None
+    compilation_cache_dir: str = "~/.cache/laminar_jax/jax"
 
     def validate(self, prefix: str) -> None:
         for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):

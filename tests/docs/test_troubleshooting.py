@@ -162,6 +162,13 @@ def _cli_unknown_key() -> str:
     return p.stderr
 
 
+def _chat_without_template(tmp_path):
+    from tests.model.chat_fixtures import write_tokenizer_dir
+
+    tok = load_tokenizer(write_tokenizer_dir(str(tmp_path / "tok"), "qwen2.5", with_template=False))
+    return tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
 def _checkpoint_relative(tmp_path, monkeypatch):
     from laminar_jax.learner.checkpoint import Checkpointer
 
@@ -259,6 +266,8 @@ TRIGGERS = {
     "config-unknown-key": lambda t, m, c: raised(lambda: finalize(
         {"runtime": {"step": 3}})),
     "config-cli-unknown": lambda t, m, c: _cli_unknown_key(),
+    "config-group-of-one": lambda t, m, c: raised(lambda: _finalize_with(**{"runtime.samples_per_prompt": 1})),
+    "chat-template-missing": lambda t, m, c: raised(lambda: _chat_without_template(t)),
     "sft-source": lambda t, m, c: raised(lambda: _demo_run(t, "sft", **{
         "runtime.sft_warmup_steps": 5, "data.source": "file", "data.path": _prompts_file(t)})),
     "kv-num-pages": lambda t, m, c: raised(lambda: _finalize_with(**{"rollout.num_pages": 8})),

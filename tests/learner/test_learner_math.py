@@ -199,6 +199,53 @@ def test_entropy_and_kl_estimators():
     assert np.all(np.asarray(L.kl_k3(jnp.asarray(lp), jnp.asarray(lr))) >= 0)
 
 
+def test_k3_is_clamped_to_ten_at_the_extremes_and_its_gradient_vanishes_there():
+    import jax
+
+    # logp = -3, logp_ref = 0: unclamped k3 = e^3 - 1 - 3 = 16.09; clamped to 10.
+    assert float(L.kl_k3(jnp.asarray(-3.0), jnp.asarray(0.0))) == pytest.approx(10.0)
+    # pi_ref << pi: k3 grows like |d| (e^-d -> 0): 30 -> 10 after the clamp.
+    assert float(L.kl_k3(jnp.asarray(0.0), jnp.asarray(-30.0))) == pytest.approx(10.0)
+    # Inside the clamp it is the exact estimator.
+    assert float(L.kl_k3(jnp.asarray(-1.0), jnp.asarray(0.0))) == pytest.approx(math.e - 2.0, rel=1e-6)
+    # pi_ref >> pi: the unclamped gradient 1 - pi_ref/pi would be -e^20; it is 0 past the clamp.
+    g = jax.grad(lambda lp: L.kl_k3(lp, jnp.asarray(0.0)))(jnp.asarray(-20.0))
+    assert float(g) == 0.0
+    g_in = jax.grad(lambda lp: L.kl_k3(lp, jnp.asarray(0.0)))(jnp.asarray(-1.0))
+    assert float(g_in) == pytest.approx(1.0 - math.e, rel=1e-5)
+    lp = jnp.asarray([-50.0, -3.0, 0.0, 3.0, 50.0])
+    k = np.asarray(L.kl_k3(lp, jnp.zeros_like(lp)))
+    assert np.all((k >= 0) & (k <= 10.0)) and np.all(np.isfinite(k))
+
+
+def test_value_clip_does_not_count_round_off_as_clipped():
+    # v_old + (v - v_old) != v in float32 for this case; v is 0.18 inside [-0.16, 0.24].
+    v, vo = jnp.asarray([-0.14], jnp.float32), jnp.asarray([0.04], jnp.float32)
+    for ret in (-1.0, 0.0, 1.0):
+        _, clipped = L.value_loss(v, vo, jnp.asarray([ret], jnp.float32), 0.2)
+        assert float(clipped[0]) == 0.0
+    # Outside the range it is clipped, and the clipped branch is taken when it is the larger loss.
+    loss, clipped = L.value_loss(jnp.asarray([0.5]), jnp.asarray([0.0]), jnp.asarray([1.0]), 0.2)
+    assert float(clipped[0]) == 1.0 and float(loss[0]) == pytest.approx(0.5 * 0.8 ** 2)
+
+
+def test_groups_of_one_are_rejected_at_finalize_for_grpo_and_rloo():
+    from laminar_jax.config import ConfigError, default_config, finalize
+
+    for est in ("grpo", "rloo"):
+        cd = default_config()
+        cd.learner.adv_estimator = est
+        cd.runtime.samples_per_prompt = 1
+        with pytest.raises(ConfigError, match="runtime.samples_per_prompt"):
+            finalize(cd)
+    cd = default_config()
+    cd.learner.adv_estimator, cd.learner.critic, cd.runtime.samples_per_prompt = "gae", "separate", 1
+    try:
+        finalize(cd)
+    except ConfigError as e:  # GAE with one sample per prompt is fine as far as groups go
+        assert "samples_per_prompt" not in str(e)
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_aggregation_and_micro_batch_additivity(mode):
     rng = np.random.default_rng(6)

@@ -1,0 +1,200 @@
+"""Every command quoted in README.md and docs/*.md runs as written (or is listed here with the reason
+it is not run).
+
+Commands are taken from shell code blocks (continuation lines joined, ``A && B`` split, ``# ...``
+comments dropped, ``VAR=value`` lines kept as environment) and from inline code spans that start
+with ``python``. Each is handled by the first RULES entry whose pattern matches it:
+
+- ``dry_run``: ``launch/run.py`` commands run as written plus ``--dry_run``: flags parse, the config
+  finalizes (every key exists, every value validates), nothing starts. A trailing ``...`` (the doc
+  says "more flags here") is dropped. One of them also runs for real, shortened (slow tier).
+- ``help``: long-running tools (benchmarks, the planner, calibration) run as ``<tool> [<name>] --help``
+  and must exit 0.
+- ``run``: cheap commands run exactly as written (``$PWD`` is a temporary directory).
+- ``skip``: not run; the reason is printed by test_not_run_commands_are_listed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from typing import NamedTuple, Optional
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+DOCS = ["README.md"] + sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
+_FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
+_INLINE = re.compile(r"`(python3? [^`]+)`")
+_ASSIGN = re.compile(r"^([A-Z_][A-Z0-9_]*)=(\S+)$")
+_NON_SHELL = {"text", "json", "python", "toml", "yaml"}
+
+
+class Command(NamedTuple):
+    where: str  # file:line
+    text: str
+    env: tuple  # (name, value) pairs set by VAR=value lines above it in the same block
+
+
+class Rule(NamedTuple):
+    pattern: str
+    action: str  # dry_run | help | run | skip
+    reason: str
+    slow: bool = False
+
+
+RULES = [
+    Rule(r"^python3 -m venv|^\. \.venv/bin/activate$|^pip install", "skip",
+         "installs packages (needs the network); CI installs the same way"),
+    Rule(r"python -m pytest", "skip", "runs the test suite itself"),
+    Rule(r"python -m laminar_jax\.docs_gen", "skip",
+         "rewrites docs/CONFIG.md; tests/docs/test_config_reference.py checks its output instead"),
+    Rule(r"^ray start", "skip", "joins a multi-host Ray cluster"),
+    Rule(r"launch/plan\.py --config=my_sim_config\.py", "skip", "needs the user's own config file"),
+    Rule(r"launch/bench\.py learner --memory-plan .*--preset", "run",
+         "compiles a 7B gradient pass on abstract shapes (~20-40 s)", slow=True),
+    Rule(r"launch/bench\.py --help$", "run", "prints the list of benchmarks"),
+    Rule(r"launch/bench\.py", "help", "benchmarks run for minutes; see docs/BENCHMARKS.md"),
+    Rule(r"launch/plan\.py", "help", "the planner simulates minutes of a cluster"),
+    Rule(r"-m laminar_jax\.sim\.calibrate", "help", "needs the user's benchmark JSON lines"),
+    Rule(r"launch/sft\.py .*(\.\.\.|<)", "help", "placeholder arguments (the user's config and output directory)"),
+    Rule(r"launch/sft\.py", "run", "60 supervised steps of the tiny model"),
+    Rule(r"launch/run\.py .*--dry_run", "run", "validates a config and exits"),
+    Rule(r"launch/run\.py", "dry_run", "a full run takes minutes (or a GPU, a cluster, a downloaded model)"),
+]
+
+
+def _shell_lines(lang: str, body: str) -> list[tuple[int, str]]:
+    """(offset, line) of a fenced block's commands, continuation lines joined."""
+    out, buf, start = [], "", 0
+    for i, raw in enumerate(body.splitlines()):
+        line = raw.rstrip()
+        if not buf:
+            start = i
+        if line.endswith("\\"):
+            buf += line[:-1] + " "
+            continue
+        out.append((start, (buf + line).strip()))
+        buf = ""
+    if lang == "":  # unlabelled blocks hold output too: keep command-looking lines only
+        out = [(i, c) for i, c in out if re.match(r"(python3? |pip |ray |[A-Z_]+=)", c)]
+    return [(i, c) for i, c in out if c and not c.startswith("#")]
+
+
+def _strip_comment(cmd: str) -> str:
+    return re.split(r"\s+#\s", cmd, maxsplit=1)[0].strip()
+
+
+def extract(doc: str) -> list[Command]:
+    with open(os.path.join(ROOT, doc), encoding="utf-8") as f:
+        text = f.read()
+    found: list[Command] = []
+    for m in _FENCE.finditer(text):
+        lang = m.group(1).lower()
+        if lang in _NON_SHELL:
+            continue
+        base_line = text[:m.start(2)].count("\n") + 1
+        env: list[tuple[str, str]] = []
+        for offset, line in _shell_lines(lang, m.group(2)):
+            for part in (_strip_comment(p) for p in line.split(" && ")):
+                a = _ASSIGN.match(part)
+                if a:
+                    env.append((a.group(1), a.group(2)))
+                elif part:
+                    found.append(Command(f"{doc}:{base_line + offset}", part, tuple(env)))
+    fenced = {m.span() for m in _FENCE.finditer(text)}
+    for m in _INLINE.finditer(text):
+        if any(a <= m.start() < b for a, b in fenced):
+            continue
+        found.append(Command(f"{doc}:{text[:m.start()].count(chr(10)) + 1}", m.group(1).strip(), ()))
+    return found
+
+
+def rule_for(cmd: str) -> Optional[Rule]:
+    return next((r for r in RULES if re.search(r.pattern, cmd)), None)
+
+
+COMMANDS = [c for doc in DOCS for c in extract(doc)]
+RUNNABLE = [c for c in COMMANDS if rule_for(c.text) and rule_for(c.text).action != "skip"]
+
+
+def _params(cmds):
+    out = []
+    for c in cmds:
+        slow = rule_for(c.text).slow
+        out.append(pytest.param(c, id=f"{c.where}", marks=[pytest.mark.slow] if slow else []))
+    return out
+
+
+def _argv(cmd: str, tmp_path) -> list[str]:
+    cmd = cmd.replace("$PWD", str(tmp_path))
+    argv = shlex.split(cmd)
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    return argv
+
+
+def _help_argv(cmd: str) -> list[str]:
+    argv = shlex.split(cmd)
+    tool = argv[:3] if argv[1] == "-m" else argv[:2]
+    rest = argv[len(tool):]
+    name = [rest[0]] if "bench.py" in tool[-1] and rest and re.fullmatch(r"[a-z_0-9]+", rest[0]) else []
+    return [sys.executable, *tool[1:], *name, "--help"]
+
+
+def _run(argv, env_pairs, tmp_path, timeout):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **dict(env_pairs))
+    argv = [a.replace("$M", env.get("M", "$M")) for a in argv]
+    return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_commands_were_found_and_every_one_has_a_rule():
+    assert len(COMMANDS) >= 15, [c.text for c in COMMANDS]
+    unclassified = [f"{c.where}: {c.text}" for c in COMMANDS if rule_for(c.text) is None]
+    assert not unclassified, "add a RULES entry (run it, or say why not):\n" + "\n".join(unclassified)
+
+
+def test_not_run_commands_are_listed(capsys):
+    skipped = [(c, rule_for(c.text)) for c in COMMANDS if rule_for(c.text).action in ("skip", "help")]
+    with capsys.disabled():
+        print("\nquoted commands not run as written:")
+        for c, r in skipped:
+            how = "only --help" if r.action == "help" else "not run"
+            print(f"  {c.where}: {c.text[:90]}  [{how}: {r.reason}]")
+    assert all(r.reason for _, r in skipped)
+
+
+@pytest.mark.parametrize("cmd", _params(RUNNABLE))
+def test_quoted_command_runs(cmd, tmp_path):
+    rule = rule_for(cmd.text)
+    if rule.action == "help":
+        res = _run(_help_argv(cmd.text), cmd.env, tmp_path, 120)
+        assert res.returncode == 0, f"{cmd.where}: {res.stderr[-2000:]}"
+        assert len(res.stdout.strip()) > 100, f"{cmd.where}: --help printed almost nothing: {res.stdout!r}"
+        return
+    text = re.sub(r"\s+\.\.\.$", "", cmd.text)
+    argv = _argv(text, tmp_path)
+    if rule.action == "dry_run":
+        argv.append("--dry_run")
+    res = _run(argv, cmd.env, tmp_path, 300 if rule.slow else 180)
+    assert res.returncode == 0, f"{cmd.where}: `{cmd.text}` exited {res.returncode}:\n{res.stderr[-3000:]}"
+    if rule.action == "dry_run" or "--dry_run" in argv:
+        assert res.stdout.lstrip().startswith("{") and '"runtime"' in res.stdout
+    if "--memory-plan" in argv:
+        assert re.search(r"^(FITS|DOES NOT FIT): ", res.stdout, re.MULTILINE), res.stdout[-1000:]
+
+
+@pytest.mark.slow
+def test_quickstart_demo_runs_shortened(tmp_path):
+    """README's quickstart command itself, cut to 2 learner steps after a 5-step warm-start."""
+    quick = next(c for c in COMMANDS if c.where.startswith("README.md") and
+                 c.text == "python launch/run.py --config=configs/demo.py")
+    argv = _argv(quick.text, tmp_path) + ["--config.runtime.total_steps=2", "--config.runtime.sft_warmup_steps=5",
+                                          f"--config.runtime.run_dir={tmp_path / 'run'}",
+                                          "--config.runtime.progress=false", "--config.runtime.timeline=false"]
+    res = _run(argv, (), tmp_path, 600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert (tmp_path / "run" / "summary.json").is_file()

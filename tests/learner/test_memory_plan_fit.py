@@ -1,0 +1,20 @@
+"""bench learner --memory-plan's verdict: state (16 B/param) sharded over devices + one row's residuals."""
+
+from laminar_jax.benchmarks.learner import fit_line, plan_fit
+
+
+def _plan(params, residual_gb, device_gb, devices):
+    plan = {"params": params, "residual_gb": residual_gb, "rows": 1, "seq": 18432}
+    plan.update(plan_fit(plan, device_gb, devices))
+    return plan
+
+
+def test_fit_verdicts_and_fewest_devices():
+    one = _plan(7.6e9, 32.5, 80.0, 1)  # 121.6 GB of state + 32.5 GB on one 80 GB device
+    assert not one["fits"] and one["min_devices"] == 3
+    assert fit_line(one).startswith("DOES NOT FIT: [1 x 18432] needs 154.1 GB") and ">= 3 devices" in fit_line(one)
+    eight = _plan(7.6e9, 32.5, 80.0, 8)
+    assert eight["fits"] and abs(eight["need_gb_per_device"] - (121.6 / 8 + 32.5)) < 1e-6
+    assert fit_line(eight).startswith("FITS")
+    huge_row = _plan(1e9, 90.0, 80.0, 64)
+    assert not huge_row["fits"] and huge_row["min_devices"] is None and "residuals alone" in fit_line(huge_row)
