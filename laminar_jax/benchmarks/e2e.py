@@ -31,7 +31,7 @@ def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:
     from laminar_jax.config import finalize
     from laminar_jax.data.synthetic_skew import sft_examples
     from laminar_jax.model import build_model, load_tokenizer, save_pretrained
-    from laminar_jax.runtime.sft import sft_warmup
+    from laminar_jax.learner.sft import sft_warmup
 
     cfg = finalize(_demo_config())
     tok = load_tokenizer(cfg.model.tokenizer)

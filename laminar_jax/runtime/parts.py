@@ -33,16 +33,12 @@ def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
 
 
 def sft_warmup(cfg: Config, model, tokenizer, phase: Callable[[str], None] = lambda s: None) -> list[float]:
-    """The supervised warm-start on the synthetic task's reference responses (losses per step)."""
-    from laminar_jax.data.synthetic_skew import sft_examples
-    from laminar_jax.runtime.sft import sft_warmup as train
+    """The supervised warm-start before RL (losses per step), on the data section's (prompt,
+    response) pairs: the synthetic task's reference responses, or a file's 'response' column."""
+    from laminar_jax.data.sft import sft_pairs
+    from laminar_jax.learner.sft import sft_warmup as train
 
-    if cfg.data.source != "synthetic_skew":
-        raise ValueError("runtime.sft_warmup_steps > 0 needs data.source='synthetic_skew' "
-                         f"(got {cfg.data.source!r}); warm-start other tasks offline")
-    bos = [tokenizer.bos_id] if tokenizer.bos_id is not None and cfg.data.add_bos else []
-    pairs = [(bos + tokenizer.encode(p), tokenizer.encode(r) + [tokenizer.eos_id])
-             for p, r in sft_examples(2048, seed=cfg.seed + 1)]
+    pairs, _ = sft_pairs(cfg.data, tokenizer, max_total_len=cfg.rollout.max_total_len, seed=cfg.seed + 1)
     phase(f"supervised warm-start: {cfg.runtime.sft_warmup_steps} steps on {len(pairs)} reference responses")
     losses = train(model, pairs, cfg.runtime.sft_warmup_steps, cfg.runtime.sft_lr, seed=cfg.seed)
     phase(f"warm-start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "warm-start done")

@@ -77,6 +77,7 @@ class RolloutActor:
 
     def __init__(self, cfg, index: int, name: str, relays: dict, store_url: Optional[str], buffer, seed: int,
                  rpc_timeout_s: float, key: bytes):
+        from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.model import build_model
         from laminar_jax.relay import RelayClient, WeightStore
         from laminar_jax.rollout import make_engine
@@ -86,6 +87,7 @@ class RolloutActor:
         from laminar_jax.scheduler.modes import get_policy
 
         self.name = name
+        enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]

@@ -86,6 +86,9 @@ class LearnerProcess:
         from laminar_jax.model import build_model
 
         _use_gloo_on_cpu(jax)
+        from laminar_jax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(finalize(json.loads(self.cfg_json)).runtime.compilation_cache_dir)
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
         cfg = finalize(json.loads(self.cfg_json))
@@ -94,7 +97,7 @@ class LearnerProcess:
             from laminar_jax.learner.publish import load_model_params
 
             load_model_params(model, init_params)
-        section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir, total_steps=cfg.runtime.total_steps)
+        section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir)
         self.learner = Learner(section, model, cfg.mesh)
         # Processes > 0 publish nothing: they only join the gather of each version's weights.
         self.publisher = LocalPublisher(keep=1) if self.index == 0 else None
