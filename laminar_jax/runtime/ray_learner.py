@@ -80,18 +80,17 @@ class LearnerProcess:
         """Collective: join jax.distributed, build the model (or load `init_params`) and the Learner."""
         import jax
 
+        from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.config import finalize
         from laminar_jax.learner.learner import Learner
         from laminar_jax.learner.publish import LocalPublisher
         from laminar_jax.model import build_model
 
         _use_gloo_on_cpu(jax)
-        from laminar_jax.compile_cache import enable_compilation_cache
-
-        enable_compilation_cache(finalize(json.loads(self.cfg_json)).runtime.compilation_cache_dir)
+        cfg = finalize(json.loads(self.cfg_json))
+        enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
-        cfg = finalize(json.loads(self.cfg_json))
         model = build_model(cfg.model)
         if init_params is not None:
             from laminar_jax.learner.publish import load_model_params
