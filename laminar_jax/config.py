@@ -104,9 +104,9 @@ def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError.
 
     Linked values are derived here, once: `learner.pack_length` (unless set) = rollout.max_total_len,
-    `learner.total_steps` (the optimizer updates the lr schedule spans) = runtime.total_steps x
-    ppo_epochs x mini_batches, and, when the run directory is known, `learner.checkpoint_dir`
-    defaults to <runtime.run_dir>/checkpoints (absolute).
+    and `learner.total_steps` (the optimizer updates the lr schedule spans) = runtime.total_steps x
+    ppo_epochs x mini_batches. (The checkpoint directory, <run_dir>/checkpoints unless set, is
+    resolved when the run starts and its run directory exists: runtime/parts.py.)
     """
     cfg = derive(from_config_dict(Config, cd))
     validate_tree(cfg)
@@ -120,10 +120,6 @@ def derive(cfg: Config) -> Config:
     if ln.pack_length is None:
         # The longest trajectory is rollout.max_total_len tokens; one packed row must hold it.
         updates["pack_length"] = cfg.rollout.max_total_len
-    ckpt = ln.checkpoint_dir or (os.path.join(rt.run_dir, "checkpoints") if rt.run_dir else None)
-    if ckpt is not None and "://" not in ckpt:
-        ckpt = os.path.abspath(ckpt)  # orbax refuses relative paths; URLs (gs://...) pass through
-    updates["checkpoint_dir"] = ckpt
     return dataclasses.replace(cfg, learner=dataclasses.replace(ln, **updates))
 
 
@@ -181,6 +177,7 @@ def replace(cfg: Config, **sections) -> Config:
             out = dataclasses.replace(out, **{section: value})
         else:
             out = dataclasses.replace(out, **{section: dataclasses.replace(getattr(out, section), **{field: value})})
+    out = derive(out)
     validate_tree(out)
     return out
 

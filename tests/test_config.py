@@ -70,12 +70,14 @@ def test_finalize_derives_linked_values_once(tmp_path):
 
     c = default_config()
     c.runtime.total_steps, c.learner.ppo_epochs, c.learner.mini_batches = 10, 2, 4
-    c.runtime.run_dir = str(tmp_path / "run")
     cfg = finalize(c)
     assert cfg.learner.total_steps == 80  # optimizer updates the lr schedule spans
-    assert cfg.learner.checkpoint_dir == str(tmp_path / "run" / "checkpoints")
-    c.learner.checkpoint_dir = "gs://bucket/ckpt"
-    assert finalize(c).learner.checkpoint_dir == "gs://bucket/ckpt"
+    from laminar_jax.config import replace
+    from laminar_jax.runtime.parts import resolve
+
+    assert replace(cfg, **{"runtime.total_steps": 5}).learner.total_steps == 40  # re-derived, never stale
+    resolved, resuming = resolve(cfg, str(tmp_path / "run"))
+    assert resolved.learner.checkpoint_dir == str(tmp_path / "run" / "checkpoints") and not resuming
     c.runtime.mode, c.buffer.max_staleness = "stream", None
     import pytest
     from laminar_jax.config import ConfigError

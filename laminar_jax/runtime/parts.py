@@ -18,12 +18,13 @@ from laminar_jax.config import Config, resolve_run_dir, save_config
 
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
-    """(cfg with runtime.run_dir = run_dir and the values finalize derives from it, whether the
-    checkpoint directory holds a checkpoint)."""
-    from laminar_jax.config import derive
-
-    cfg = derive(dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, run_dir=run_dir)))
-    path = cfg.learner.checkpoint_dir
+    """(cfg with runtime.run_dir = run_dir and learner.checkpoint_dir resolved (default
+    <run_dir>/checkpoints, absolute), whether that directory holds a checkpoint)."""
+    path = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
+    if "://" not in path:
+        path = os.path.abspath(path)  # orbax refuses relative paths; URLs (gs://...) pass through
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, run_dir=run_dir),
+                              learner=dataclasses.replace(cfg.learner, checkpoint_dir=path))
     if "://" not in path:
         return cfg, os.path.isdir(path) and any(n.isdigit() for n in os.listdir(path))
     from etils import epath
