@@ -100,7 +100,7 @@ class Simulator:
         self.k = cfg.samples_per_prompt
         self.B = cfg.steps_prompts()
         self.partial = cfg.mode == partial.NAME
-        self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack)
+        self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack, cfg.admit_lag)
         S, M = place.servers, cfg.max_num_seqs
         self.S, self.M = S, M
         self.kv_cap = cost.kv_pages()
@@ -145,6 +145,8 @@ class Simulator:
         self.d2h_s = cost.publish_d2h_s(place.learner_gpus)
         self.max_st = {"stream": cfg.max_staleness, partial.NAME: cfg.max_staleness,
                        "laminar": cfg.laminar_max_staleness}.get(cfg.mode)
+        self.max_queued = (cfg.max_queued_prompts if cfg.max_queued_prompts is not None
+                           else modes.default_max_queued_prompts(self.B, S))
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -229,14 +231,19 @@ class Simulator:
 
     # ---- prompts ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        # As the runtime's Dispatcher.pump: dropped (over-stale) prompts free their place.
+        effective = self.dispatched - self.rec.dropped
         if self.partial:
-            allow = partial.dispatch_allowance(self.v_seen, self.dispatched, self.B, self.max_st)
+            allow = partial.dispatch_allowance(self.v_seen, effective, self.B, self.max_st)
         else:
-            allow = modes.dispatch_allowance(self.policy, self.v_seen, self.dispatched, self.B, self.max_st)
+            allow = modes.dispatch_allowance(self.policy, self.v_seen, effective, self.B, self.max_st,
+                                             self.cfg.max_inflight_batches)
+        # The runtime's work-queue bound (prompts not yet admitted by a server).
+        room = modes.queue_room(self.max_queued, self.q_tail - self.q_head, self.k)
         # Capacity: prompts outstanding (dispatched, not yet consumed) never exceed what the slots
         # can hold plus max_buffered_steps batches waiting in the buffer.
         cap = math.ceil(self.S * self.M / self.k) + math.ceil(self.cfg.max_buffered_steps * self.B)
-        room = cap - (self.dispatched - self.consumed)
+        room = min(room, cap - (self.dispatched - self.consumed))
         if len(self.buf) >= self.cfg.max_buffered_steps * self.B:
             room = 0  # the learner is behind: stop feeding the buffer
         n = room if allow is None else min(room, allow)

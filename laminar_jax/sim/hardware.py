@@ -120,6 +120,13 @@ def model_shape(name: str) -> ModelShape:
                       c.head_dim, c.intermediate_size, c.tie_word_embeddings)
 
 
+def model_names() -> list[str]:
+    """Every model shape name model_shape() accepts."""
+    from laminar_jax.model.presets import PRESETS
+
+    return sorted(set(PRESETS) | set(_EXTRA))
+
+
 def gpu_spec(name: str) -> GpuSpec:
     if name not in GPUS:
         raise ValueError(f"sim.gpu={name!r}: must be one of {sorted(GPUS)}")
