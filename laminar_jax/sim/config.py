@@ -51,6 +51,9 @@ class SimSection:
       seed: Seed of the workload draws.
       timeline_servers: Servers recorded in the timeline picture (0 = none).
       calibration: JSON file of fitted cost parameters (laminar_jax.sim.calibrate), or None.
+      shared_host: The learner and every rollout server share one host's cores (a CPU run): while both
+        work, each gets half (fair sharing), so a learner step started while servers hold live
+        sequences takes twice as long and decoding slows to half speed while the learner trains.
     """
 
     model: str = "qwen2.5-7b"
@@ -87,6 +90,7 @@ class SimSection:
     seed: int = 0
     timeline_servers: int = 0
     calibration: Optional[str] = None
+    shared_host: bool = False
 
     def validate(self, prefix: str) -> None:
         expect(self.gpus >= 2, f"{prefix}.gpus", self.gpus, ">= 2")

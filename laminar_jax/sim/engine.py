@@ -137,6 +137,7 @@ class Simulator:
         # Learner.
         self.l_steps = 0  # learner version = steps trained
         self.l_free = 0.0
+        self.l_span = (0.0, 0.0)  # the latest learner step's (start, end)
         self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
         self.v_seen = 0  # newest version the rollout side has seen
         self.next_repack = 0.0
@@ -385,8 +386,10 @@ class Simulator:
         pages = np.ceil(self.ctx[picked[rows], cols] / self.cfg.page_tokens).astype(np.int64).tolist()
         bounds = np.concatenate([[0], np.cumsum(live[picked])]).tolist()
         ver, prev, used_l = self.version[picked].tolist(), self.used_prev[picked].tolist(), used[picked].tolist()
+        draining = (~self._may_admit())[picked].tolist()  # as the runtime: not admitting = draining
         views = [repack.ServerView(s, ver[i], self.kv_cap, used_l[i], prev[i],
-                                   tuple(zip(uids[bounds[i]:bounds[i + 1]], pages[bounds[i]:bounds[i + 1]])))
+                                   tuple(zip(uids[bounds[i]:bounds[i + 1]], pages[bounds[i]:bounds[i + 1]])),
+                                   draining=draining[i], max_live=self.M)
                  for i, s in enumerate(picked.tolist())]
         self.used_prev = used
         params = repack.RepackParams(c_max=self.cfg.c_max, max_batch=self.cfg.max_batch)
@@ -422,6 +425,9 @@ class Simulator:
         b = active.sum(1)
         avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
         avail[b == 0] = 0.0
+        if self.cfg.shared_host:  # one host, shared equally by the busy servers and a training learner
+            learner = max(0.0, min(t1, self.l_span[1]) - max(t, self.l_span[0])) / (t1 - t)
+            avail = avail / max(1.0, float((b > 0).sum()) + learner)
         ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
         tau = self.cost.decode_step_s(b, ctx_sum)
         steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
@@ -503,10 +509,14 @@ class Simulator:
                     return  # the policy declined: try again next tick
                 continue
             tokens = sum(m.num_tokens for m in sel.take)
-            end = td + self.cost.learner_step_s(tokens, self.place.learner_gpus)
+            dur = self.cost.learner_step_s(tokens, self.place.learner_gpus)
+            if self.cfg.shared_host:  # each server holding live sequences takes an equal share
+                dur *= 1.0 + float(((self.sid >= 0).any(1)).sum())
+            end = td + dur
             if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
                 end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
             self.rec.step(td, end, tokens, [policies.staleness(self.l_steps, m.version) for m in sel.take])
+            self.l_span = (td, end)
             self.l_steps += 1
             self.l_free = end + self.d2h_s
             self.publish_t.append(self.l_free)
