@@ -69,7 +69,7 @@ def test_one_step_uniform_learner_bound_is_tight():
     t = by_hand("qwen2.5-7b", 64, 32, 1, 1500, tokens, colocate=False)
     assert t["learn"] > 2 * t["decode"]
     bound = tokens / max(t["learn"] + t["d2h"], t["decode"] + t["load"])
-    assert r.tokens_per_s <= bound
+    assert r.tokens_per_s <= bound * (1 + 1e-9)  # learner-bound: steps back to back, equal to the bound
     assert r.tokens_per_s >= 0.8 * bound, (r.tokens_per_s, bound, t)
 
 
