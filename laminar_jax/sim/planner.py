@@ -119,6 +119,48 @@ def learner_grid(gpus: int, floor: int, node: int, tp: int, points: int) -> list
     return out
 
 
+def score(base: SimSection, r: SimResult, bounded: bool = True) -> float:
+    """Throughput within the staleness target; below every such one (least stale first) when over it."""
+    if not bounded or within_target(base, r):
+        return r.tokens_per_s
+    return -(r.mean_staleness if r.mean_staleness == r.mean_staleness else 1e9)
+
+
+def best_window(base: SimSection, sim: Callable[[Candidate], SimResult], c: Candidate) -> float:
+    """Score of the largest back-pressure window within the target for placement c. Staleness and
+    throughput both grow with the window (mean staleness is about window - 1), so start at
+    target + 1 and walk up while within the target and still gaining, or down until within it."""
+    k = max(1, min(MAX_INFLIGHT, int(base.max_mean_staleness) + 1))
+    first = sim(dataclasses.replace(c, inflight=k))
+    step = 1 if within_target(base, first) else -1
+    best, prev = score(base, first), first
+    while 1 <= k + step <= MAX_INFLIGHT:
+        k += step
+        r = sim(dataclasses.replace(c, inflight=k))
+        if step > 0 and (not within_target(base, r) or r.tokens_per_s < 1.02 * prev.tokens_per_s):
+            return max(best, score(base, r))  # over the target, or a wider window buys nothing
+        best, prev = max(best, score(base, r)), r
+        if step < 0 and within_target(base, r):
+            break
+    return best
+
+
+def refine_grid(grid: list[int], scores: list[float], node: int, refine: int,
+                run: Callable[[int], float]) -> None:
+    """Bisect toward the better neighbour of the best point, ``refine`` times (grid, scores grow in place)."""
+    for _ in range(refine):
+        i = max(range(len(grid)), key=lambda j: scores[j])
+        nbrs = [j for j in (i - 1, i + 1) if 0 <= j < len(grid)]
+        if not nbrs:
+            return
+        j = max(nbrs, key=lambda j: scores[j])
+        mid = (grid[i] + grid[j]) // 2 // node * node
+        if mid in grid:
+            return
+        grid.insert(max(i, j), mid)
+        scores.insert(max(i, j), run(mid))
+
+
 def search_mode(base: SimSection, mode: str, params: Optional[CostParams] = None, points: int = 5,
                 refine: int = 2, search_tp: bool = True,
                 progress: Optional[Callable[[str], None]] = None) -> PlanRow:
@@ -128,64 +170,27 @@ def search_mode(base: SimSection, mode: str, params: Optional[CostParams] = None
 
     def sim(c: Candidate) -> SimResult:
         if c not in tried:
-            tried[c] = simulate(mode_config(base, mode, c), params)
+            tried[c] = r = simulate(mode_config(base, mode, c), params)
             if progress:
-                r = tried[c]
                 progress(f"{mode:17s} learner={c.learner_gpus:5d} tp={c.tp} colocate={c.colocate!s:5s} "
                          f"inflight={c.inflight}: {r.tokens_per_s:12.0f} tok/s staleness {r.mean_staleness:.2f} "
                          f"(p99 {r.p99_staleness:.0f})")
         return tried[c]
 
-    def score(r: SimResult) -> float:
-        """Throughput within the target; below every such one (least stale first) when over it."""
-        if not bounded or within_target(base, r):
-            return r.tokens_per_s
-        return -(r.mean_staleness if r.mean_staleness == r.mean_staleness else 1e9)
-
     def run(c: Candidate) -> float:
-        if mode not in INFLIGHT_MODES:
-            return score(sim(c))
-        # The largest back-pressure window within the target: staleness and throughput both grow with
-        # it (mean staleness is about window - 1), so start there and walk up or down.
-        k = max(1, min(MAX_INFLIGHT, int(base.max_mean_staleness) + 1))
-        first = sim(dataclasses.replace(c, inflight=k))
-        step = 1 if within_target(base, first) else -1
-        best = score(first)
-        prev = first
-        while 1 <= k + step <= MAX_INFLIGHT:
-            k += step
-            r = sim(dataclasses.replace(c, inflight=k))
-            if step > 0 and (not within_target(base, r) or r.tokens_per_s < 1.02 * prev.tokens_per_s):
-                best = max(best, score(r))
-                break  # over the target, or a wider window buys nothing (learner- or slot-bound)
-            best, prev = max(best, score(r)), r
-            if step < 0 and within_target(base, r):
-                break
-        return best
+        return best_window(base, sim, c) if mode in INFLIGHT_MODES else score(base, sim(c), bounded)
 
     for tp in tp_options(base, params, search_tp):
         cm = cost_model(base, params, tp)
-        node = cm.gpu.gpus_per_node
         if mode == "sync":
             run(Candidate(base.gpus, tp, True))
-        grid = learner_grid(base.gpus, cm.min_learner_gpus(), node, tp, points)
-        scores = [run(Candidate(g, tp)) for g in grid]
-        if not grid:
-            continue
-        for _ in range(refine):  # bisect toward the better neighbour of the best point
-            i = max(range(len(grid)), key=lambda j: scores[j])
-            nbrs = [j for j in (i - 1, i + 1) if 0 <= j < len(grid)]
-            if not nbrs:
-                break
-            j = max(nbrs, key=lambda j: scores[j])
-            mid = (grid[i] + grid[j]) // 2 // node * node
-            if mid in grid:
-                break
-            grid.insert(max(i, j), mid)
-            scores.insert(max(i, j), run(Candidate(mid, tp)))
+        grid = learner_grid(base.gpus, cm.min_learner_gpus(), cm.gpu.gpus_per_node, tp, points)
+        if grid:
+            scores = [run(Candidate(g, tp)) for g in grid]
+            refine_grid(grid, scores, cm.gpu.gpus_per_node, refine, lambda g: run(Candidate(g, tp)))
     if not tried:
         raise ValueError(f"plan: no feasible placement of {base.model} on {base.gpus} {base.gpu} GPUs")
-    best = max(tried, key=lambda c: score(tried[c]))
+    best = max(tried, key=lambda c: score(base, tried[c], bounded))
     return PlanRow(mode, best, tried[best], tuple((c, r.tokens_per_s) for c, r in tried.items()),
                    within_target(base, tried[best]), bounded)
 
