@@ -1,7 +1,9 @@
-"""Placement planner: best learner/rollout split per mode, by simulation.
+"""Placement planner: per mode, the highest-throughput learner/rollout split whose staleness stays
+within the target (sim.max_mean_staleness, sim.max_p99_staleness), by simulation.
 
   python launch/plan.py --model qwen2.5-7b --gpus 256 --gpu h800 --mode laminar
-  python launch/plan.py --config=configs/sim_x.py   (get_config() -> ConfigDict of laminar_jax.sim.SimSection)
+  python launch/plan.py --config=laminar_jax/sim/example_config.py
+      (a python file whose get_config() returns a ConfigDict of laminar_jax.sim.SimSection; see docs/CONFIG.md)
 """
 
 import argparse
@@ -11,7 +13,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from laminar_jax.sim import default_sim_config, finalize_sim  # noqa: E402
+from laminar_jax.sim import GPUS, default_sim_config, finalize_sim  # noqa: E402
+from laminar_jax.sim.hardware import model_names  # noqa: E402
+from laminar_jax.sim.workload import PRESETS as WORKLOADS  # noqa: E402
 from laminar_jax.sim.planner import ALL_MODES, format_table, plan  # noqa: E402
 
 
@@ -25,15 +29,21 @@ def load_config(path):
 def main(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", help="python file with get_config() returning a sim ConfigDict")
-    ap.add_argument("--model"), ap.add_argument("--gpus", type=int), ap.add_argument("--gpu")
-    ap.add_argument("--workload"), ap.add_argument("--calibration")
+    ap.add_argument("--model", choices=model_names(), metavar="MODEL",
+                    help=f"model shape (default qwen2.5-7b): {', '.join(model_names())}")
+    ap.add_argument("--gpus", type=int, help="total GPUs, learner + rollouts (default 64)")
+    ap.add_argument("--gpu", choices=sorted(GPUS), help="GPU preset (default h800)")
+    ap.add_argument("--workload", choices=sorted(WORKLOADS), help="workload preset (default math)")
+    ap.add_argument("--calibration", help="JSON file written by python -m laminar_jax.sim.calibrate")
+    ap.add_argument("--max-mean-staleness", type=float, help="staleness target: mean (default 2)")
+    ap.add_argument("--max-p99-staleness", type=float, help="staleness target: 99th percentile (default 6)")
     ap.add_argument("--mode", action="append", choices=ALL_MODES, help="repeatable; default: every mode")
     ap.add_argument("--points", type=int, default=5, help="coarse grid points per TP")
     ap.add_argument("--duration", type=float, default=1800.0, help="simulated seconds per candidate")
     ap.add_argument("--no-tp-search", action="store_true")
     args = ap.parse_args(argv)
     cd = load_config(args.config) if args.config else default_sim_config()
-    for key in ("model", "gpus", "gpu", "workload", "calibration"):
+    for key in ("model", "gpus", "gpu", "workload", "calibration", "max_mean_staleness", "max_p99_staleness"):
         if getattr(args, key) is not None:
             cd[key] = getattr(args, key)
     if not args.config:

@@ -33,7 +33,7 @@ class BufferService:
         from laminar_jax.model import load_tokenizer
         from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
         from laminar_jax.runtime.rollout_worker import Board
-        from laminar_jax.scheduler.modes import get_policy
+        from laminar_jax.scheduler.modes import default_max_queued_prompts, get_policy
 
         self.cfg = cfg
         rt = cfg.runtime
@@ -44,7 +44,7 @@ class BufferService:
         self.queue = WorkQueue()
         self.dispatcher = Dispatcher(self.source, self.ledger, self.store, self.queue, self.policy,
                                      rt.prompts_per_step, rt.samples_per_prompt, cfg.buffer.max_staleness,
-                                     cfg.seed, max_queued_prompts=max(rt.prompts_per_step, 2 * rt.num_servers),
+                                     cfg.seed, max_queued_prompts=default_max_queued_prompts(rt.prompts_per_step, rt.num_servers),
                                      max_inflight_batches=rt.max_inflight_batches)
         self.redispatched = self.dispatcher.restore(restore, REQUIRED_FIELDS) if restore else 0
         self.rewards = RewardPool(cfg.data.reward_workers, cfg.data.reward_timeout_s, cfg.data.reward_registry,

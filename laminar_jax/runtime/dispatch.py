@@ -17,7 +17,7 @@ from typing import Optional
 import numpy as np
 
 from laminar_jax.buffer import ExperienceStore, PromptLedger
-from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance
+from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance, queue_room
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,7 +97,7 @@ class Dispatcher:
             allowance = dispatch_allowance(self.policy, learner_version, effective,
                                            self.prompts_per_step, self.max_staleness,
                                            self.max_inflight_batches)
-            room = self.max_queued_prompts - len(self.queue) // self.samples_per_prompt
+            room = queue_room(self.max_queued_prompts, len(self.queue), self.samples_per_prompt)
             n = room if allowance is None else min(room, allowance)
             count = 0
             while count < n and not self.exhausted:

@@ -100,3 +100,15 @@ def swap_now(p: ModePolicy, server_live: int, live_per_server: Sequence[int]) ->
     if server_live > 0:
         return False
     return p.swap == "per_server" or all(n == 0 for n in live_per_server)
+
+
+def default_max_queued_prompts(prompts_per_step: int, num_servers: int) -> int:
+    """The work queue's bound in prompts: one learner step's worth, or two per server if more
+    (enough that no server waits for work between dispatcher pumps)."""
+    return max(prompts_per_step, 2 * num_servers)
+
+
+def queue_room(max_queued_prompts: int, queued_samples: int, samples_per_prompt: int) -> int:
+    """Prompts the dispatcher may add to a work queue holding ``queued_samples`` samples (not yet
+    taken by a server) without exceeding ``max_queued_prompts``; may be <= 0 (nothing)."""
+    return max_queued_prompts - queued_samples // samples_per_prompt

@@ -10,7 +10,13 @@ are found anywhere inside a record (nested lists/dicts), by their keys:
                  or the same with "roofline_fraction" (= roofline time / measured) instead of a time
                  -> least squares  measured = overhead + roofline / efficiency
                     gives decode_overhead_s and mem_efficiency = flops_efficiency = efficiency
+                or the engine bench's record {"bench": "engine", "decode_step_s_b64", "decode_context"}
+                (one row: batch 64 at that per-sequence context)
   learner rows  {"mfu": x}                               -> learner_mfu = median
+                or, where the bench has no peak to divide by (CPU: "mfu" null), the learner bench's
+                {"bench": "learner", "params", "tokens_per_s"} -> mfu = 6·params·tokens_per_s / peak of
+                --gpu, and an e2e capture (laminar_jax.sim.cpu_check) -> the same from its sync run's
+                learner step time and tokens per step (sync's learner runs alone)
   relay record  {"bench": "relay", "chain_s": {hops: s}, "chain_bytes", "chunk_bytes", "link_bytes_per_s"}
                 -> relay_efficiency = (bytes / link) / chain_s[1],
                    relay_hop_latency_s = max(0, slope of chain_s over hops - chunk / link)
@@ -67,11 +73,19 @@ def _first(d: dict, keys) -> Optional[float]:
     return None
 
 
+def _engine_row(rec: dict) -> Optional[dict]:
+    """The engine bench's timed decode step as a decode row."""
+    if rec.get("bench") == "engine" and isinstance(rec.get("decode_step_s_b64"), (int, float)):
+        return {"batch": 64, "context": rec.get("decode_context", 0), "decode_step_s": rec["decode_step_s_b64"]}
+    return None
+
+
 def fit_decode(records: list[dict], cost: CostModel) -> dict:
     """decode_overhead_s and efficiency from decode rows (see module docstring); {} if none."""
     roof, meas = [], []
     for rec in records:
-        for row in _walk(rec):
+        extra = _engine_row(rec)
+        for row in list(_walk(rec)) + ([extra] if extra else []):
             b, c = _first(row, _BATCH), _first(row, _CTX)
             if b is None or c is None:
                 continue
@@ -92,9 +106,23 @@ def fit_decode(records: list[dict], cost: CostModel) -> dict:
             "decode_rows": len(roof)}
 
 
-def fit_learner(records: list[dict]) -> dict:
+def _mfu(params: float, tokens_per_s: float, cost: CostModel) -> float:
+    return 6.0 * params * tokens_per_s / (cost.gpu.bf16_tflops * 1e12)
+
+
+def fit_learner(records: list[dict], cost: Optional[CostModel] = None) -> dict:
+    """learner_mfu = median of the records' MFU figures (see module docstring); {} if none."""
     mfus = [float(r["mfu"]) for rec in records for r in _walk(rec)
             if isinstance(r.get("mfu"), (int, float)) and 0 < r["mfu"] <= 1]
+    if cost is not None:
+        for rec in records:
+            if rec.get("bench") == "learner" and rec.get("mfu") is None and rec.get("tokens_per_s"):
+                mfus.append(_mfu(float(rec["params"]), float(rec["tokens_per_s"]), cost))
+            sync = rec.get("modes", {}).get("sync") if rec.get("bench") == "e2e_capture" else None
+            if sync:
+                step_s = sync["learner_busy_frac"] * sync["rl_wall_s"] / sync["steps_this_run"]
+                step_tokens = sync["train_tokens_per_s"] * sync["rl_wall_s"] / sync["steps_this_run"]
+                mfus.append(_mfu(cost.model.params, step_tokens / step_s, cost))
     return {"learner_mfu": float(np.median(mfus)), "learner_rows": len(mfus)} if mfus else {}
 
 
@@ -120,7 +148,7 @@ def fit(paths: list[str], model: str, gpu: str, tp: int = 1) -> dict:
     """Fitted CostParams fields (only those the inputs inform) plus provenance."""
     records = read_records(paths)
     cost = CostModel(model_shape(model), gpu_spec(gpu), CostParams(), tp)
-    fitted = {**fit_decode(records, cost), **fit_learner(records), **fit_relay(records)}
+    fitted = {**fit_decode(records, cost), **fit_learner(records, cost), **fit_relay(records)}
     params = {k: v for k, v in fitted.items() if k in {f.name for f in dataclasses.fields(CostParams)}}
     return {"params": params, "counts": {k: v for k, v in fitted.items() if k.endswith("_rows")},
             "sources": list(paths), "model": model, "gpu": gpu, "tp": tp}

@@ -26,12 +26,17 @@ class SimSection:
       mode: 'sync', 'one_step', 'stream', 'partial_rollout' (AReaL-style, sim-only) or 'laminar'.
       repack: Run dynamic repack (laminar only).
       workload: Workload preset (math, agentic, uniform).
-      prompts_per_step: Prompts (GRPO groups) per learner step (one publish); None = 512 for sync and one_step (the global batch), 128 otherwise (mini-batch 2048).
+      prompts_per_step: Prompts (GRPO groups) per learner step (one publish = one version) in every mode, as runtime.prompts_per_step; None = 512 (the global batch of 8192 trajectories).
       samples_per_prompt: Responses per prompt.
       max_staleness: Staleness bound of the AReaL capacity rule for stream and partial_rollout.
       laminar_max_staleness: Staleness bound for laminar dispatch; None = unbounded (the paper's default).
       buffer_max_staleness: select_fifo drops groups staler than this; None = never.
       max_buffered_steps: Capacity: dispatch pauses while complete, unconsumed groups exceed this many steps.
+      max_inflight_batches: The runtime's back-pressure (runtime.max_inflight_batches) for unbounded laminar: at most this many steps of prompts dispatched and not yet trained on; None = off (slots and buffer capacity only).
+      max_queued_prompts: The runtime's work-queue bound (prompts dispatched, not yet admitted by a server); None = the runtime's default, max(prompts_per_step, 2 * servers).
+      admit_lag: Laminar: a server keeps admitting while at most this many versions behind (scheduler.admit_lag).
+      max_mean_staleness: Planner: a plan must keep the mean staleness of consumed groups at or below this.
+      max_p99_staleness: Planner: a plan must keep the 99th percentile of staleness at or below this.
       max_num_seqs: Slots (concurrent sequences) per rollout server.
       page_tokens: Tokens per KV page.
       admit_kv_frac: A server admits prompts only while its KV use stays below this fraction.
@@ -46,6 +51,9 @@ class SimSection:
       seed: Seed of the workload draws.
       timeline_servers: Servers recorded in the timeline picture (0 = none).
       calibration: JSON file of fitted cost parameters (laminar_jax.sim.calibrate), or None.
+      shared_host: The learner and every rollout server share one host's cores (a CPU run): while both
+        work, each gets half (fair sharing), so a learner step started while servers hold live
+        sequences takes twice as long and decoding slows to half speed while the learner trains.
     """
 
     model: str = "qwen2.5-7b"
@@ -63,6 +71,11 @@ class SimSection:
     laminar_max_staleness: Optional[int] = None
     buffer_max_staleness: Optional[int] = None
     max_buffered_steps: float = 2.0
+    max_inflight_batches: Optional[int] = 2
+    max_queued_prompts: Optional[int] = None
+    admit_lag: int = 0
+    max_mean_staleness: float = 2.0
+    max_p99_staleness: float = 6.0
     max_num_seqs: int = 256
     page_tokens: int = 16
     admit_kv_frac: float = 0.95
@@ -77,6 +90,7 @@ class SimSection:
     seed: int = 0
     timeline_servers: int = 0
     calibration: Optional[str] = None
+    shared_host: bool = False
 
     def validate(self, prefix: str) -> None:
         expect(self.gpus >= 2, f"{prefix}.gpus", self.gpus, ">= 2")
@@ -92,6 +106,15 @@ class SimSection:
         expect(self.samples_per_prompt >= 1, f"{prefix}.samples_per_prompt", self.samples_per_prompt, ">= 1")
         expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0")
         expect(self.max_buffered_steps > 0, f"{prefix}.max_buffered_steps", self.max_buffered_steps, "> 0")
+        if self.max_inflight_batches is not None:
+            expect(self.max_inflight_batches >= 1, f"{prefix}.max_inflight_batches", self.max_inflight_batches,
+                   ">= 1 or None")
+        if self.max_queued_prompts is not None:
+            expect(self.max_queued_prompts >= 1, f"{prefix}.max_queued_prompts", self.max_queued_prompts, ">= 1 or None")
+        expect(self.admit_lag >= 0, f"{prefix}.admit_lag", self.admit_lag, ">= 0")
+        expect(self.max_mean_staleness >= 0, f"{prefix}.max_mean_staleness", self.max_mean_staleness, ">= 0")
+        expect(self.max_p99_staleness >= self.max_mean_staleness, f"{prefix}.max_p99_staleness",
+               self.max_p99_staleness, f">= max_mean_staleness={self.max_mean_staleness}")
         expect(self.max_num_seqs >= 1, f"{prefix}.max_num_seqs", self.max_num_seqs, ">= 1")
         expect(self.page_tokens >= 1, f"{prefix}.page_tokens", self.page_tokens, ">= 1")
         expect(0 < self.admit_kv_frac <= 1, f"{prefix}.admit_kv_frac", self.admit_kv_frac, "in (0, 1]")
@@ -106,9 +129,9 @@ class SimSection:
                f">= duration_s={self.duration_s}")
 
     def steps_prompts(self) -> int:
-        if self.prompts_per_step is not None:
-            return self.prompts_per_step
-        return 512 if self.mode in ("sync", "one_step") else 128
+        # One version per learner step of the same global batch in every mode, as the runtime does
+        # (its mini-batches are optimizer updates inside a step, not publishes).
+        return self.prompts_per_step if self.prompts_per_step is not None else 512
 
 
 def default_sim_config() -> ml_collections.ConfigDict:

@@ -100,7 +100,7 @@ class Simulator:
         self.k = cfg.samples_per_prompt
         self.B = cfg.steps_prompts()
         self.partial = cfg.mode == partial.NAME
-        self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack)
+        self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack, cfg.admit_lag)
         S, M = place.servers, cfg.max_num_seqs
         self.S, self.M = S, M
         self.kv_cap = cost.kv_pages()
@@ -137,6 +137,7 @@ class Simulator:
         # Learner.
         self.l_steps = 0  # learner version = steps trained
         self.l_free = 0.0
+        self.l_span = (0.0, 0.0)  # the latest learner step's (start, end)
         self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
         self.v_seen = 0  # newest version the rollout side has seen
         self.next_repack = 0.0
@@ -145,6 +146,8 @@ class Simulator:
         self.d2h_s = cost.publish_d2h_s(place.learner_gpus)
         self.max_st = {"stream": cfg.max_staleness, partial.NAME: cfg.max_staleness,
                        "laminar": cfg.laminar_max_staleness}.get(cfg.mode)
+        self.max_queued = (cfg.max_queued_prompts if cfg.max_queued_prompts is not None
+                           else modes.default_max_queued_prompts(self.B, S))
 
     # ------------------------------------------------------------------------------------------
     def run(self) -> SimResult:
@@ -229,14 +232,19 @@ class Simulator:
 
     # ---- prompts ----------------------------------------------------------------------------
     def _dispatch(self) -> None:
+        # As the runtime's Dispatcher.pump: dropped (over-stale) prompts free their place.
+        effective = self.dispatched - self.rec.dropped
         if self.partial:
-            allow = partial.dispatch_allowance(self.v_seen, self.dispatched, self.B, self.max_st)
+            allow = partial.dispatch_allowance(self.v_seen, effective, self.B, self.max_st)
         else:
-            allow = modes.dispatch_allowance(self.policy, self.v_seen, self.dispatched, self.B, self.max_st)
+            allow = modes.dispatch_allowance(self.policy, self.v_seen, effective, self.B, self.max_st,
+                                             self.cfg.max_inflight_batches)
+        # The runtime's work-queue bound (prompts not yet admitted by a server).
+        room = modes.queue_room(self.max_queued, self.q_tail - self.q_head, self.k)
         # Capacity: prompts outstanding (dispatched, not yet consumed) never exceed what the slots
         # can hold plus max_buffered_steps batches waiting in the buffer.
         cap = math.ceil(self.S * self.M / self.k) + math.ceil(self.cfg.max_buffered_steps * self.B)
-        room = cap - (self.dispatched - self.consumed)
+        room = min(room, cap - (self.dispatched - self.consumed))
         if len(self.buf) >= self.cfg.max_buffered_steps * self.B:
             room = 0  # the learner is behind: stop feeding the buffer
         n = room if allow is None else min(room, allow)
@@ -378,8 +386,10 @@ class Simulator:
         pages = np.ceil(self.ctx[picked[rows], cols] / self.cfg.page_tokens).astype(np.int64).tolist()
         bounds = np.concatenate([[0], np.cumsum(live[picked])]).tolist()
         ver, prev, used_l = self.version[picked].tolist(), self.used_prev[picked].tolist(), used[picked].tolist()
+        draining = (~self._may_admit())[picked].tolist()  # as the runtime: not admitting = draining
         views = [repack.ServerView(s, ver[i], self.kv_cap, used_l[i], prev[i],
-                                   tuple(zip(uids[bounds[i]:bounds[i + 1]], pages[bounds[i]:bounds[i + 1]])))
+                                   tuple(zip(uids[bounds[i]:bounds[i + 1]], pages[bounds[i]:bounds[i + 1]])),
+                                   draining=draining[i], max_live=self.M)
                  for i, s in enumerate(picked.tolist())]
         self.used_prev = used
         params = repack.RepackParams(c_max=self.cfg.c_max, max_batch=self.cfg.max_batch)
@@ -415,6 +425,9 @@ class Simulator:
         b = active.sum(1)
         avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
         avail[b == 0] = 0.0
+        if self.cfg.shared_host:  # one host, shared equally by the busy servers and a training learner
+            learner = max(0.0, min(t1, self.l_span[1]) - max(t, self.l_span[0])) / (t1 - t)
+            avail = avail / max(1.0, float((b > 0).sum()) + learner)
         ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
         tau = self.cost.decode_step_s(b, ctx_sum)
         steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
@@ -496,10 +509,14 @@ class Simulator:
                     return  # the policy declined: try again next tick
                 continue
             tokens = sum(m.num_tokens for m in sel.take)
-            end = td + self.cost.learner_step_s(tokens, self.place.learner_gpus)
+            dur = self.cost.learner_step_s(tokens, self.place.learner_gpus)
+            if self.cfg.shared_host:  # each server holding live sequences takes an equal share
+                dur *= 1.0 + float(((self.sid >= 0).any(1)).sum())
+            end = td + dur
             if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
                 end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
             self.rec.step(td, end, tokens, [policies.staleness(self.l_steps, m.version) for m in sel.take])
+            self.l_span = (td, end)
             self.l_steps += 1
             self.l_free = end + self.d2h_s
             self.publish_t.append(self.l_free)

@@ -44,6 +44,9 @@ GPUS: dict[str, GpuSpec] = {
     "h800": GpuSpec("h800", 3350.0, 989.0, 80.0, 200.0, 50.0, 50.0),
     # A100 SXM 80GB: 2.04 TB/s, 312 TF bf16, NVLink3 600 GB/s total, PCIe4, 200 Gbps NIC.
     "a100": GpuSpec("a100", 2039.0, 312.0, 80.0, 300.0, 25.0, 25.0),
+    # A CPU host standing in for one device (the CPU e2e check): nominal round figures, meant to be
+    # used with a calibration (its efficiencies and overheads come from this project's CPU benches).
+    "cpu": GpuSpec("cpu", 20.0, 0.1, 16.0, 20.0, 20.0, 10.0, gpus_per_node=1),
 }
 
 
@@ -118,6 +121,13 @@ def model_shape(name: str) -> ModelShape:
     c = PRESETS[name]
     return ModelShape(name, c.vocab_size, c.hidden_size, c.num_layers, c.num_heads, c.num_kv_heads,
                       c.head_dim, c.intermediate_size, c.tie_word_embeddings)
+
+
+def model_names() -> list[str]:
+    """Every model shape name model_shape() accepts."""
+    from laminar_jax.model.presets import PRESETS
+
+    return sorted(set(PRESETS) | set(_EXTRA))
 
 
 def gpu_spec(name: str) -> GpuSpec:

@@ -35,6 +35,8 @@ class SimResult:
       kv_util: Time-mean fraction of KV pages in use over servers.
       slot_util: Time-mean fraction of slots holding a live sequence.
       mean_staleness: Mean staleness of consumed groups.
+      p99_staleness: 99th percentile of the staleness of consumed groups.
+      max_staleness: Largest staleness of a consumed group.
       staleness_hist: Consumed groups per staleness value.
       pull_latency_mean_s: Mean time from a server deciding to swap to its new weights being loaded.
       pull_latency_p99_s: 99th percentile of the same.
@@ -63,6 +65,8 @@ class SimResult:
     kv_util: float
     slot_util: float
     mean_staleness: float
+    p99_staleness: float
+    max_staleness: float
     staleness_hist: dict
     pull_latency_mean_s: float
     pull_latency_p99_s: float
@@ -83,6 +87,8 @@ def _mode_name(cfg) -> str:
         return "laminar_norepack"
     if cfg.mode == "laminar" and cfg.laminar_max_staleness is not None:
         return "laminar_bounded"
+    if cfg.mode == "laminar" and cfg.max_inflight_batches is None:
+        return "laminar_unbounded"
     return cfg.mode
 
 
@@ -170,6 +176,8 @@ class Recorder:
             rollout_idle=1.0 - r_busy, gpu_idle=gpu_idle,
             kv_util=self.kv_acc / max(self.win_s, 1e-9), slot_util=self.slot_acc / max(self.win_s, 1e-9),
             mean_staleness=float(np.mean(self.stale)) if self.stale else float("nan"),
+            p99_staleness=float(np.percentile(self.stale, 99)) if self.stale else float("nan"),
+            max_staleness=float(max(self.stale)) if self.stale else float("nan"),
             staleness_hist={str(k): v for k, v in sorted(hist.items())},
             pull_latency_mean_s=float(lat.mean()), pull_latency_p99_s=float(np.percentile(lat, 99)),
             repacks=self.repacks, moves=self.moves, preemptions=self.preemptions,
