@@ -236,7 +236,8 @@ class BufferService:
                 "ready_groups": self.store.ready_groups("learner", REQUIRED_FIELDS), "owned": owned,
                 "redispatched": self.redispatched, "board_versions": list(self.board.versions),
                 "board_live": list(self.board.live), "newest": self.board.newest,
-                "latency_p50_s": lat[0], "latency_p99_s": lat[1], **counters}
+                "latency_p50_s": lat[0], "latency_p99_s": lat[1], "reward_failures": self.rewards.failures,
+                **counters}
 
     def close(self) -> None:
         self._stop.set()

@@ -219,6 +219,10 @@ class Driver:
 
     def summary(self, stopped_early: bool) -> dict:
         s = self.monitor.summary(self.stats(), stopped_early)
+        # A resume: which checkpoint was restored (damaged newer ones skipped), and how many steps a
+        # run that died after that checkpoint had trained and this one trained again.
+        s["restore"] = getattr(self.learner, "restore_report", None)
+        s["redone_steps"] = getattr(self.weights, "redone_steps", 0)
         if self.summary_extra is not None:
             s.update(self.summary_extra(self))
         return s

@@ -157,6 +157,8 @@ class Monitor:
             "lost_prompts": int(b.get("lost_prompts", 0)),
             "duplicated_prompts": self.duplicates + self.duplicate_trajectories,
             "redispatched_prompts": stats.redispatched,
+            # Rewards that raised, timed out or fell outside float32 (scored 0, never Infinity here).
+            "reward_failures": int(b.get("reward_failures", 0)),
             "consumed_prompts": ledger.get("consumed", 0),
             "dropped_prompts": ledger.get("dropped", 0),
             "in_flight_prompts": ledger.get("in_flight", 0),

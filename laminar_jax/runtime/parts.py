@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import signal
 import sys
@@ -15,6 +16,8 @@ import threading
 from typing import Callable
 
 from laminar_jax.config import Config, resolve_run_dir, save_config
+
+log = logging.getLogger(__name__)
 
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
@@ -46,6 +49,29 @@ def sft_warmup(cfg: Config, model, tokenizer, phase: Callable[[str], None] = lam
     return losses
 
 
+def check_resume(cfg: Config, run_dir: str) -> None:
+    """A run directory that holds a run: refuse config changes that break its ledger's meaning,
+    log the others, and say so when there is no checkpoint to resume from."""
+    from laminar_jax.config import ConfigError
+    from laminar_jax.configlib import to_json
+    from laminar_jax.resume import compare_resume_config
+
+    path = os.path.join(run_dir, "config.json")
+    if not os.path.exists(path):
+        return
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    resolved, resuming = resolve(cfg, run_dir)
+    errors, changes = compare_resume_config(saved, json.loads(to_json(resolved)))
+    if errors:
+        raise ConfigError(f"{run_dir} holds a run whose config differs:\n  " + "\n  ".join(errors))
+    for line in changes:
+        log.warning("resume of %s with a changed config: %s", run_dir, line)
+    if not resuming:
+        log.warning("%s holds a run but no checkpoint in %s: starting from scratch", run_dir,
+                    resolved.learner.checkpoint_dir)
+
+
 def rpc_timeout(cfg: Config) -> float:
     """Bound of a small cross-process call (a Ray actor method, a relay control op)."""
     return min(cfg.runtime.wait_timeout_s, 120.0)
@@ -55,6 +81,7 @@ def run_with(build: Callable, cfg: Config) -> dict:
     """Write the run directory, run `build(cfg, run_dir, stop).run()` with SIGTERM/SIGINT mapped to
     a clean stop (checkpoint, resumable), then write and print the summary."""
     run_dir = resolve_run_dir(cfg)
+    check_resume(cfg, run_dir)
     save_config(resolve(cfg, run_dir)[0], run_dir)
     stop = threading.Event()
     previous: dict = {}

@@ -26,6 +26,7 @@ class WeightsPlane:
         self.key = key  # the run's relay key (relay/auth.py): every relay message is authenticated with it
         self.publisher = None
         self.last_stats = None
+        self.redone_steps = 0
 
     def client(self, holder: str, addresses: Sequence[str] = ()):
         """A relay client for one rollout server (its own node's relay first, then the others)."""
@@ -42,6 +43,10 @@ class WeightsPlane:
         from laminar_jax.runtime.ray_learner import GroupPublisherProxy, LearnerGroup
 
         if initial:
+            # Versions the store holds beyond the restored learner were trained after its checkpoint
+            # by a run that died: they are redone (and published again with their new weights).
+            newest = self.store.latest()
+            self.redone_steps = max(0, (newest or 0) - learner.version)
             self.store.retract_newer_than(learner.version)
         stored = self.store.latest() == learner.version
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
