@@ -50,6 +50,10 @@ class Worker:
     def alive(self) -> bool:
         return self._thread.is_alive()
 
+    def is_current(self) -> bool:
+        """Whether the caller runs in this worker's thread (it cannot join itself)."""
+        return self._thread is threading.current_thread()
+
     def check(self) -> None:
         """Re-raise this worker's failure (if any), naming it and carrying its traceback."""
         if self.error is not None:

@@ -36,7 +36,6 @@ import os
 import socket
 import threading
 import time
-import traceback
 import uuid
 from typing import Any, Optional, Sequence
 
@@ -46,6 +45,7 @@ from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc3
 from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
 from laminar_jax.relay.ratelimit import make_limiter
 from laminar_jax.relay.wire import AuthError, Peer, PeerClosed, WireError, error_frame, server_handshake
+from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)
 PRE_AUTH_MAX_HEADER = 1 << 20  # a connection's first header, read before its tag can be checked
@@ -168,9 +168,8 @@ class RelayServer:
         self._pool: list[tuple[int, mmap.mmap]] = []  # evicted, unpinned buffers kept warm for reuse
         self._cond = threading.Condition()
         self._stopping = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._threads: list[Worker] = []
         self._conns: set[socket.socket] = set()
-        self._fatal: list[str] = []
         self._conn_errors: collections.deque[str] = collections.deque(maxlen=20)
         self._delivered: dict[str, int] = {}
         self._down = Downstream(config, successors, make_limiter(config.link_rate_bytes_per_s,
@@ -218,7 +217,7 @@ class RelayServer:
         self._down.close()
         deadline = time.monotonic() + timeout
         for t in self._threads:
-            if t is not threading.current_thread():
+            if not t.is_current():
                 t.join(max(0.0, deadline - time.monotonic()))
 
     @property
@@ -232,22 +231,16 @@ class RelayServer:
         self.stop()
 
     def check(self) -> None:
-        """Re-raise the first failure of a server thread (accept loop or forwarder)."""
-        if self._fatal:
-            raise RuntimeError(f"relay {self.relay_id[:8]} background failure:\n{self._fatal[0]}")
+        """Re-raise the first failure of a server thread (accept loop or forwarder), unless the
+        server is stopping: closing its sockets ends those loops with errors."""
+        if not self._stopping.is_set():
+            for t in list(self._threads):
+                t.check()
 
-    def _spawn(self, fn, *args, daemon_name: str = "") -> threading.Thread:
-        def run():
-            try:
-                fn(*args)
-            except BaseException:  # noqa: BLE001 - recorded and re-raised by check()
-                if not self._stopping.is_set():
-                    self._fatal.append(traceback.format_exc())
-
-        t = threading.Thread(target=run, name=f"relay-{fn.__name__}", daemon=True)
-        t.start()
-        self._threads.append(t)
-        return t
+    def _spawn(self, fn, *args, daemon_name: str = "") -> Worker:
+        worker = Worker(f"relay-{fn.__name__}", lambda: fn(*args), stop_on_failure=False)
+        self._threads.append(worker)
+        return worker.start()
 
     # ---- state
     def set_successors(self, addresses: Sequence[str]) -> None:
