@@ -17,6 +17,8 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from laminar_jax.naming import path_name, start_host_copies
+
 
 @runtime_checkable
 class Publisher(Protocol):
@@ -57,20 +59,13 @@ class LocalPublisher:
 
 
 def flatten_params(state: Any, drop: tuple[str, ...] = ("value_head",)) -> dict[str, Any]:
-    """nnx.State -> {'a.b.c': leaf}, skipping subtrees whose first key is in `drop`."""
+    """nnx.State -> {'a.b.c': leaf} (the one naming, laminar_jax.naming), skipping subtrees whose
+    first key is in `drop`."""
     out = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(state)[0]:
-        names = []
-        for k in path:
-            if isinstance(k, jax.tree_util.DictKey):
-                names.append(str(k.key))
-            elif isinstance(k, jax.tree_util.SequenceKey):
-                names.append(str(k.idx))
-            elif isinstance(k, jax.tree_util.GetAttrKey) and k.name != "value":
-                names.append(k.name)
-        if names and names[0] in drop:
-            continue
-        out[".".join(names)] = leaf
+        name = path_name(path)
+        if name.split(".")[0] not in drop:
+            out[name] = leaf
     return out
 
 
@@ -92,9 +87,7 @@ class HostCopy:
         self._error: Optional[str] = None
         self.host: Optional[dict[str, np.ndarray]] = None
         if all(x.is_fully_addressable for x in flat.values()):
-            for x in flat.values():
-                if x.devices() and next(iter(x.devices())).platform != "cpu":  # a view on CPU already
-                    x.copy_to_host_async()
+            start_host_copies(list(flat.values()))  # the relay plane's own host copies are the same call
             self._flat = flat
         else:  # multi-process: gather the global value (blocking)
             from jax.experimental import multihost_utils

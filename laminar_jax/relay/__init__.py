@@ -1,7 +1,7 @@
 """Relay plane: versioned weight store, learner-side publisher, relay workers, rollout-side client.
 
 Weights travel as a flat ``dict[str, np.ndarray]`` (name -> host array). Names come from
-``flatten_tree`` (``jax.tree_util.keystr`` of each leaf path; an already-flat dict keeps its keys).
+``flatten_tree`` (``laminar_jax.naming``: each leaf's path with dots; an already-flat dict keeps its keys).
 
 Interfaces (import from here or from the named module):
 

@@ -2,9 +2,10 @@
 
 A dict that is already flat (``is_flat``: str keys -> arrays) keeps its own names.
 
-Names are ``jax.tree_util.keystr`` of each leaf's path (``"['layers'][0]['w']"``), so they are
-stable across processes and deterministic (jax orders dict keys by sort). Works for plain dicts,
-lists, NamedTuples and flax ``nnx.State``.
+Any other pytree is named by the project's one naming (``laminar_jax.naming``: the leaf's path with
+dots, ``layers.0.w``), the names the learner publishes under; stable across processes and
+deterministic (jax orders dict keys by sort). Works for plain dicts, lists, NamedTuples and flax
+``nnx.State``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 import numpy as np
+
+from laminar_jax.naming import named_leaves, path_name, start_host_copies  # noqa: F401 - re-exported
 
 
 def is_flat(obj: Any) -> bool:
@@ -29,43 +32,10 @@ def is_flat(obj: Any) -> bool:
 
 
 def tree_items(pytree: Any) -> list[tuple[str, Any]]:
-    """[(name, leaf)]: a flat dict's own items, else jax flattening order with keystr names."""
+    """[(name, leaf)]: a flat dict's own items, else the project's one naming (laminar_jax.naming)."""
     if is_flat(pytree):
         return list(pytree.items())
-    import jax
-
-    leaves, _ = jax.tree_util.tree_flatten_with_path(pytree)
-    out, seen = [], set()
-    for path, leaf in leaves:
-        name = jax.tree_util.keystr(path) or "<root>"
-        if name in seen:
-            raise ValueError(f"pytree leaf name {name!r} occurs twice; names must be unique")
-        seen.add(name)
-        out.append((name, leaf))
-    return out
-
-
-def start_host_copies(leaves: list[Any]) -> int:
-    """Start device-to-host copies of every jax array so they overlap each other; returns how many.
-
-    Arrays on the CPU backend are skipped: ``np.asarray`` of one is a zero-copy view, so an async
-    copy there is pure per-leaf overhead (about half of ``jax.device_get``'s time on CPU).
-    """
-    import jax
-
-    started = 0
-    for leaf in leaves:
-        if isinstance(leaf, jax.Array) and not _on_cpu(leaf):
-            leaf.copy_to_host_async()
-            started += 1
-    return started
-
-
-def _on_cpu(x: Any) -> bool:
-    try:
-        return all(d.platform == "cpu" for d in x.sharding.device_set)
-    except (AttributeError, RuntimeError):  # deleted or unusual array: let the copy path decide
-        return False
+    return named_leaves(pytree)
 
 
 def flatten_tree(pytree: Any) -> dict[str, np.ndarray]:
@@ -92,7 +62,7 @@ def unflatten_like(flat: Mapping[str, Any], template_pytree: Any, strict: bool =
         treedef, leaves = None, list(template_pytree.items())  # named by their own keys
     else:
         leaves, treedef = jax.tree_util.tree_flatten_with_path(template_pytree)
-        leaves = [(jax.tree_util.keystr(p) or "<root>", t) for p, t in leaves]
+        leaves = [(path_name(p), t) for p, t in leaves]
     out, used = [], set()
     for name, tmpl in leaves:
         if name not in flat:

@@ -26,9 +26,9 @@ class _Tiny(nnx.Module):
 def test_flatten_unflatten_nnx_state_roundtrip():
     state = nnx.state(_Tiny())
     flat = flatten_tree(state)
-    assert list(flat) == ["['dense']['bias'].value", "['dense']['kernel'].value",
-                          "['extra'][0].value", "['extra'][1].value"]
-    assert flat["['extra'][1].value"].dtype == ml_dtypes.bfloat16
+    # The project's one naming (laminar_jax.naming), as the learner publishes it.
+    assert list(flat) == ["dense.bias", "dense.kernel", "extra.0", "extra.1"]
+    assert flat["extra.1"].dtype == ml_dtypes.bfloat16
     assert all(isinstance(a, np.ndarray) for a in flat.values())
     assert flatten_tree(nnx.state(_Tiny())).keys() == flat.keys()  # stable across instances
     rebuilt = unflatten_like({k: v + 1 for k, v in flat.items()}, state)
@@ -42,7 +42,7 @@ def test_flatten_unflatten_nnx_state_roundtrip():
 def test_flatten_nested_dict_names_and_idempotence():
     tree = {"b": [np.ones(2), np.zeros(3)], "a": {"w": np.arange(4.0)}}
     flat = flatten_tree(tree)
-    assert list(flat) == ["['a']['w']", "['b'][0]", "['b'][1]"]
+    assert list(flat) == ["a.w", "b.0", "b.1"]  # the one naming (laminar_jax.naming)
     assert is_flat(flat) and flatten_tree(flat).keys() == flat.keys()
     back = unflatten_like(flat, tree)
     np.testing.assert_array_equal(back["a"]["w"], tree["a"]["w"])
@@ -53,9 +53,9 @@ def test_unflatten_like_errors_name_the_weight():
     with pytest.raises(KeyError, match=r"a.*w.* required by the template is missing"):
         unflatten_like({"x": np.zeros(1)}, tree)
     with pytest.raises(ValueError, match=r"shape \(3,\)"):
-        unflatten_like({"['a']['w']": np.zeros(3)}, tree)
+        unflatten_like({"a.w": np.zeros(3)}, tree)
     with pytest.raises(KeyError, match="not in the template"):
-        unflatten_like({"['a']['w']": np.zeros((2, 2)), "extra": np.zeros(1)}, tree)
+        unflatten_like({"a.w": np.zeros((2, 2)), "extra": np.zeros(1)}, tree)
 
 
 def _flat():
