@@ -1,4 +1,4 @@
-"""Benchmarks: python launch/bench.py <learner|engine|relay|e2e|faults|sim> [--quick] [options]
+"""Benchmarks: python launch/bench.py <learner|engine|relay|e2e|faults|sim|peers> [--quick] [options]
 
 Each prints a table and, as its last line, one JSON object with the figures.
 """
@@ -9,7 +9,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "peers")
 
 
 def main(argv):

@@ -41,28 +41,32 @@ class SamplingParams:
       temperature: 0 = greedy; otherwise logits are divided by it before softmax.
       top_k: Keep the k most likely tokens; 0 = off.
       top_p: Keep the smallest set with mass >= top_p; 1 = off.
-      max_new_tokens: Stop after this many generated tokens (also capped by max_total_len).
-      stop_token_ids: Generation ends after emitting one of these (the stop token is kept).
+      max_new_tokens: Stop after this many generated tokens; a request whose prompt + max_new_tokens
+        exceeds rollout.max_total_len is rejected (ValueError naming both), never cut.
+      stop_token_ids: Generation ends after emitting one of these (the stop token is kept). None (the
+        default) means the server's default stop ids (rollout.stop_token_ids, else the model's EOS ids);
+        () never stops early.
     """
 
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
     max_new_tokens: int = 256
-    stop_token_ids: tuple[int, ...] = ()
+    stop_token_ids: Optional[tuple[int, ...]] = None
 
     def validate(self, prefix: str = "sampling") -> None:
         validate_sampling(prefix, self.temperature, self.top_k, self.top_p, self.max_new_tokens)
 
     def to_json(self) -> dict:
         d = dataclasses.asdict(self)
-        d["stop_token_ids"] = list(self.stop_token_ids)
+        d["stop_token_ids"] = None if self.stop_token_ids is None else list(self.stop_token_ids)
         return d
 
     @classmethod
     def from_json(cls, d: dict) -> "SamplingParams":
         return cls(temperature=float(d["temperature"]), top_k=int(d["top_k"]), top_p=float(d["top_p"]),
-                   max_new_tokens=int(d["max_new_tokens"]), stop_token_ids=tuple(int(x) for x in d["stop_token_ids"]))
+                   max_new_tokens=int(d["max_new_tokens"]),
+                   stop_token_ids=None if d["stop_token_ids"] is None else tuple(int(x) for x in d["stop_token_ids"]))
 
 
 def default_sampling(section, eos_ids: tuple[int, ...], max_new_tokens: Optional[int] = None) -> SamplingParams:
