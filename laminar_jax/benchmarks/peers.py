@@ -6,7 +6,7 @@
 Both systems get the same long-tail workload (laminar_jax.benchmarks.engine.make_workload:
 lognormal response lengths, p99 ~ 10x median), greedy, every request forced to its own length
 (ignore_eos + per-request max_tokens on vLLM; stop ids off and max_new_tokens here), the same
-number of concurrent sequences, the same checkpoint (a preset built from seed 0 and written with
+number of concurrent sequences, the same KV budget, every core (OMP_NUM_THREADS = cores for vLLM), the same checkpoint (a preset built from seed 0 and written with
 save_pretrained). Each run is a fresh process that loads, warms up (excluded from the timing: both
 systems compile or capture their programs before serving) and then times one generate() over all
 requests. Runs alternate between the systems, ``--repeats`` times per dtype; the table shows the
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -86,7 +87,8 @@ def _vllm_worker(spec: dict) -> dict:
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=spec["dir"], dtype=spec["dtype"], max_num_seqs=spec["concurrency"],
-              max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0)
+              max_model_len=spec["max_model_len"], skip_tokenizer_init=True, seed=0,
+              kv_cache_memory_bytes=int(spec["kv_memory_gb"] * (1 << 30)))
     prompts = [{"prompt_token_ids": p} for p in spec["prompts"]]
     sps = [SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True, detokenize=False) for m in spec["max_new"]]
     warm = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True, detokenize=False)
@@ -109,6 +111,10 @@ def _run_worker(system: str, spec_path: str, python: str, timeout_s: float) -> d
     """One run in a fresh process; {'ok': True, ...figures} or {'ok': False, 'reason': ...}."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if system == "vllm":
+        # vLLM's CPU default reserves a core for its scheduler (1 torch thread on 2 cores); give it
+        # every core, as our process has.
+        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     cmd = [python, "-m", "laminar_jax.benchmarks.peers", "--worker", system, "--spec", spec_path]
     load = os.getloadavg()[0]
     try:
@@ -183,6 +189,8 @@ def main(argv: list[str]) -> Optional[dict]:
     if args.worker:
         _worker_main(args)
         return None
+    # SIGTERM -> SystemExit, so subprocess.run kills the running worker instead of orphaning it.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     import jax.numpy as jnp  # noqa: F401  (fail early, before any run, if the stack is broken)
     from flax import nnx
 

@@ -41,10 +41,10 @@ from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout.attention import (
     BACKENDS,
     DecodeMeta,
-    gather_pages,
     live_page_list,
     prefill_dense,
     scatter_pages,
+    storage_dtype,
 )
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.paged import (
@@ -109,7 +109,8 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
         shape = (self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(c.num_layers))  # noqa: E731
+        store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
+        zeros = lambda: tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))  # noqa: E731
         return DecodeState(
             k_pages=zeros(), v_pages=zeros(),
             page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
@@ -260,7 +261,8 @@ class Engine:
         n = pages_needed(num_cached, self.page_size)
         row = self._page_row(self.slot_pages[slot])
         k, v = jax.device_get(_read_pages_jit(decode_state, row))
-        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+        kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
+        return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
     def write_slot(self, decode_state: DecodeState, slot: int, k: np.ndarray, v: np.ndarray, num_cached: int,
                    last_token: int, prompt_len: int, init: SlotInit) -> DecodeState:
@@ -344,8 +346,8 @@ def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page
     # Padding positions (and the last prompt token, fed by generate) go to the null page.
     page = jnp.where(pos < prompt_len - 1, page_row[pos // page_size], 0)
     off = pos % page_size
-    kp = tuple(scatter_pages(p, (page, off), x) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_pages(p, (page, off), x) for p, x in zip(state.v_pages, v))
+    kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
+    vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
 
@@ -355,20 +357,19 @@ def _deactivate_impl(state, slot):
 
 
 def _read_pages_impl(state, page_row):
-    return (jnp.stack([gather_pages(p, page_row) for p in state.k_pages]),
-            jnp.stack([gather_pages(p, page_row) for p in state.v_pages]))
+    return jnp.stack([p[page_row] for p in state.k_pages]), jnp.stack([p[page_row] for p in state.v_pages])
 
 
 def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(scatter_pages(p, dst, x) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_pages(p, dst, x) for p, x in zip(state.v_pages, v))
+    kp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
+    vp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
 def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[DecodeState, StepOutput]:
     """One token for every active slot: feed last_token at position lengths, sample, retire finished slots."""
-    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size)
+    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size, kv_dtype=spec.kv_dtype)
     overflow = jnp.zeros((), bool)
     if live_bucket:
         meta = meta._replace(live=live_page_list(meta, live_bucket))

@@ -145,3 +145,20 @@ def test_warmup_compiles_only_the_first_live_buckets(first_n, slots):
     out = generate((engine, params), [[1, 2, 3]] * slots,
                    SamplingParams(temperature=0.0, max_new_tokens=60, stop_token_ids=()))
     assert all(len(o.tokens) == 60 for o in out) and np.isfinite(out[0].logprobs).all()
+
+
+def test_bf16_pool_is_stored_as_bits_and_backends_agree():
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+
+    model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    sp = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=())
+    outs = {}
+    for impl in ("live_pages", "gather_dense", "pool_scan"):
+        engine, params = make_engine(model, dataclasses.replace(SECTION, attention_impl=impl))
+        assert engine.init_decode_state().k_pages[0].dtype == jnp.uint16
+        outs[impl] = [o.tokens.tolist() for o in generate((engine, params), PROMPTS, sp)]
+    assert outs["live_pages"] == outs["gather_dense"] == outs["pool_scan"]
+    assert len(set(map(tuple, outs["live_pages"]))) > 1  # not a degenerate constant output
