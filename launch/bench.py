@@ -2,11 +2,13 @@
 
   learner   one learner step: tokens/s, MFU; --memory-plan (does a row fit), --attention-speed
   engine    the paged-KV rollout engine vs a padded-batch and an HF baseline, long-tail workload
+            (--preset qwen2-100m, --profile: a decode step broken down against the matmul peak)
   relay     weight publishing: learner stall, publish-to-visible latency, pull bandwidth, chain fan-out
   e2e       the same workload in every mode (sync, one_step, stream, laminar), side by side
   faults    the demo under a scripted chaos schedule (kill a rollout server, the relay, the learner)
   sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
+  peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
 
 Each prints a table and, as its last line, one JSON object with the figures.
 """
@@ -17,7 +19,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers")
 
 
 def main(argv):

@@ -172,6 +172,170 @@ def decode_step_b64(model, section, device_kind: str, batch: int = 64, context: 
             "decode_roofline_frac": None if roof is None else roof / step_s, "hbm_bytes_per_s": bw}
 
 
+def matmul_peak(dtype: str, n: int = 2048, iters: int = 5) -> float:
+    """GFLOP/s of one [n, n] x [n, n] product on this machine (bf16 accumulates in f32, as the model's
+    Linear): the best of ``iters`` (a peak), measured in the same run as what it is compared with."""
+    import jax
+    import jax.numpy as jnp
+
+    dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32).astype(dt)
+    b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
+    f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
+    jax.block_until_ready(f(a, b))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(f(a, b))
+        times.append(time.perf_counter() - t)
+    return 2 * n ** 3 / min(times) / 1e9
+
+
+def _skip_attention(q, k, v, layer_cache, *, meta):
+    """Decode backend that does no attention (output = q, cache untouched): step time minus this = attention."""
+    del k, v, meta
+    return q, layer_cache
+
+
+def _median_ms(fn, iters: int) -> float:
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times)) * 1e3
+
+
+def _profile_section(rows: int, context: int, attention_impl: str = "live_pages"):
+    from laminar_jax.rollout import RolloutSection
+
+    page, total = 16, context + 256
+    return RolloutSection(num_slots=rows, page_size=page, max_prompt_len=context, max_total_len=total,
+                          prefill_buckets=(context,), num_pages=rows * -(-total // page) + 1, temperature=0.0,
+                          stop_token_ids=(), attention_impl=attention_impl, queue_capacity=rows + 1)
+
+
+def _filled_engine(model, rows: int, context: int, **kwargs):
+    """(engine, params, state): ``rows`` live slots, each holding a ``context``-token prompt, greedy, long max_new."""
+    from laminar_jax.rollout import SlotInit, make_engine
+
+    sec = _profile_section(rows, context, kwargs.pop("attention_impl", "live_pages"))
+    engine, params = make_engine(model, sec, **kwargs)
+    state = engine.init_decode_state()
+    pre = engine.prefill(params, *engine.pad_prompt(np.arange(context, dtype=np.int32) % 97 + 3))
+    for slot in range(rows):
+        state = engine.insert(pre, state, slot, SlotInit(np.zeros(2, np.uint32), 0.0, 0, 1.0, 250, np.zeros(0)))
+    return engine, params, state
+
+
+def _matmul_fn(model, rows: int):
+    """A jitted pass through every weight matmul of one decode step ([rows, in] x [in, out], the model's own
+    Linear modules, plus the head), and its FLOPs."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Linear)]
+    graphdef, params = nnx.split(model)
+    c = model.cfg
+    flops = 2 * rows * (sum(m.kernel[...].size for m in linears) + c.vocab_size * c.hidden_size)
+
+    x = jax.random.normal(jax.random.key(0), (rows, max(c.hidden_size, c.intermediate_size,
+                                                        c.num_heads * c.head_dim)), jnp.float32)
+
+    @jax.jit
+    def run(params, x):
+        # Every product is returned whole: a reduction of it would let XLA simplify the dot away.
+        m = nnx.merge(graphdef, params)
+        outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype))]
+        for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, nnx.Linear)]:
+            outs.append(lin(x[:, :lin.in_features].astype(m.dtype)))
+        return outs
+
+    return (lambda: run(params, x)), flops
+
+
+def profile_decode(model, rows: int, context: int, iters: int = 5) -> dict:
+    """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
+
+    step (engine.generate), attention over pages (step minus the same step with attention skipped),
+    weight matmuls (the model's Linear modules + head alone, and their GFLOP/s), sampling (greedy
+    over the vocabulary), host work per server step (server.step() wall minus the device step),
+    and the rest (norms, RoPE, embedding, state updates).
+    """
+    import jax
+    import jax.numpy as jnp
+
+    from laminar_jax.rollout import Request, RolloutServer, SamplingParams
+    from laminar_jax.rollout.sampling import sample_tokens
+
+    def step_ms(**kw):
+        engine, params, state = _filled_engine(model, rows, context, **kw)
+        box = [state]
+
+        def one():
+            box[0], out = engine.generate(params, box[0])
+            return out
+        return _median_ms(one, iters)
+
+    full = step_ms()
+    no_attn = step_ms(attention_impl="skip", attention_backends={"skip": _skip_attention})
+    mm_fn, flops = _matmul_fn(model, rows)
+    mm = _median_ms(mm_fn, iters)
+    logits = jax.random.normal(jax.random.key(0), (rows, model.cfg.vocab_size), jnp.float32)
+    keys = jax.vmap(jax.random.key)(jnp.arange(rows))
+    zero = jnp.zeros((rows,), jnp.float32)
+    samp = jax.jit(lambda lg, k: sample_tokens(lg, k, zero, jnp.zeros((rows,), jnp.int32), zero + 1.0))
+    sampling = _median_ms(lambda: samp(logits, keys), iters)
+    # Host: a server at the same geometry, every slot live; its step() minus the device step.
+    server = RolloutServer.from_model(model, _profile_section(rows, context))
+    prompt = (np.arange(context) % 97 + 3).tolist()
+    for i in range(rows):
+        server.submit(Request(uid=str(i), prompt_ids=prompt, seed=i,
+                              sampling=SamplingParams(temperature=0.0, max_new_tokens=200, stop_token_ids=())))
+    for _ in range(3):  # admissions and compiles
+        server.step()
+    if server.stats().slots_used != rows:
+        raise RuntimeError(f"profile server holds {server.stats().slots_used} live sequences, not {rows}")
+    srv = _median_ms(lambda: server.step(), iters)
+    return {"rows": rows, "context": context, "step_ms": full, "tokens_per_s": rows / full * 1e3,
+            "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
+            "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
+            "host_ms": max(srv - full, 0.0), "server_step_ms": srv,
+            "other_ms": max(full - (full - no_attn) - mm - sampling, 0.0)}
+
+
+def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int) -> dict:
+    """Decode-step profile per dtype and row count, with the matmul peak measured in the same run."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+
+    cfg = PRESETS[preset]
+    out: dict[str, Any] = {"bench": "engine_profile", "preset": preset, "params_m": cfg.num_params() / 1e6,
+                           "context": context, "rows": {}}
+    print(f"decode-step profile: preset={preset} ({cfg.num_params() / 1e6:.1f}M params) context={context}")
+    print(f"{'dtype':<9}{'rows':>5}{'step ms':>9}{'tok/s':>8}{'attn':>7}{'matmul':>8}{'GF/s':>7}{'step GF/s':>10}"
+          f"{'peak':>7}{'%peak':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
+    for dtype in dtypes:
+        dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
+        model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
+        for rows in rows_list:
+            peak = matmul_peak(dtype)
+            r = profile_decode(model, rows, context, iters)
+            r.update(peak_gflops=peak, frac_of_peak=r["step_matmul_gflops"] / peak, load_avg=os.getloadavg()[0])
+            out["rows"][f"{dtype}_{rows}"] = r
+            print(f"{dtype:<9}{rows:>5}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.0f}{r['attention_ms']:>7.1f}"
+                  f"{r['matmul_ms']:>8.1f}{r['matmul_gflops']:>7.0f}{r['step_matmul_gflops']:>10.0f}{peak:>7.0f}"
+                  f"{r['frac_of_peak']:>7.0%}{r['sampling_ms']:>8.1f}{r['host_ms']:>7.1f}{r['other_ms']:>7.1f}"
+                  f"{r['load_avg']:>6.1f}", flush=True)
+    return out
+
+
 def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench engine")
     ap.add_argument("--quick", action="store_true")
@@ -189,7 +353,18 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--pool-frac", type=float, default=0.5,
                     help="KV pool size as a fraction of slots x pages_per_seq (admission waits when short)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--profile", action="store_true",
+                    help="only the decode-step profile (matmul vs measured peak, attention, sampling, host) "
+                         "at --profile-rows live rows, for float32 and bfloat16 unless --dtype is given")
+    ap.add_argument("--profile-rows", default="32,64")
+    ap.add_argument("--profile-context", type=int, default=128)
     args = ap.parse_args(argv)
+    if args.profile:
+        dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
+        rows = [int(x) for x in args.profile_rows.split(",")]
+        result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7)
+        print(json.dumps(result))
+        return result
 
     import jax
     import jax.numpy as jnp

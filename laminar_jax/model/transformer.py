@@ -29,9 +29,27 @@ def _init(init, axes: Sequence[Optional[str]]):
     return nnx.with_metadata(init, out_sharding=tuple(axes), eager_sharding=False)
 
 
+def _low_precision(dtype) -> bool:
+    return dtype is not None and jnp.dtype(dtype).itemsize < 4
+
+
+class Linear(nnx.Linear):
+    """nnx.Linear whose low-precision (bf16/f16) products accumulate in float32, then cast back to dtype.
+
+    Why: XLA:CPU runs a bf16 x bf16 -> f32 dot on the CPU's bf16 instructions (AVX-512 BF16),
+    ~3x faster than f32, while a bf16 -> bf16 dot is emulated and slower than f32. f32 accumulation
+    is also the more accurate product. Float32 models are unchanged (no preferred type is set).
+    """
+
+    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
+        y = super().__call__(inputs, out_sharding)
+        return y if self.preferred_element_type is None else y.astype(self.dtype)
+
+
 def _linear(din: int, dout: int, axes, bias: bool, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Linear:
-    return nnx.Linear(
+    return Linear(
         din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
+        preferred_element_type=jnp.float32 if _low_precision(dtype) else None,
         kernel_init=_init(nnx.initializers.normal(0.02), axes),
         bias_init=_init(nnx.initializers.zeros_init(), axes[1:]),
         rngs=rngs)
@@ -213,6 +231,13 @@ class Transformer(nnx.Module):
         return self._logits(h)
 
     def _logits(self, h):
+        if self.cfg.tie_word_embeddings and _low_precision(self.dtype):
+            # E[V, D] . h[N, D] -> [V, N], transposed: on XLA:CPU the bf16 (f32-accumulating) kernel
+            # takes this operand order ~7x faster than h . E^T.
+            e = self.embed_tokens.embedding[...].astype(self.dtype)
+            flat = h.reshape(-1, h.shape[-1]).astype(self.dtype)
+            out = jax.lax.dot_general(e, flat, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+            return out.T.reshape(*h.shape[:-1], -1)
         if self.cfg.tie_word_embeddings:
             return self.embed_tokens.attend(h).astype(jnp.float32)
         return self.lm_head(h).astype(jnp.float32)

@@ -7,10 +7,12 @@ Public API:
   RolloutServer, Request, ServerStats    -- step-driven continuous batching, weight swaps, stats
   SequenceState                          -- a live sequence as plain data (export / import, to_bytes)
   generate, Completion                   -- offline generation through the real engine
+  LLM, RequestOutput                     -- offline front door: HF directory + KV memory budget -> sized engine
 """
 
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import Engine, make_engine
+from laminar_jax.rollout.llm import LLM, RequestOutput
 from laminar_jax.rollout.offline import Completion, generate
 from laminar_jax.rollout.paged import DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
@@ -19,7 +21,7 @@ from laminar_jax.rollout.sampling import SamplingParams, sample_tokens
 from laminar_jax.rollout.server import RolloutServer
 
 __all__ = [
-    "RolloutSection", "Engine", "make_engine", "Completion", "generate", "DecodeState", "OutOfPages",
+    "RolloutSection", "Engine", "make_engine", "Completion", "generate", "LLM", "RequestOutput", "DecodeState", "OutOfPages",
     "PageAllocator", "Prefix", "SlotInit", "StepOutput", "NoFreeSlotError", "OverlongPromptError",
     "QueueFullError", "Request", "SequenceState", "ServerStats", "VersionMismatchError", "SamplingParams",
     "sample_tokens", "RolloutServer",

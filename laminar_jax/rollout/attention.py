@@ -19,7 +19,7 @@ follows the live context (sum over slots), not num_slots x max_total_len or the 
 
 from __future__ import annotations
 
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -50,6 +50,7 @@ class DecodeMeta(NamedTuple):
     active: jax.Array  # bool[B]
     page_size: int
     live: Optional[LivePages] = None  # set by the engine for backends with ``needs_live_pages``
+    kv_dtype: Any = jnp.float32  # the values' dtype; pools of 16-bit floats are stored as uint16 (storage_dtype)
 
 
 def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
@@ -69,12 +70,48 @@ def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
     return LivePages(safe // n, safe % n, page, ok, inverse[:-1].reshape(b, n), jnp.sum(valid, dtype=jnp.int32))
 
 
+
+
+def storage_dtype(kv_dtype) -> Any:
+    """The dtype the KV pool is stored in: uint16 (the same bits) for 16-bit floats, else kv_dtype.
+
+    Why: XLA:CPU has no bf16/f16 scatter or gather; it widens the whole operand to f32 and back
+    around each one, i.e. two copies of the entire KV pool per layer per step (measured: a bf16
+    decode step ~4x slower than f32). On uint16 they run in place. Only gathered pages (and the
+    tokens written) are bitcast to and from the float dtype, never the pool.
+    """
+    kv_dtype = jnp.dtype(kv_dtype)
+    return jnp.dtype(jnp.uint16) if jnp.issubdtype(kv_dtype, jnp.floating) and kv_dtype.itemsize == 2 else kv_dtype
+
+
+def as_stored(x: jax.Array, kv_dtype) -> jax.Array:
+    """Values in kv_dtype -> their representation in the pool (storage_dtype)."""
+    x = x.astype(kv_dtype)
+    store = storage_dtype(kv_dtype)
+    return jax.lax.bitcast_convert_type(x, store) if store != x.dtype else x
+
+
+def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
+    """Pool representation -> values in kv_dtype."""
+    return jax.lax.bitcast_convert_type(x, kv_dtype) if x.dtype != jnp.dtype(kv_dtype) else x
+
+
+def gather_pages(pages: jax.Array, idx: jax.Array, kv_dtype) -> jax.Array:
+    """pages[idx] (a stored pool [P, ...], idx i32[...]) as kv_dtype values."""
+    return from_stored(pages[idx], kv_dtype)
+
+
+def scatter_pages(pages: jax.Array, idx, values: jax.Array, kv_dtype) -> jax.Array:
+    """pages.at[idx].set(values) on a stored pool (idx: an index or a tuple of index arrays)."""
+    return pages.at[idx].set(as_stored(values, kv_dtype))
+
+
 def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta) -> jax.Array:
     """Write one token per slot. pages f[P, page, Hkv, D]; new f[B, Hkv, D]. Inactive slots hit page 0."""
     b = new.shape[0]
     page = meta.page_table[jnp.arange(b), meta.positions // meta.page_size]
     page = jnp.where(meta.active, page, 0)
-    return pages.at[page, meta.positions % meta.page_size].set(new.astype(pages.dtype))
+    return scatter_pages(pages, (page, meta.positions % meta.page_size), new, meta.kv_dtype)
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -100,7 +137,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
 def _gather(pages: jax.Array, meta: DecodeMeta) -> jax.Array:
     b, n = meta.page_table.shape
     _, page, hkv, d = pages.shape
-    return pages[meta.page_table].reshape(b, n * page, hkv, d)  # f[B, S, Hkv, D]
+    return gather_pages(pages, meta.page_table, meta.kv_dtype).reshape(b, n * page, hkv, d)  # f[B, S, Hkv, D]
 
 
 def _valid(meta: DecodeMeta, s: int) -> jax.Array:
@@ -162,7 +199,7 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     """
     k_pages = write_token(layer_cache[0], k[:, 0], meta)
     v_pages = write_token(layer_cache[1], v[:, 0], meta)
-    m, l, acc = _page_partials(q, k_pages, v_pages, meta)
+    m, l, acc = _page_partials(q, from_stored(k_pages, meta.kv_dtype), from_stored(v_pages, meta.kv_dtype), meta)
     m, l, acc = m[meta.page_table], l[meta.page_table], acc[meta.page_table]  # [B, n, Hkv, G(, D)]
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # exact 0 for masked entries
@@ -211,8 +248,8 @@ def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
     g = h // hkv
     qe = _rows_of(q.reshape(b, h * d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))),
                   live.slot).reshape(-1, hkv, g, d)  # f32[N, Hkv, G, D]
-    ke = k_pages[live.page].astype(jnp.float32)  # f32[N, page, Hkv, D]
-    ve = v_pages[live.page].astype(jnp.float32)
+    ke = gather_pages(k_pages, live.page, meta.kv_dtype).astype(jnp.float32)  # f32[N, page, Hkv, D]
+    ve = gather_pages(v_pages, live.page, meta.kv_dtype).astype(jnp.float32)
     scores = jnp.einsum("nkgd,npkd->nkgp", qe, ke)  # f32[N, Hkv, G, page]
     pos = live.index[:, None] * page + jnp.arange(page)[None, :]  # i32[N, page]
     valid = (live.ok[:, None] & (pos <= meta.positions[live.slot][:, None]))[:, None, None, :]

@@ -29,6 +29,8 @@ class RolloutSection:
       attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
       decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
       decode_chunk: Rows per decode chunk; 0 = off (every slot goes through the model on every step). With c > 0, generate() gathers only the slots that hold a sequence into chunks of c rows and loops over as many chunks as needed (a dynamic trip count), so decode cost follows the live slots; every chunk has the same shape, so a sequence's tokens and log-probs do not depend on how many others are live (or on num_slots). Small c suits CPUs; accelerators want 0 or a large c.
+      live_buckets: Live-page bucket policy (attention_impl='live_pages' compiles one generate() per bucket): 'fine' = powers of two from 16 plus 1.5x midpoints from 64 (least padded attention), 'pow2' = powers of two, 'pow4' = powers of four (fewest programs; up to 4x the live pages attended).
+      warmup_live_buckets: How many of the smallest live-page buckets warmup() compiles; 0 = all. The others compile on first use (a one-off pause mid-run).
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
       seed: Base seed for requests that carry neither a seed nor a key.
       server_id: Name reported in stats and stamped into trajectories' extra.
@@ -50,6 +52,8 @@ class RolloutSection:
     attention_impl: str = "live_pages"
     decode_steps_per_call: int = 1
     decode_chunk: int = 0
+    live_buckets: Literal["fine", "pow2", "pow4"] = "fine"
+    warmup_live_buckets: int = 0
     batching: Literal["continuous", "static"] = "continuous"
     seed: int = 0
     server_id: str = "rollout-0"
@@ -83,6 +87,10 @@ class RolloutSection:
         expect(self.attention_impl in backends, f"{prefix}.attention_impl", self.attention_impl,
                f"one of {sorted(backends)}")
         expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
+        expect(self.live_buckets in ("fine", "pow2", "pow4"), f"{prefix}.live_buckets", self.live_buckets,
+               "one of ['fine', 'pow2', 'pow4']")
+        expect(self.warmup_live_buckets >= 0, f"{prefix}.warmup_live_buckets", self.warmup_live_buckets,
+               ">= 0 (0 = all)")
         expect(0 <= self.decode_chunk <= self.num_slots, f"{prefix}.decode_chunk", self.decode_chunk,
                f"in [0, num_slots={self.num_slots}] (0 = no compaction)")
 

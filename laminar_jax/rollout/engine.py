@@ -43,6 +43,8 @@ from laminar_jax.rollout.attention import (
     DecodeMeta,
     live_page_list,
     prefill_dense,
+    scatter_pages,
+    storage_dtype,
 )
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.paged import (
@@ -81,7 +83,8 @@ class Engine:
         self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
         self.chunk = section.decode_chunk  # 0 = no compaction (one batch of num_slots rows)
         rows_per_call = self.chunk or self.num_slots
-        self.live_buckets = _live_buckets(rows_per_call * self.pages_per_seq) if self.uses_live_pages else (0,)
+        self.live_buckets = (_live_buckets(rows_per_call * self.pages_per_seq, section.live_buckets)
+                             if self.uses_live_pages else (0,))
         self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
@@ -106,7 +109,8 @@ class Engine:
     def init_decode_state(self) -> DecodeState:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
         shape = (self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
-        zeros = lambda: tuple(jnp.zeros(shape, self.kv_dtype) for _ in range(c.num_layers))  # noqa: E731
+        store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
+        zeros = lambda: tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))  # noqa: E731
         return DecodeState(
             k_pages=zeros(), v_pages=zeros(),
             page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
@@ -236,7 +240,8 @@ class Engine:
             self.free_resource(free_slot)
         leaves, progs = self._bind(params)
         rows, n_chunks = np.full((self._num_rows,), self.num_slots, np.int32), np.int32(1)
-        for bucket in self.live_buckets:
+        n = self.section.warmup_live_buckets or len(self.live_buckets)
+        for bucket in self.live_buckets[:n]:
             state, out = progs.generate(leaves, state, rows, n_chunks, bucket)
         jax.block_until_ready(out)
 
@@ -256,7 +261,8 @@ class Engine:
         n = pages_needed(num_cached, self.page_size)
         row = self._page_row(self.slot_pages[slot])
         k, v = jax.device_get(_read_pages_jit(decode_state, row))
-        return np.asarray(k)[:, :n], np.asarray(v)[:, :n]
+        kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
+        return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
     def write_slot(self, decode_state: DecodeState, slot: int, k: np.ndarray, v: np.ndarray, num_cached: int,
                    last_token: int, prompt_len: int, init: SlotInit) -> DecodeState:
@@ -340,8 +346,8 @@ def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page
     # Padding positions (and the last prompt token, fed by generate) go to the null page.
     page = jnp.where(pos < prompt_len - 1, page_row[pos // page_size], 0)
     off = pos % page_size
-    kp = tuple(p.at[page, off].set(x) for p, x in zip(state.k_pages, k))
-    vp = tuple(p.at[page, off].set(x) for p, x in zip(state.v_pages, v))
+    kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
+    vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
 
@@ -355,15 +361,15 @@ def _read_pages_impl(state, page_row):
 
 
 def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(p.at[dst].set(x) for p, x in zip(state.k_pages, k))
-    vp = tuple(p.at[dst].set(x) for p, x in zip(state.v_pages, v))
+    kp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
+    vp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
 def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[DecodeState, StepOutput]:
     """One token for every active slot: feed last_token at position lengths, sample, retire finished slots."""
-    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size)
+    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size, kv_dtype=spec.kv_dtype)
     overflow = jnp.zeros((), bool)
     if live_bucket:
         meta = meta._replace(live=live_page_list(meta, live_bucket))
@@ -452,20 +458,25 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
                          static_argnums=(4,), donate_argnums=(1,)))
 
 
-def _live_buckets(max_entries: int, smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:
-    """Powers of two from ``smallest``, plus 1.5x midpoints from ``halves_from`` up (96, 192, 384, ...),
-    capped by (and ending at) max_entries.
+def _live_buckets(max_entries: int, policy: str = "fine", smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:
+    """Live-page buckets, capped by (and ending at) max_entries.
+
+    'fine': powers of two from ``smallest``, plus 1.5x midpoints from ``halves_from`` up (96, 192, 384, ...).
+    'pow2': powers of two from ``smallest``. 'pow4': powers of four from ``smallest``.
 
     Attention work follows the bucket, not the live count: with powers of two alone a typical
     engine run attended ~1.45x the live pages (measured on the engine bench); the midpoints cut
     that to ~1.2x for a few more compiled programs (only where a bucket is large enough to matter).
+    Every bucket is one compiled generate() program, so the coarser policies trade attention
+    padding for compile time.
     """
+    growth = {"fine": 2, "pow2": 2, "pow4": 4}[policy]
     out, b = [], smallest
     while b < max_entries:
         out.append(b)
-        if b >= halves_from and b + b // 2 < max_entries:
+        if policy == "fine" and b >= halves_from and b + b // 2 < max_entries:
             out.append(b + b // 2)
-        b *= 2
+        b *= growth
     return tuple(out) + (max_entries,)
 
 

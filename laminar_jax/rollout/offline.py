@@ -22,26 +22,50 @@ class Completion(NamedTuple):
     finish_reason: str
 
 
+def default_section(prompts: Sequence[Sequence[int]], per: Sequence[Optional[SamplingParams]]) -> RolloutSection:
+    """The section generate() uses for a bare model: lengths rounded up to powers of two (so calls with
+    similar prompts get equal shapes and reuse the compiled programs), 32 slots."""
+    longest = max(len(p) for p in prompts)
+    new = max(256 if sp is None else sp.max_new_tokens for sp in per)
+    max_prompt = _pow2(max(longest, 16))
+    total = _pow2(max_prompt + new)
+    slots = min(32, _pow2(len(prompts)))
+    page = 16
+    return RolloutSection(num_slots=slots, page_size=page, max_prompt_len=max_prompt, max_total_len=total,
+                          max_new_tokens=min(256, total - max_prompt),
+                          num_pages=slots * -(-total // page) + 1, queue_capacity=len(prompts) + 1)
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
 def generate(model_or_params: Union[nnx.Module, tuple[Engine, Any]], prompts: Sequence[Sequence[int]],
              sampling: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None, *,
              section: Optional[RolloutSection] = None, seeds: Optional[Sequence[int]] = None,
              version: int = 0, timeout_s: float = 600.0) -> list[Completion]:
     """Complete every prompt; results in prompt order.
 
-    model_or_params: a Transformer, or ``(engine, params)`` to reuse compiled programs.
+    model_or_params: a Transformer, or ``(engine, params)`` to reuse an engine (then ``section``, if
+      given, must be that engine's section).
     sampling: one SamplingParams for all, one per prompt, or None for the section defaults.
+    section: the engine geometry for a bare model; default: default_section() (32 slots, lengths
+      rounded to powers of two, so repeated calls reuse the compiled programs).
     seeds: per-prompt key seeds (default: the prompt index).
     """
-    if isinstance(model_or_params, tuple):
-        engine, params = model_or_params
-    else:
-        section = section or RolloutSection(max_prompt_len=max(len(p) for p in prompts),
-                                            max_total_len=max(len(p) for p in prompts) + 256)
-        engine, params = make_engine(model_or_params, section)
-    server = RolloutServer(engine, params, version)
+    if not prompts:
+        return []
     per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
     if len(per) != len(prompts):
         raise ValueError(f"got {len(per)} sampling params for {len(prompts)} prompts")
+    if isinstance(model_or_params, tuple):
+        engine, params = model_or_params
+        if section is not None and section != engine.section:
+            raise ValueError("generate(section=...) differs from the passed engine's section; build the engine "
+                             "with that section (make_engine) or drop section=")
+    else:
+        engine, params = make_engine(model_or_params, section or default_section(prompts, per))
+    server = RolloutServer(engine, params, version)
     pending = [Request(uid=str(i), prompt_ids=list(p), seed=i if seeds is None else int(seeds[i]), sampling=per[i])
                for i, p in enumerate(prompts)]
     out: dict[int, Completion] = {}
@@ -60,4 +84,4 @@ def generate(model_or_params: Union[nnx.Module, tuple[Engine, Any]], prompts: Se
     return [out[i] for i in range(len(prompts))]
 
 
-__all__ = ["Completion", "generate"]
+__all__ = ["Completion", "default_section", "generate"]

@@ -135,9 +135,17 @@ class RolloutServer:
             prompt = prompt[-s.max_prompt_len:]
         sp = req.sampling or self._default
         sp.validate(f"request[{req.uid}].sampling" if req.sampling else "rollout")
+        if sp.stop_token_ids is None:  # the request asks for the server's default stop ids (EOS)
+            sp = dataclasses.replace(sp, stop_token_ids=self._default.stop_token_ids)
         if len(sp.stop_token_ids) > MAX_STOP_IDS:
             raise ValueError(f"request {req.uid!r}: {len(sp.stop_token_ids)} stop ids; at most {MAX_STOP_IDS}")
-        sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, s.max_total_len - len(prompt)))
+        room = s.max_total_len - len(prompt)
+        if req.sampling is not None and sp.max_new_tokens > room:
+            raise ValueError(f"request {req.uid!r}: sampling.max_new_tokens={sp.max_new_tokens} + prompt of "
+                             f"{len(prompt)} tokens exceeds rollout.max_total_len={s.max_total_len} "
+                             f"(at most {room} new tokens fit)")
+        # The section default (rollout.max_new_tokens) is documented as a cap: it shrinks to fit.
+        sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room))
         return _Admission(req, prompt, sp, self._key_data(req))
 
     def _key_data(self, req: Request) -> np.ndarray:

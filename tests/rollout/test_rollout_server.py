@@ -65,9 +65,12 @@ def test_pages_running_out_means_queueing_not_deadlock():
     assert all(len(t.response_ids) == 30 for t in out.values())
 
 
-def test_a_request_that_can_never_fit_is_capped_by_max_total_len():
-    server = make_server(dataclasses.replace(SECTION, max_total_len=20, num_pages=8))
-    server.submit(request(0, max_new=1000, prompt_len=6))
+def test_a_request_that_can_never_fit_is_rejected_and_the_default_cap_shrinks():
+    server = make_server(dataclasses.replace(SECTION, max_total_len=20, num_pages=8, max_new_tokens=1000))
+    with pytest.raises(ValueError, match=r"max_new_tokens=1000.*max_total_len=20 \(at most 14"):
+        server.submit(request(0, max_new=1000, prompt_len=6))
+    # Without per-request sampling, rollout.max_new_tokens is a cap: it shrinks to what fits.
+    server.submit(dataclasses.replace(request(0, prompt_len=6), sampling=None))
     t = run_until(server, 1)["p0/0"]
     assert len(t.response_ids) == 14 and t.finish_reason == "length"
 

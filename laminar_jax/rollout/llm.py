@@ -1,0 +1,133 @@
+"""Offline front door: an HF directory plus a KV memory budget gives a sized engine.
+
+    from laminar_jax.rollout import LLM, SamplingParams
+    llm = LLM("path/to/hf_dir", kv_memory_gb=1.0, dtype="bfloat16")
+    outs = llm.generate(["The capital of France is"], SamplingParams(temperature=0.0, max_new_tokens=32))
+    outs[0].text, outs[0].token_ids, outs[0].finish_reason
+
+The engine (and its compiled programs) lives as long as the LLM object, so repeated generate()
+calls compile nothing new for shapes they have met. Requests stop at the EOS ids (config.json's
+and the tokenizer's) unless their SamplingParams name other stop ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import NamedTuple, Optional, Sequence, Union
+
+import numpy as np
+
+from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
+from laminar_jax.rollout.offline import generate as _generate
+from laminar_jax.rollout.sampling import SamplingParams
+
+_DTYPES = ("float32", "bfloat16")
+
+
+class RequestOutput(NamedTuple):
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids (the stop token included when finish_reason == 'eos')
+    logprobs: np.ndarray  # f32[R] behaviour log-probs
+    finish_reason: str
+    text: Optional[str]  # decoded tokens, None without a tokenizer
+
+
+def kv_bytes_per_page(cfg: TransformerConfig, page_size: int, dtype: str) -> int:
+    """Bytes one KV page takes over all layers (k and v)."""
+    itemsize = 2 if dtype == "bfloat16" else 4
+    return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_num_seqs: int,
+                 max_model_len: Optional[int], max_prompt_len: Optional[int], page_size: int,
+                 stop_token_ids: tuple[int, ...], **overrides) -> RolloutSection:
+    """A RolloutSection whose KV pool fits ``kv_memory_gb`` (pure: config in, section out).
+
+    Raises ValueError naming the argument when the budget cannot hold one full-length sequence.
+    """
+    if kv_memory_gb <= 0:
+        raise ValueError(f"kv_memory_gb={kv_memory_gb}: must be > 0")
+    total = int(max_model_len or min(cfg.max_position_embeddings, 4096))
+    if total < 2:
+        raise ValueError(f"max_model_len={total}: must be >= 2")
+    prompt = int(max_prompt_len or total - 1)
+    if not 1 <= prompt < total:
+        raise ValueError(f"max_prompt_len={prompt}: must be in [1, max_model_len={total})")
+    per_page = kv_bytes_per_page(cfg, page_size, dtype)
+    pages = int(kv_memory_gb * (1 << 30)) // per_page
+    one_seq = -(-total // page_size)
+    if pages < one_seq:
+        need = one_seq * per_page / (1 << 30)
+        raise ValueError(f"kv_memory_gb={kv_memory_gb} holds {pages} KV pages of {page_size} tokens, fewer than one "
+                         f"sequence of max_model_len={total} needs ({one_seq} pages, {need:.3f} GB); raise "
+                         f"kv_memory_gb or lower max_model_len")
+    if len(stop_token_ids) > MAX_STOP_IDS:
+        raise ValueError(f"{len(stop_token_ids)} EOS/stop ids; at most {MAX_STOP_IDS} supported")
+    section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
+                             max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
+                             stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
+                             decode_chunk=32 if max_num_seqs >= 64 else 0)
+    section = dataclasses.replace(section, **overrides)
+    section.validate("LLM")
+    return section
+
+
+class LLM:
+    """vLLM-like offline generation over this project's engine.
+
+    model: a local HF directory (config.json + *.safetensors; tokenizer.json optional).
+    kv_memory_gb: KV cache budget; sets the number of KV pages.
+    dtype: 'float32' or 'bfloat16' (weights and KV cache).
+    max_num_seqs: concurrent sequences (engine slots).
+    max_model_len: cap on prompt + generated tokens (default: min(max_position_embeddings, 4096)).
+    max_prompt_len: longest prompt (default: max_model_len - 1).
+    tokenizer: a tokenizer.json path or HF directory; default: the model directory's, if present.
+    warmup: compile the prefill buckets and the live-page buckets now instead of on first use.
+    section_overrides: further RolloutSection fields (e.g. live_buckets, decode_chunk).
+    """
+
+    def __init__(self, model: str, *, kv_memory_gb: float = 1.0, dtype: str = "float32", max_num_seqs: int = 32,
+                 max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 16,
+                 tokenizer: Optional[str] = None, warmup: bool = False, **section_overrides):
+        from laminar_jax.model.hf import from_pretrained, load_hf_config
+        from laminar_jax.model.tokenizer import HFTokenizer
+
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype={dtype!r}: must be one of {list(_DTYPES)}")
+        cfg = load_hf_config(model)
+        tok_path = tokenizer or (model if os.path.exists(os.path.join(model, "tokenizer.json")) else None)
+        self.tokenizer = HFTokenizer(tok_path) if tok_path else None
+        eos = tuple(cfg.eos_token_id)
+        if self.tokenizer is not None and self.tokenizer.eos_id not in eos:
+            eos = eos + (self.tokenizer.eos_id,)
+        self.section = size_section(cfg, kv_memory_gb, dtype, max_num_seqs, max_model_len, max_prompt_len,
+                                    page_size, eos, **section_overrides)
+        self.model = from_pretrained(model, dtype=dtype)
+        self.engine, self.params = make_engine(self.model, self.section)
+        if warmup:
+            self.engine.warmup(self.params)
+
+    def encode(self, prompt: Union[str, Sequence[int]], index: int) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"prompts[{index}] is a string but the model has no tokenizer.json; "
+                                 f"pass token ids or LLM(..., tokenizer=path)")
+            return self.tokenizer.encode(prompt)
+        return [int(t) for t in prompt]
+
+    def generate(self, prompts: Sequence[Union[str, Sequence[int]]],
+                 sampling_params: Optional[Union[SamplingParams, Sequence[SamplingParams]]] = None, *,
+                 seeds: Optional[Sequence[int]] = None, timeout_s: float = 3600.0) -> list[RequestOutput]:
+        """Complete every prompt (strings need a tokenizer; token-id lists always work); results in order."""
+        ids = [self.encode(p, i) for i, p in enumerate(prompts)]
+        sampling = SamplingParams() if sampling_params is None else sampling_params
+        done = _generate((self.engine, self.params), ids, sampling, seeds=seeds, timeout_s=timeout_s)
+        return [RequestOutput(p, c.tokens.tolist(), c.logprobs, c.finish_reason,
+                              None if self.tokenizer is None else self.tokenizer.decode(c.tokens.tolist()))
+                for p, c in zip(ids, done)]
+
+
+__all__ = ["LLM", "RequestOutput", "kv_bytes_per_page", "size_section"]

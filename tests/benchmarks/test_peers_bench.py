@@ -1,0 +1,35 @@
+"""The peers bench's argument parsing and result assembly (the runs themselves are a benchmark, not a test)."""
+
+import pytest
+
+from laminar_jax.benchmarks.peers import parse_args, summarize
+
+
+def test_parse_args_defaults_and_errors():
+    a = parse_args(["--quick"])
+    assert (a.requests, a.repeats, a.dtypes, a.concurrency) == (48, 1, ["float32", "bfloat16"], 32)
+    assert parse_args(["--dtypes", "bfloat16", "--repeats", "3"]).dtypes == ["bfloat16"]
+    with pytest.raises(SystemExit, match="--dtypes"):
+        parse_args(["--dtypes", "int8"])
+
+
+def _run(system, dtype, tps, outputs=((1, 2), (3,)), ok=True):
+    base = {"system": system, "dtype": dtype, "load_avg": 2.0}
+    if not ok:
+        return {**base, "ok": False, "reason": "No module named 'vllm'"}
+    return {**base, "ok": True, "tokens_per_s": tps, "outputs": [list(o) for o in outputs], "version": system}
+
+
+def test_summarize_medians_spread_agreement_and_failures():
+    runs = [_run("laminar", "float32", 100.0), _run("vllm", "float32", 200.0, outputs=((1, 2), (4,))),
+            _run("vllm", "float32", 300.0), _run("laminar", "float32", 120.0), _run("laminar", "float32", 90.0),
+            _run("laminar", "bfloat16", 50.0), _run("vllm", "bfloat16", 0.0, ok=False)]
+    s = summarize(runs)
+    lam = s["rows"]["laminar_float32"]
+    assert (lam["median"], lam["min"], lam["max"], lam["runs"]) == (100.0, 90.0, 120.0, 3)
+    assert s["rows"]["vllm_float32"]["median"] == 250.0
+    assert s["ratio_vs_vllm"] == {"float32": pytest.approx(0.4)}
+    assert s["greedy_identical_frac"] == {"float32": 0.5}  # first successful runs: 1 of 2 requests equal
+    assert s["rows"]["vllm_bfloat16"]["median"] is None
+    assert s["rows"]["vllm_bfloat16"]["failures"] == ["No module named 'vllm'"]
+    assert "bfloat16" not in s["ratio_vs_vllm"]
