@@ -25,7 +25,6 @@ import dataclasses
 import queue
 import threading
 import time
-import traceback
 import zlib
 from typing import Any, Optional
 
@@ -70,7 +69,8 @@ class _Admission:
 
 
 class RolloutServer:
-    """Continuous-batching server over one Engine. Call step() yourself, or run_in_thread()."""
+    """Continuous-batching server over one Engine. Its owner calls step() (the runtime's
+    RolloutWorker, in a supervised thread; the offline front door, in the caller's)."""
 
     def __init__(self, engine: Engine, params: Any, version: int = 0):
         self.engine = engine
@@ -89,11 +89,6 @@ class RolloutServer:
         self._rate_sum = 0  # sum of the tokens in _rate, so stats() is O(1) (it runs every poll)
         self._counts = collections.Counter()
         self._default = default_sampling(self.section, tuple(engine.model_cfg.eos_token_id))
-        self._thread: Optional[threading.Thread] = None
-        self._stop_event = threading.Event()
-        self._error: Optional[BaseException] = None
-        self._error_tb = ""
-        self._out: queue.Queue = queue.Queue()
 
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
@@ -111,7 +106,6 @@ class RolloutServer:
 
     def submit(self, request: Request, timeout: Optional[float] = None) -> None:
         """Validate and enqueue. Blocks up to ``timeout`` s for queue space (None = forever)."""
-        self.check()
         adm = self._prepare(request)
         try:
             self._queue.put(adm, timeout=timeout)
@@ -362,51 +356,3 @@ class RolloutServer:
                 pending_version=None if self._pending is None else self._pending[0],
                 completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
                 truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"])
-
-    # ---------------------------------------------------------------- background thread
-
-    def run_in_thread(self, idle_sleep_s: float = 0.001) -> None:
-        """Run step() in a daemon thread; finished trajectories go to get_completed()."""
-        if self._thread is not None:
-            raise RuntimeError("server thread already running")
-        self._stop_event.clear()
-        self._thread = threading.Thread(target=self._loop, args=(idle_sleep_s,), daemon=True,
-                                        name=f"rollout-{self.section.server_id}")
-        self._thread.start()
-
-    def _loop(self, idle_sleep_s: float) -> None:
-        try:
-            while not self._stop_event.is_set():
-                for traj in self.step():
-                    self._out.put(traj)
-                if self.idle():
-                    time.sleep(idle_sleep_s)
-        except BaseException as e:  # recorded and re-raised by check(): no silent death
-            self._error, self._error_tb = e, traceback.format_exc()
-
-    def check(self) -> None:
-        """Re-raise an exception that killed the server thread."""
-        if self._error is not None:
-            raise RuntimeError(f"rollout server {self.section.server_id} thread died:\n{self._error_tb}") from self._error
-
-    def get_completed(self, timeout: float) -> Trajectory:
-        """Next finished trajectory from the thread; raises TimeoutError naming what it waited for."""
-        deadline = time.monotonic() + timeout
-        while True:
-            self.check()
-            try:
-                return self._out.get(timeout=min(0.05, max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                if time.monotonic() >= deadline:
-                    raise TimeoutError(f"server {self.section.server_id}: no trajectory finished within "
-                                       f"{timeout}s ({self.stats()})") from None
-
-    def stop(self, timeout: float = 30.0) -> None:
-        if self._thread is None:
-            return
-        self._stop_event.set()
-        self._thread.join(timeout)
-        if self._thread.is_alive():
-            raise TimeoutError(f"server {self.section.server_id}: thread did not stop within {timeout}s")
-        self._thread = None
-        self.check()

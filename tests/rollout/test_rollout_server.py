@@ -156,26 +156,39 @@ def test_forced_swap_aborts_live_sequences_without_mixing_versions():
     assert 0 < len(aborted[0].response_ids) < 40 and server.version == 1 and server.stats().aborted == 1
 
 
-def test_thread_wrapper_delivers_and_surfaces_a_dead_thread():
-    server = make_server()
-    server.run_in_thread()
+def test_a_server_loop_in_a_supervised_worker_delivers_and_surfaces_its_death():
+    """The server has no thread of its own: its owner steps it, here in the project's one
+    supervised-thread primitive, which keeps the loop's failure for check()."""
+    import queue
+    import threading
+    import time
+
+    from laminar_jax.threads import Worker, WorkerFailed
+
+    server, out, stop = make_server(), queue.Queue(), threading.Event()
+
+    def loop():
+        while not stop.is_set():
+            for t in server.step():
+                out.put(t)
+            time.sleep(0.001)
+
+    worker = Worker("rollout-test", loop, stop).start()
     try:
         for i in range(3):
             server.submit(request(i, max_new=4))
-        got = {server.get_completed(timeout=60).uid for _ in range(3)}
+        got = {out.get(timeout=60).uid for _ in range(3)}
         assert got == {"p0/0", "p1/0", "p2/0"}
         # Weights of the wrong shape kill the loop on the next generate: check() must re-raise it.
         bad = jax.tree.map(lambda x: x[..., :1], params_of(0))
         server.set_params(1, bad)
         server.submit(request(5, max_new=4))
-        with pytest.raises(RuntimeError, match="thread died"):
-            server.get_completed(timeout=60)
-        with pytest.raises(RuntimeError, match="thread died"):
-            server.submit(request(6))
+        assert worker.join(60)
+        with pytest.raises(WorkerFailed, match="died"):
+            worker.check()
     finally:
-        with pytest.raises(RuntimeError):
-            server.stop()
-
+        stop.set()
+        worker.join(10)
 
 def test_attention_backends_agree():
     """live_pages, gather_dense and pool_scan against gather_gqa (the model's gqa_attention) on one mixed batch."""
