@@ -10,7 +10,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
@@ -51,13 +51,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    if {"-h", "--help", "--helpshort"} & set(sys.argv[1:]):  # absl's own --help exits 1
-        print(__doc__.strip() + "\n\nflags:\n" + flags.FLAGS.main_module_help().split("\n", 1)[-1])
-        sys.exit(0)
-    from laminar_jax.config import unknown_override
+    from laminar_jax.cli import run_app
 
-    _bad = unknown_override(sys.argv[1:])  # before ml_collections fails on it with a bare traceback
-    if _bad:
-        print(f"config error: {_bad}", file=sys.stderr)
-        sys.exit(2)
-    app.run(lambda argv: sys.exit(main(argv)))
+    run_app(main, __doc__)
