@@ -17,10 +17,11 @@ def demo(variant="short"):
     return repo_config("demo", variant)
 
 
-def _wait(cond, timeout, what):
+def _wait(cond, timeout, what, seen=()):
+    """`seen`: what the waiter last observed, for the failure message."""
     deadline = time.monotonic() + timeout
     while not cond():
-        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}"
+        assert time.monotonic() < deadline, f"timed out after {timeout}s waiting for {what}; last seen: {list(seen)[-3:]}"
         time.sleep(0.05)
 
 
@@ -40,13 +41,14 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     c.runtime.max_inflight_batches = 3
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
-    moved = []
+    moved, seen = [], []
 
     def force_a_move():
         """One repack move between actors (export bytes -> import), whatever the planner thinks."""
         from laminar_jax.scheduler.repack import Move
 
         views = run.repacker.views()
+        seen.append([(v.server_id, v.version, v.live, v.draining) for v in views])
         for a in views:
             for b in views:
                 if a is not b and a.version == b.version and a.seq_pages and b.live < c.rollout.num_slots:
@@ -59,7 +61,7 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
         if version != 1:
             return
         # Bounded by what a loaded machine needs: the pair appears at the latest when the queue runs dry.
-        _wait(lambda: force_a_move() or moved, 180, "two actors at one version, one with a free slot")
+        _wait(lambda: force_a_move() or moved, 180, "two actors at one version, one with a free slot", seen)
         # Then wait (bounded) until an actor holds samples, and kill it. (Not always rollout-1: the
         # forced move may have taken its last sequence, and with the learner held here no new work
         # is dispatched.)
