@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+import os
 import sys
-from typing import Callable
+from typing import Callable, Optional
 
 
 def run_app(main: Callable[[list], int], doc: str) -> None:
@@ -22,3 +24,30 @@ def run_app(main: Callable[[list], int], doc: str) -> None:
         print(f"config error: {bad}", file=sys.stderr)
         sys.exit(2)
     app.run(lambda argv: sys.exit(main(argv)))
+
+
+def configure_logging() -> None:
+    """Logging is configured here, by the entry points, and nowhere else (LAMINAR_LOG sets the level)."""
+    from absl import logging as absl_logging
+
+    level = os.environ.get("LAMINAR_LOG", "WARNING")
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    absl_logging.set_verbosity(level.lower())  # orbax logs every checkpoint at INFO otherwise
+
+
+def finalize_flag(value, usage: str):
+    """The --config flag's value finalized and the compilation cache enabled; None (after printing
+    `usage` or the config error naming the key) when there is no usable config."""
+    from laminar_jax.compile_cache import enable_compilation_cache
+    from laminar_jax.config import ConfigError, finalize
+
+    if value is None:
+        print(usage, file=sys.stderr)
+        return None
+    try:
+        cfg = finalize(value)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return None
+    enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # before anything compiles
+    return cfg

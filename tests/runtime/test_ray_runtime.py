@@ -37,8 +37,9 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     # until the queue ran dry, and the forced move would never find two servers at one version.
     c.scheduler.admit_lag = 0
     # Warmed-up servers outrun the held learner: with more batches allowed in flight, work is still
-    # being generated on both actors when the hook looks for a sequence to move.
-    c.runtime.max_inflight_batches = 3
+    # being generated on both actors when the hook looks for a sequence to move (with 3, all of it
+    # was sometimes done before the hook looked, and no move could ever be made).
+    c.runtime.max_inflight_batches = 5
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved, seen = [], []
