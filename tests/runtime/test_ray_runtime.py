@@ -71,6 +71,9 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
         name, n = max(owned().items(), key=lambda kv: kv[1])
         killed.update(name=name, owned=n)
         run.fleet.kill(int(name.split("-")[1].split(".")[0]))
+        # With several batches in flight the run could finish on other prompts before the health
+        # loop looks: let the detection land (bounded) before the learner goes on.
+        _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
 
     run.on_step_hooks.append(kill_once_it_owns_work)
     s = run.run()
