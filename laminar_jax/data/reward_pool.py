@@ -31,6 +31,7 @@ from typing import Any, NamedTuple, Optional, Sequence
 
 from laminar_jax.data.reward_worker import _score, check_reward
 from laminar_jax.data.rewards import load_registry
+from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)
 DEFAULT_REGISTRY = "laminar_jax.data.rewards:default_registry"
@@ -180,8 +181,8 @@ class RewardPool:
         self._latency_max = 0.0
         self._workers: list = []
         started = threading.Event()
-        self._thread = threading.Thread(target=self._run, args=(started,), name="reward-pool", daemon=True)
-        self._thread.start()
+        # Not stop_on_failure: the pool's owner learns of a dead dispatcher through check().
+        self._thread = Worker("reward-pool", lambda: self._run(started), stop_on_failure=False).start()
         if not started.wait(self.start_timeout_s):  # spawning is quick; the workers' readiness is not awaited
             raise RuntimeError(f"RewardPool: workers not spawned within {self.start_timeout_s}s")
         self.check()
@@ -217,6 +218,8 @@ class RewardPool:
         return fut.result(timeout=self.timeout_s + self.start_timeout_s + 30)
 
     def check(self) -> None:
+        """Re-raise a dead dispatcher (with its traceback) or an unrecoverable pool failure."""
+        self._thread.check()
         if self._error is not None:
             raise RuntimeError(f"RewardPool failed: {self._error}")
 
@@ -332,14 +335,15 @@ class RewardPool:
                         w.stop(0.5)
                     return
         except BaseException:
-            self._error = traceback.format_exc()
+            # The Worker keeps the traceback for check(); nothing waits forever on this pool's futures.
             started.set()
-            log.error("reward pool dispatcher died:\n%s", self._error)
+            log.error("reward pool dispatcher died", exc_info=True)
             with self._cond:
                 doomed = list(self._pending) + [w.task for w in self._workers if w.task is not None]
                 self._pending.clear()
             for task in doomed:
                 self._resolve(task, RewardResult(0.0, False, "reward pool dispatcher died", 0.0))
+            raise
 
     def _wait_s(self) -> float:
         deadlines = [w.task.deadline for w in self._workers if w.task is not None]

@@ -29,6 +29,7 @@ from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import choose_chunk_bytes, contiguous, plan_layout
 from laminar_jax.relay.push import ArraysSource, Downstream, NoRelayReachable
 from laminar_jax.relay.ratelimit import make_limiter
+from laminar_jax.threads import Worker
 
 
 def is_immutable(a: np.ndarray) -> bool:
@@ -104,8 +105,9 @@ class Publisher:
         self._relay_failures: list[str] = []
         self._timings: dict[int, dict] = {}
         self._io = ThreadPoolExecutor(1, thread_name_prefix="publisher-store")
-        self._thread = threading.Thread(target=self._run, name="publisher", daemon=True)
-        self._thread.start()
+        # Per-version failures are recorded in _errors and the loop goes on; the Worker keeps a
+        # failure of the loop itself.
+        self._thread = Worker("publisher", self._run, stop_on_failure=False).start()
 
     # ---- learner-facing
     def publish(self, version: int, params: Any) -> float:
@@ -186,6 +188,7 @@ class Publisher:
 
     def check(self) -> None:
         """Re-raise the first background failure (store write, or a push with no store to fall back on)."""
+        self._thread.check()
         if self._errors:
             raise RuntimeError(f"Publisher background failure:\n{self._errors[0]}")
 

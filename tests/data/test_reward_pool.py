@@ -168,3 +168,21 @@ def _alive(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_a_dead_dispatcher_fails_pending_rewards_and_check_carries_its_traceback():
+    from laminar_jax.threads import WorkerFailed
+
+    with RewardPool(num_workers=1, timeout_s=1.0, registry_spec=PROBES, mode="thread") as p:
+        def broken_tick(now):
+            raise RuntimeError("dispatcher broke")
+
+        p._tick = broken_tick
+        fut = p.submit("ok", "x", None)
+        with p._cond:
+            p._cond.notify_all()
+        res = fut.result(timeout=10)  # resolved, never left waiting
+        assert not res.ok and "dispatcher died" in res.error
+        assert p._thread.join(10)  # the dispatcher's thread ended with the failure
+        with pytest.raises(WorkerFailed, match="(?s)reward-pool.*dispatcher broke.*broken_tick"):
+            p.check()
