@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import Callable, Optional
+from typing import Callable
 
 
 def run_app(main: Callable[[list], int], doc: str) -> None:

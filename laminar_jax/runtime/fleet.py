@@ -29,6 +29,11 @@ def server_name(i: int, generation: int) -> str:
     return f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
 
 
+def server_section(cfg, i: int, generation: int):
+    """The rollout section of server i's `generation`-th incarnation: its name and its own seed."""
+    return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
+
+
 def params_from_flat(model):
     """flat published weights -> the engine's param pytree, for servers built on `model`."""
     from flax import nnx
@@ -46,8 +51,8 @@ def server_factory(cfg, model, buffer, weights, timeline):
     from_flat = params_from_flat(model)
 
     def make(i: int, generation: int, version: int, params) -> RolloutWorker:
-        name = server_name(i, generation)
-        section = dataclasses.replace(cfg.rollout, server_id=name, seed=cfg.seed + 17 * i + generation)
+        section = server_section(cfg, i, generation)
+        name = section.server_id
         engine, _ = make_engine(model, section)
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
                                buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg), timeline=timeline)

@@ -8,7 +8,6 @@ its node. The classes are plain Python; the runtime wraps them with `ray.remote`
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import threading
 import time
@@ -24,6 +23,16 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
+def bounded_get(ref, timeout: float, what: str):
+    """ray.get, bounded; a timeout is a TimeoutError naming what was waited for."""
+    import ray
+
+    try:
+        return ray.get(ref, timeout=timeout)
+    except ray.exceptions.GetTimeoutError:
+        raise TimeoutError(f"waited {timeout:.1f}s for {what}") from None
+
+
 class RemoteBuffer:
     """The buffer service's methods as bounded calls to its Ray actor; errors name the method."""
 
@@ -31,17 +40,11 @@ class RemoteBuffer:
         self.handle, self.timeout_s = handle, timeout_s
 
     def __getattr__(self, method: str):
-        import ray
-
         remote = getattr(self.handle, method)
 
         def call(*args):
             # +1 s: get_batch waits inside the actor for up to its own (short) timeout argument.
-            try:
-                return ray.get(remote.remote(*args), timeout=self.timeout_s + 1.0)
-            except ray.exceptions.GetTimeoutError:
-                raise TimeoutError(f"buffer actor did not answer {method}() within {self.timeout_s + 1.0:.0f}s") \
-                    from None
+            return bounded_get(remote.remote(*args), self.timeout_s + 1.0, f"the buffer actor's {method}()")
 
         return call
 
@@ -75,18 +78,19 @@ class RolloutActor:
     warm-up), plus the calls the fleet makes: stats (the heartbeat), export/import of live
     sequences for repack, fault injection, stop."""
 
-    def __init__(self, cfg, index: int, name: str, relays: dict, store_url: Optional[str], buffer, seed: int,
+    def __init__(self, cfg, index: int, generation: int, relays: dict, store_url: Optional[str], buffer,
                  rpc_timeout_s: float, key: bytes):
         from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.model import build_model
         from laminar_jax.relay import RelayClient, WeightStore
         from laminar_jax.rollout import make_engine
         from laminar_jax.rollout.server import RolloutServer
-        from laminar_jax.runtime.fleet import params_from_flat
+        from laminar_jax.runtime.fleet import params_from_flat, server_section
         from laminar_jax.runtime.rollout_worker import RolloutWorker, pull_timeout
         from laminar_jax.scheduler.modes import get_policy
 
-        self.name = name
+        section = server_section(cfg, index, generation)
+        self.name = name = section.server_id
         enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()
@@ -94,7 +98,7 @@ class RolloutActor:
         store = WeightStore(store_url, keep_last=cfg.relay.keep_last) if store_url else None
         client = RelayClient(addresses, store=store, config=cfg.relay, holder=name, key=key)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
-        engine, _ = make_engine(model, dataclasses.replace(cfg.rollout, server_id=name, seed=seed))
+        engine, _ = make_engine(model, section)
         from_flat = params_from_flat(model)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
         remote = RemoteBuffer(buffer, rpc_timeout_s)

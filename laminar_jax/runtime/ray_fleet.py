@@ -41,18 +41,13 @@ class RayFleet:
         from laminar_jax.runtime.ray_actors import RolloutActor
 
         return ray.remote(RolloutActor).options(**self.actor_options).remote(
-            self.cfg, i, server_name(i, self.generations[i]), self.relays, self.store_url, self.buffer_handle,
-            self.cfg.seed + 17 * i + self.generations[i], self.rpc_timeout_s, self.key)
+            self.cfg, i, self.generations[i], self.relays, self.store_url, self.buffer_handle, self.rpc_timeout_s,
+            self.key)
 
     def _get(self, ref, what: str, timeout: Optional[float] = None):
-        """ray.get, bounded; the error names what it waited for."""
-        import ray
+        from laminar_jax.runtime.ray_actors import bounded_get
 
-        t = self.rpc_timeout_s if timeout is None else timeout
-        try:
-            return ray.get(ref, timeout=t)
-        except ray.exceptions.GetTimeoutError:
-            raise TimeoutError(f"ray runtime waited {t:.1f}s for {what}") from None
+        return bounded_get(ref, self.rpc_timeout_s if timeout is None else timeout, what)
 
     def _each(self, method: str, what: str, timeout: float) -> None:
         refs = [getattr(h, method).remote() for h in self.actors if h is not None]

@@ -13,6 +13,7 @@ serialised by Ray inside the cluster; weights travel through the relays and the 
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
@@ -89,6 +90,14 @@ def _start_relays(cfg: Config, gpus: float, timeout_s: float, key: bytes) -> dic
     return out
 
 
+def _kill_relay(actor, address: str) -> str:
+    """Fault injection: kill a relay actor; its address goes into the failure record."""
+    import ray
+
+    ray.kill(actor, no_restart=True)
+    return address
+
+
 def _learner_factory(cfg: Config, model, init_params, gpus: float):
     """make_learner(): the in-driver Learner, or (runtime.learner_processes > 1) a LearnerGroup."""
     import ray
@@ -154,7 +163,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
         weights = WeightsPlane(cfg, run_dir, [a for _, a in relays.values()],
                                stop_relays=lambda: close_all([lambda a=a: ray.kill(a, no_restart=True)
                                                               for a, _ in relays.values()]),
-                               kill_master=lambda: (ray.kill(master[0], no_restart=True), master[1])[1],
+                               kill_master=functools.partial(_kill_relay, *master),
                                rpc_timeout_s=rpc, key=key)
         weights.attach(learner, initial=True)
         monitor.phase(f"starting {rt.num_servers} rollout actors")

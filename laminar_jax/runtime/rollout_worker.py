@@ -8,6 +8,7 @@ laminar_jax.scheduler.modes; this module only does the I/O around them.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 from typing import Any, Callable
@@ -198,8 +199,6 @@ class RolloutWorker:
     def snapshot(self) -> dict:
         """Heartbeat + what the scheduler weighs (plain data): ServerStats, live sequences with their
         KV pages, the loop's silence, whether it drains to swap."""
-        import dataclasses
-
         with self.lock:
             s = self.server
             return {"stats": dataclasses.asdict(s.stats()), "seqs": [(uid, p) for _, uid, p in s.live_sequences()],

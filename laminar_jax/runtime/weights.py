@@ -77,8 +77,11 @@ class WeightsPlane:
 
     def latest_timings(self) -> dict:
         """The newest fully published version's timings in seconds (learner stall, store and relay
-        visibility after publish), for TensorBoard; {} before the first."""
-        st = self.publisher_stats()
+        visibility after publish), for TensorBoard; {} before the first. Read every step, so only
+        from a publisher in this process: a learner group's stay in its process 0 (no call per step)."""
+        from laminar_jax.relay import Publisher
+
+        st = self.publisher.stats() if isinstance(self.publisher, Publisher) else None
         done = {v: t for v, t in (st.timings.items() if st is not None else ()) if "relay_visible" in t}
         return {f"{k}_s": float(v) for k, v in done[max(done)].items()} if done else {}
 
