@@ -44,6 +44,14 @@ class RestartingBuffer(RemoteBuffer):
         self._t0 = time.time() if t0 is None else t0
         self.restarts: list[dict] = []  # failure records (the Driver's failure list takes them too)
         self.failures: Optional[list] = None
+        self._last_answer = time.monotonic()
+
+    def keep_alive(self, idle_s: float = 1.0) -> None:
+        """Call the buffer if nothing has for `idle_s` (the health loop does, every poll): a dead
+        buffer is replaced even while the learner is busy with a long step, so rollout actors
+        waiting for the replacement are not left waiting."""
+        if time.monotonic() - self._last_answer > idle_s:
+            self.ready()
 
     def __getattr__(self, method: str):
         if method.startswith("_"):
@@ -70,6 +78,7 @@ class RestartingBuffer(RemoteBuffer):
         was replaced meanwhile (the replacement does not know it was consumed)."""
         with self._lock:
             current = handle is self.handle
+            self._last_answer = time.monotonic()
             if method == "get_batch" and out is not None:
                 if not current:
                     log.warning("dropped a batch from the buffer actor that was replaced meanwhile; "

@@ -43,6 +43,7 @@ def test_demo_short_on_ray_survives_a_killed_buffer_actor(tmp_path):
     assert len(restarts) == 1 and "ActorDied" in restarts[0]["buffer"], s["failures"]
     assert restarts[0]["trained_since_checkpoint"] == rt.prompts_per_step  # step 3's prompts
     assert s["ray"]["buffer_restarts"] == 1
+    print(f"buffer actor restart: {restarts[0]}")
     # The rollout actors were not replaced: they kept running across the restart.
     assert not [f for f in s["failures"] if "server" in f], s["failures"]
     assert s["ray"]["rollout_actors"] == rt.num_servers
