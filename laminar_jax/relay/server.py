@@ -649,6 +649,7 @@ class RelayServer:
             with self._cond:
                 if verdict is None:
                     buf.cleared = True
+                    self.counters["store_cleared"] += 1
                     self._note_complete_locked(buf)
                 elif self._versions.get(buf.version) is buf:
                     del self._versions[buf.version]

@@ -13,6 +13,7 @@ serialised by Ray inside the cluster; weights travel through the relays and the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
@@ -115,6 +116,14 @@ def _spawn_buffer(cfg: Config, gpus: float, name: str, timeout_s: float, learner
     return handle, bounded_get(handle.ready.remote(), timeout_s, "the buffer actor to start")
 
 
+def relays_checking_store(cfg: Config, run_dir: str) -> Config:
+    """The config relays start with: the run's weight store filled in (the weight plane's default,
+    `<run_dir>/weights`, when relay.store_url is unset), so a relay serves only versions that store
+    has committed (relay.store_check_s)."""
+    url = cfg.relay.store_url or os.path.join(run_dir, "weights")
+    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
+
+
 def _kill_relay(actor, address: str) -> str:
     """Fault injection: kill a relay actor; its address goes into the failure record."""
     import ray
@@ -183,7 +192,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
                                   t0=monitor.t0)
         built.append(lambda: ray.kill(buffer.handle, no_restart=True))
         key = run_key(run_dir)
-        relays = _start_relays(cfg, gpus, rpc, key)
+        relays = _start_relays(relays_checking_store(cfg, run_dir), gpus, rpc, key)
         built += [lambda a=a: ray.kill(a, no_restart=True) for a, _ in relays.values()]
         master = next(iter(relays.values()))
         weights = WeightsPlane(cfg, run_dir, [a for _, a in relays.values()],

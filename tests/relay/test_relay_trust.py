@@ -483,6 +483,7 @@ def test_relay_refuses_a_version_the_store_does_not_commit(tmp_path):
             pub.publish(1, _flat(1))
             pub.flush(20)
         assert RelayClient([server.address], config=cfg, key=KEY).wait_for(1, 10) == 1  # stored: served
+        assert server.stats()["store_cleared"] == 1
         # Signed, fully delivered, but never committed to the store: never served, then dropped.
         assert _signed_push(server, 7, _flat(7)) == "delivered"
         assert _wait(lambda: server.stats().get("store_refused", 0) == 1, 10)

@@ -12,7 +12,7 @@ from tests.runtime.test_ray_runtime import _wait
 
 
 def test_demo_short_on_ray_survives_a_killed_buffer_actor(tmp_path):
-    from laminar_jax.runtime.ray_runtime import RayRun
+    from laminar_jax.runtime.ray_runtime import RayRun, relays_checking_store
 
     c = repo_config("demo", "short")
     c.runtime.kind = "ray"
@@ -22,6 +22,8 @@ def test_demo_short_on_ray_survives_a_killed_buffer_actor(tmp_path):
     c.runtime.checkpoint_every = 2  # the kill comes one trained step after a checkpoint
     c.runtime.max_inflight_batches = 3
     run = RayRun(finalize(c), c.runtime.run_dir)
+    # Relays check pushes against the run's weight store (relay.store_check_s).
+    assert relays_checking_store(finalize(c), c.runtime.run_dir).relay.store_url == run.weights.store_url
     killed = {}
 
     def kill_buffer(version):
