@@ -171,13 +171,38 @@ class RelayClient:
         h, plen = peer.expect("data", f"bytes of version {m.version}")
         if plen != m.total_bytes:
             raise WireError(f"{peer.name}: sent {plen} bytes for version {m.version}, expected {m.total_bytes}")
-        peer.recv_into(memoryview(buf), f"{m.total_bytes} bytes of version {m.version}")
+        what = f"{m.total_bytes} bytes of version {m.version}"
         if h.get("pm") == 0:  # no wire tag on the payload: the learner's chunk tags must vouch for it
-            self._check_chunks(peer.name, h, memoryview(buf), m, signature)
+            self._read_checked(peer, h, memoryview(buf), m, signature, what)
+        else:
+            peer.recv_into(memoryview(buf), what)
         return views(buf, m)
 
-    def _check_chunks(self, name: str, h: dict, mv: memoryview, m: Manifest, signature: Optional[str]) -> None:
-        from laminar_jax.relay.manifest import chunk_span, num_chunks
+    def _read_checked(self, peer: Peer, h: dict, mv: memoryview, m: Manifest, signature: Optional[str],
+                      what: str) -> None:
+        """Read the payload chunk by chunk, each hashed (and checked against its learner tag) while
+        the next ones arrive: the SHA-256 pass overlaps the transfer instead of following it."""
+        from laminar_jax.relay.manifest import chunk_span
+
+        chunk_bytes, chunks = self._chunk_tags(peer.name, h, m, signature)
+        spans = [chunk_span(i, m.total_bytes, chunk_bytes) for i in range(len(chunks))]
+
+        def digest(i: int) -> str:
+            return hashlib.sha256(mv[spans[i][0]:spans[i][1]]).hexdigest()
+
+        # hashlib releases the GIL: chunks hash on other cores while this thread reads
+        with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(chunks)) or 1) as pool:
+            futures = []
+            for i, (start, stop) in enumerate(spans):
+                peer.recv_into(mv[start:stop], what)
+                futures.append(pool.submit(digest, i))
+            for i, fut in enumerate(futures):
+                if fut.result() != chunks[i][0]:
+                    raise AuthError(f"{peer.name}: chunk {i} of version {m.version} does not match its tag")
+
+    def _chunk_tags(self, name: str, h: dict, m: Manifest, signature: Optional[str]) -> tuple[int, list]:
+        """(chunk_bytes, [[digest, tag], ...]) from a data header, every tag checked."""
+        from laminar_jax.relay.manifest import num_chunks
 
         chunk_bytes, chunks = int(h.get("chunk_bytes", 0)), h.get("chunks")
         if (self.key is None or h.get("signature") != signature or chunk_bytes < 1 or not isinstance(chunks, list)
@@ -187,16 +212,7 @@ class RelayClient:
             if not (isinstance(pair, list) and len(pair) == 2
                     and auth.verify_chunk(self.key, signature, i, pair[0], pair[1])):
                 raise AuthError(f"{name}: chunk {i} of version {m.version} has no valid learner tag")
-
-        def digest(i: int) -> str:
-            start, stop = chunk_span(i, m.total_bytes, chunk_bytes)
-            return hashlib.sha256(mv[start:stop]).hexdigest()
-
-        # hashlib releases the GIL: the chunks hash in parallel on as many cores as there are
-        with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(chunks)) or 1) as pool:
-            for i, got in enumerate(pool.map(digest, range(len(chunks)))):
-                if got != chunks[i][0]:
-                    raise AuthError(f"{name}: chunk {i} of version {m.version} does not match its tag")
+        return chunk_bytes, chunks
 
     # ---- store path
     def _pull_store(self, newer_than: int, deadline: float, poll: bool) -> Optional[tuple[int, dict]]:

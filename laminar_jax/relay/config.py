@@ -37,6 +37,7 @@ class RelaySection:
       base_port: TCP port of the relay server (0 = ephemeral, chosen by the OS).
       local_transport: How a rollout pulls from a relay on its own host: 'memfd' maps the relay's memory (one copy), 'tcp' streams bytes over the socket.
       gc_on_publish: Run the store's gc() after each version the publisher writes.
+      store_check_s: With store_url set, a relay makes a pushed version pullable only once the weight store has committed that version with the same layout, waiting at most this many seconds for the commit; a version the store does not have by then (or has with another layout, or has already replaced) is dropped and counted. 0 disables the check.
       max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
     """
 
@@ -65,6 +66,7 @@ class RelaySection:
     local_transport: Literal["memfd", "tcp"] = "memfd"
     gc_on_publish: bool = True
     max_unverified_bytes: int = 64 << 30
+    store_check_s: float = 120.0
 
     def validate(self, prefix: str) -> None:
         expect(self.keep_last >= 1, f"{prefix}.keep_last", self.keep_last, ">= 1")
@@ -92,4 +94,5 @@ class RelaySection:
         expect(0 <= self.base_port < 65536, f"{prefix}.base_port", self.base_port, "in [0, 65535]")
         expect(self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes", self.max_unverified_bytes,
                ">= 4096 (and at least one weight version's size)")
+        expect(self.store_check_s >= 0, f"{prefix}.store_check_s", self.store_check_s, ">= 0 seconds (0 = off)")
         expect(bool(self.host), f"{prefix}.host", self.host, "a non-empty interface address")

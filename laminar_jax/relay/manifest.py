@@ -98,6 +98,14 @@ class Manifest:
         """SHA-256 (hex) of the manifest's canonical JSON: what the learner signs with the version."""
         return hashlib.sha256(json.dumps(self.to_dict(), separators=(",", ":"), sort_keys=True).encode()).hexdigest()
 
+    def layout_digest(self) -> str:
+        """SHA-256 of the version number and packed layout only (names, shapes, dtypes, offsets): what a
+        relay's push manifest and the store's manifest of one publish have in common (the store's adds
+        checksums and array keys)."""
+        bare = dataclasses.replace(self, data=None, entries=tuple(
+            dataclasses.replace(e, checksum=None, key=None) for e in self.entries))
+        return bare.digest()
+
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str) -> "Manifest":
         def need(obj, key, kind, where):

@@ -23,6 +23,12 @@ per address; pushes must carry the learner's signature over the version and mani
 A push is refused when its announced size, added to the bytes announced but not yet verified
 by all unfinished pushes, exceeds ``max_unverified_bytes``; an unfinished version is dropped
 (its memory freed) when its sender disconnects or stays silent past ``io_timeout_s``.
+
+With a weight store (``relay.store_url``, ``relay.store_check_s`` > 0) a pushed version becomes
+pullable only once the store has committed the same version with the same layout: a version
+number cannot run ahead of what the learner wrote. Chunks are received and forwarded meanwhile
+(the store write and the push run side by side); a version the store does not commit within
+``store_check_s``, or already replaced by newer ones, is dropped and counted (``store_refused``).
 """
 
 from __future__ import annotations
@@ -96,6 +102,8 @@ class VersionBuf:
         self.receivers = 0  # connections pushing this version right now
         self.signature: Optional[str] = None  # the learner's signature, forwarded downstream
         self.evicted = False
+        self.cleared = True  # False while the store has not confirmed this version (store check)
+        self.counted = False  # counted in versions_in (once complete)
 
         self.bytes_have = 0
 
@@ -105,8 +113,13 @@ class VersionBuf:
         return self.total - self.bytes_have
 
     @property
-    def complete(self) -> bool:
+    def received(self) -> bool:
+        """Every chunk is in and verified (pullable once also cleared by the store check)."""
         return self.nhave == self.n
+
+    @property
+    def complete(self) -> bool:
+        return self.nhave == self.n and self.cleared
 
     def view(self, index: int) -> memoryview:
         start, stop = chunk_span(index, self.total, self.chunk_bytes)
@@ -157,8 +170,11 @@ class RelayServer:
     """See the module docstring. ``start()`` binds ``cfg.host:port`` (ephemeral when 0)."""
 
     def __init__(self, config: RelaySection = RelaySection(), successors: Sequence[str] = (),
-                 port: Optional[int] = None, key: Optional[bytes] = None):
+                 port: Optional[int] = None, key: Optional[bytes] = None, store: Any = None):
+        """``store``: the WeightStore pushes are checked against (default: built from
+        ``config.store_url`` at start() when ``config.store_check_s`` > 0; None without a store)."""
         config.validate("relay")
+        self._store = store
         self.cfg, self._key = config, auth.check_key(key, "RelayServer key")
         self._rejected_from: set[str] = set()  # addresses already logged for failing authentication
         self.relay_id = uuid.uuid4().hex
@@ -188,6 +204,10 @@ class RelayServer:
         return f"{host}:{port}"
 
     def start(self) -> "RelayServer":
+        if self._store is None and self.cfg.store_url and self.cfg.store_check_s > 0:
+            from laminar_jax.relay.store import WeightStore
+
+            self._store = WeightStore.from_config(self.cfg)
         self._tcp = socket.create_server((self.cfg.host, self._port), backlog=64)
         self._tcp.settimeout(0.2)
         try:
@@ -498,6 +518,11 @@ class RelayServer:
                     return
                 buf = self._versions[v] = self._new_buf(m, chunk_bytes)
                 buf.signature = h.get("signature")
+                if self._store is not None and self.cfg.store_check_s > 0:
+                    buf.cleared = False
+                    buf.pins += 1  # the checker's pin, released when it ends
+                    threading.Thread(target=self._check_store, args=(buf,), daemon=True,
+                                     name=f"relay-store-check-v{v}").start()
                 self._cond.notify_all()
             if buf is not None:
                 buf.pins += 1
@@ -521,7 +546,7 @@ class RelayServer:
         finally:
             with self._cond:
                 buf.receivers -= 1
-                if not buf.complete and buf.receivers == 0:
+                if not buf.received and buf.receivers == 0:
                     self._drop_partial_locked(buf)
             self._unpin(buf)
 
@@ -603,10 +628,61 @@ class RelayServer:
                 buf.bytes_have += stop - start
                 buf.order.append(idx)
                 self.counters["chunks_in"] += 1
-                if buf.complete:
-                    self.counters["versions_in"] += 1
-                    self._evict_locked()
+                self._note_complete_locked(buf)
             self._cond.notify_all()
+
+    def _note_complete_locked(self, buf: VersionBuf) -> None:
+        if buf.complete and not buf.counted:
+            buf.counted = True
+            self.counters["versions_in"] += 1
+            self._evict_locked()
+
+    # ---- the store check
+    def _check_store(self, buf: VersionBuf) -> None:
+        """Clear ``buf`` once the store holds its version with the same layout; drop it if the store
+        has another layout, has moved past it without it, or does not commit it in time."""
+        try:
+            try:
+                verdict = self._store_verdict(buf)
+            except Exception as e:  # noqa: BLE001 - an unreadable store clears nothing; say why
+                verdict = f"version {buf.version}: store check failed: {type(e).__name__}: {e}"
+            with self._cond:
+                if verdict is None:
+                    buf.cleared = True
+                    self.counters["store_cleared"] += 1
+                    self._note_complete_locked(buf)
+                elif self._versions.get(buf.version) is buf:
+                    del self._versions[buf.version]
+                    buf.evicted = True
+                    self.counters["store_refused"] += 1
+                    self._conn_errors.append(f"store check: {verdict}")
+                    log.warning("relay %s: dropped %s", self.relay_id[:8], verdict)
+                self._cond.notify_all()
+        finally:
+            self._unpin(buf)
+
+    def _store_verdict(self, buf: VersionBuf) -> Optional[str]:
+        """None when the store has committed ``buf``'s version with its layout, else why not."""
+        from laminar_jax.relay.store import VersionNotFound
+
+        v, deadline, pause = buf.version, time.monotonic() + self.cfg.store_check_s, 0.01
+        while True:
+            if buf.evicted or self._stopping.is_set():
+                return f"version {v}: evicted or stopping before the store check ended"
+            try:
+                if self._store.manifest(v).layout_digest() == buf.manifest.layout_digest():
+                    return None
+                return f"version {v}: the weight store holds another layout for this version"
+            except VersionNotFound:
+                pass
+            newest = self._store.latest()
+            if newest is not None and newest > v:
+                return f"version {v}: not in the weight store, which has moved on to version {newest}"
+            if time.monotonic() > deadline:
+                return (f"version {v}: not committed to the weight store within relay.store_check_s="
+                        f"{self.cfg.store_check_s}s (newest there: {newest})")
+            self._stopping.wait(pause)
+            pause = min(2 * pause, 0.25)
 
     # ---- forwarding
     def _forward_loop(self) -> None:

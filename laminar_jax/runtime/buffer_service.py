@@ -8,6 +8,11 @@ It holds the prompt source, `PromptLedger`, `ExperienceStore`, `Dispatcher` + `W
 the dispatcher's thread), the `RewardPool` and the authoritative `Board`. Exactly-once lives here
 only: every sample taken is recorded with the server that owns it; a dead server's samples are
 requeued and its late results dropped; a repack move hands ownership over with the sequence.
+
+A replacement for a dead buffer (Ray runtime) starts from the last checkpoint's snapshot plus the
+prompts the learner trained on since (`trained`): those are marked consumed before anything is
+dispatched, their rows are forgotten, and the source skips them, so the samples the dead buffer
+handed out are regenerated once and nothing is trained twice.
 Everything crossing its methods is plain host data (WorkItem, Trajectory, dicts of numpy arrays).
 """
 
@@ -15,7 +20,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -27,7 +32,7 @@ from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
 class BufferService:
     """Prompts -> work -> experience, plus sample ownership per rollout server (see module doc)."""
 
-    def __init__(self, cfg, learner_version: int, restore: Optional[dict] = None):
+    def __init__(self, cfg, learner_version: int, restore: Optional[dict] = None, trained: Sequence[str] = ()):
         from laminar_jax.buffer import ExperienceStore, PromptLedger
         from laminar_jax.data import RewardPool, build_prompt_source
         from laminar_jax.model import load_tokenizer
@@ -46,7 +51,13 @@ class BufferService:
                                      rt.prompts_per_step, rt.samples_per_prompt, cfg.buffer.max_staleness,
                                      cfg.seed, max_queued_prompts=default_max_queued_prompts(rt.prompts_per_step, rt.num_servers),
                                      max_inflight_batches=rt.max_inflight_batches)
+        self.trained_skipped = 0  # prompts the source yielded that were trained already (see mark_trained)
+        if trained:
+            self.source = self.dispatcher.source = _SkipTrained(self.source, set(trained), self._skipped)
+            restore = mark_trained(restore or self.dispatcher.snapshot(), trained)
         self.redispatched = self.dispatcher.restore(restore, REQUIRED_FIELDS) if restore else 0
+        for uid in trained:  # rows of groups complete at the snapshot and trained since: never again
+            self.store.discard_group(uid)
         self.rewards = RewardPool(cfg.data.reward_workers, cfg.data.reward_timeout_s, cfg.data.reward_registry,
                                   mode=cfg.data.reward_mode)
         self.board = Board(rt.num_servers, learner_version)
@@ -58,6 +69,12 @@ class BufferService:
         self._latencies: list[float] = []  # dispatch -> completion of each accepted sample
         self._stop = threading.Event()
         self._pumper = Worker("buffer-dispatcher", self._dispatch_loop, self._stop).start()
+
+    def _skipped(self) -> None:
+        # Called inside Dispatcher.pump (under its lock): the prompt was dispatched once, by the
+        # dead buffer, and counts as such for the mode's dispatch allowance.
+        self.dispatcher.dispatched += 1
+        self.trained_skipped += 1
 
     def _dispatch_loop(self) -> None:
         while not self._stop.is_set():
@@ -234,7 +251,8 @@ class BufferService:
         return {"queue": len(self.queue), "ledger": self.ledger.summary(),
                 "lost_prompts": sum(1 for uid, _ in in_flight if uid not in groups),
                 "ready_groups": self.store.ready_groups("learner", REQUIRED_FIELDS), "owned": owned,
-                "redispatched": self.redispatched, "board_versions": list(self.board.versions),
+                "redispatched": self.redispatched, "trained_skipped": self.trained_skipped,
+                "board_versions": list(self.board.versions),
                 "board_live": list(self.board.live), "newest": self.board.newest,
                 "latency_p50_s": lat[0], "latency_p99_s": lat[1], "reward_failures": self.rewards.failures,
                 **counters}
@@ -243,3 +261,50 @@ class BufferService:
         self._stop.set()
         self._pumper.join(timeout=10)
         self.rewards.close()
+
+
+def mark_trained(state: dict, trained: Sequence[str]) -> dict:
+    """A dispatcher snapshot with `trained` prompts marked consumed in its ledger (pure: a new dict).
+    Prompts the snapshot does not know (dispatched after it) get a consumed entry of their own, so a
+    dispatch of theirs would be refused as a duplicate instead of training them twice."""
+    ledger = state["ledger"]
+    entries = {u: dict(e) for u, e in ledger["entries"].items()}
+    counters = dict(ledger["counters"])
+    for uid in trained:
+        e = entries.get(uid)
+        if e is None:
+            entries[uid] = {"prompt": {"uid": uid}, "state": "consumed", "dispatches": 1}
+            counters["dispatched"] = counters.get("dispatched", 0) + 1
+        elif e["state"] != "dispatched":
+            continue  # consumed or dropped at the snapshot already
+        else:
+            e["state"] = "consumed"
+        counters["consumed"] = counters.get("consumed", 0) + 1
+    return {**state, "ledger": {**ledger, "entries": entries, "counters": counters}}
+
+
+class _SkipTrained:
+    """The prompt source without the prompts in `trained` (drawn again after a restore to an older
+    position); `on_skip()` is called for each one skipped. Checkpoint state is the source's own."""
+
+    def __init__(self, source, trained: set, on_skip):
+        self.source, self.trained, self.on_skip = source, trained, on_skip
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        while True:
+            prompt = next(self.source)
+            if prompt.uid not in self.trained:
+                return prompt
+            self.on_skip()
+
+    def get_state(self):
+        return self.source.get_state()
+
+    def set_state(self, state) -> None:
+        self.source.set_state(state)
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)

@@ -114,6 +114,9 @@ class HealthLoop:
         self.poll_s = min(poll_s, section.heartbeat_timeout_s / 4)
 
     def run_once(self, stop: threading.Event) -> None:
+        keep_alive = getattr(self.buffer, "keep_alive", None)  # Ray: replaces a dead buffer actor
+        if keep_alive is not None:
+            keep_alive()
         for f in self.fleet.poll_health():
             t_fail = time.time()
             requeued = self.buffer.server_failed(f.index, f.name)

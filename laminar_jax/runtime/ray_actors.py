@@ -34,19 +34,56 @@ def bounded_get(ref, timeout: float, what: str):
 
 
 class RemoteBuffer:
-    """The buffer service's methods as bounded calls to its Ray actor; errors name the method."""
+    """The buffer service's methods as bounded calls to its Ray actor; errors name the method.
 
-    def __init__(self, handle, timeout_s: float):
-        self.handle, self.timeout_s = handle, timeout_s
+    With `name` (the buffer actor's Ray name), a call that finds the actor dead waits (bounded by
+    `timeout_s`) for the driver's replacement under the same name and is made again there: a
+    rollout actor keeps generating across a buffer restart. Repeating a call on the replacement is
+    safe: it knows nothing of the dead buffer's work, so a late result is dropped and a take gets
+    the replacement's own work."""
+
+    def __init__(self, handle, timeout_s: float, name: Optional[str] = None):
+        self.handle, self.timeout_s, self.name = handle, timeout_s, name
+
+    def _call(self, handle, method: str, args: tuple):
+        # +1 s: get_batch waits inside the actor for up to its own (short) timeout argument.
+        return bounded_get(getattr(handle, method).remote(*args), self.timeout_s + 1.0,
+                           f"the buffer actor's {method}()")
 
     def __getattr__(self, method: str):
-        remote = getattr(self.handle, method)
+        if method.startswith("_"):
+            raise AttributeError(method)
 
         def call(*args):
-            # +1 s: get_batch waits inside the actor for up to its own (short) timeout argument.
-            return bounded_get(remote.remote(*args), self.timeout_s + 1.0, f"the buffer actor's {method}()")
+            import ray
+
+            handle = self.handle
+            try:
+                return self._call(handle, method, args)
+            except ray.exceptions.RayActorError:
+                if self.name is None:
+                    raise
+                self.handle = follow_named(self.name, handle, self.timeout_s)
+                return self._call(self.handle, method, args)
 
         return call
+
+
+def follow_named(name: str, dead, timeout_s: float):
+    """The live actor now registered as `name` (not `dead`), waiting for it at most `timeout_s`."""
+    import ray
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            handle = ray.get_actor(name)
+            if handle._actor_id != dead._actor_id:
+                return handle
+        except ValueError:  # not registered (yet): the replacement is starting
+            pass
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"the buffer actor {name!r} died and no replacement registered within {timeout_s:.1f}s")
+        time.sleep(0.1)
 
 
 class RelayActor:
@@ -79,7 +116,7 @@ class RolloutActor:
     sequences for repack, fault injection, stop."""
 
     def __init__(self, cfg, index: int, generation: int, relays: dict, store_url: Optional[str], buffer,
-                 rpc_timeout_s: float, key: bytes):
+                 rpc_timeout_s: float, key: bytes, buffer_name: Optional[str] = None):
         from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.model import build_model
         from laminar_jax.relay import RelayClient, WeightStore
@@ -101,7 +138,7 @@ class RolloutActor:
         engine, _ = make_engine(model, section)
         from_flat = params_from_flat(model)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
-        remote = RemoteBuffer(buffer, rpc_timeout_s)
+        remote = RemoteBuffer(buffer, rpc_timeout_s, buffer_name)
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.worker = RolloutWorker(index, name, RolloutServer(engine, from_flat(flat), version=version), client,
                                     remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05)

@@ -20,7 +20,8 @@ from laminar_jax.runtime.loops import Failure, mark_replaced
 
 class RayFleet:
     def __init__(self, cfg, buffer_handle, relays: dict, store_url: str, timeline, rpc_timeout_s: float,
-                 actor_options: dict, key: bytes):
+                 actor_options: dict, key: bytes, buffer_name: Optional[str] = None):
+        self.buffer_name = buffer_name  # actors look a restarted buffer up by this name
         self.cfg, self.buffer_handle, self.relays, self.store_url = cfg, buffer_handle, relays, store_url
         self.key = key  # handed to each actor in its constructor (Ray's object store; never argv or logs)
         self.timeline, self.rpc_timeout_s, self.actor_options = timeline, rpc_timeout_s, actor_options
@@ -42,7 +43,7 @@ class RayFleet:
 
         return ray.remote(RolloutActor).options(**self.actor_options).remote(
             self.cfg, i, self.generations[i], self.relays, self.store_url, self.buffer_handle, self.rpc_timeout_s,
-            self.key)
+            self.key, self.buffer_name)
 
     def _get(self, ref, what: str, timeout: Optional[float] = None):
         from laminar_jax.runtime.ray_actors import bounded_get
@@ -81,6 +82,15 @@ class RayFleet:
 
     def server_stats(self) -> list:
         return [ServerStats(**self.latest[i]["stats"]) for i in sorted(self.latest)]
+
+    def buffer_restarted(self, handle, buffer) -> None:
+        """A new buffer actor serves: later replacements get its handle; every serving actor is
+        registered with it under its current name (the new board starts at the learner's version)."""
+        self.buffer_handle = handle
+        for i, (name, h) in enumerate(zip(self.names, self.actors)):
+            if h is not None:
+                version = self.latest.get(i, {}).get("stats", {}).get("version", 0)
+                buffer.register(i, name, version)
 
     def _handle(self, name: str):
         i = self.names.index(name) if name in self.names else None

@@ -13,17 +13,19 @@ serialised by Ray inside the cluster; weights travel through the relays and the 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import threading
 import time
+import uuid
 from typing import Optional
 
 from laminar_jax.config import Config
 from laminar_jax.runtime.driver import Driver, close_all
 from laminar_jax.runtime.monitor import Monitor
 from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
-from laminar_jax.runtime.ray_actors import RelayActor, RemoteBuffer
+from laminar_jax.runtime.ray_actors import RelayActor
 from laminar_jax.runtime.ray_fleet import RayFleet
 from laminar_jax.learner.publish import model_params
 from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError
@@ -90,6 +92,38 @@ def _start_relays(cfg: Config, gpus: float, timeout_s: float, key: bytes) -> dic
     return out
 
 
+def _spawn_buffer(cfg: Config, gpus: float, name: str, timeout_s: float, learner_version: int,
+                  restore: Optional[dict], trained: list) -> tuple:
+    """A buffer actor named `name` on the driver's node, ready: (handle, prompts re-dispatched).
+    A replacement may find the dead actor's name not yet released: it retries (bounded)."""
+    import ray
+
+    from laminar_jax.runtime.buffer_service import BufferService
+    from laminar_jax.runtime.ray_actors import bounded_get
+
+    here = ray.get_runtime_context().get_node_id()
+    cls = ray.remote(BufferService).options(**role_options("buffer", gpus), max_concurrency=BUFFER_CONCURRENCY,
+                                            name=name, scheduling_strategy=_node_affinity(here, soft=True))
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            handle = cls.remote(cfg, learner_version, restore, trained)
+            break
+        except ValueError:  # the name is still held by the dead actor
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the buffer actor's name {name!r} was not released within {timeout_s:.1f}s")
+            time.sleep(0.05)
+    return handle, bounded_get(handle.ready.remote(), timeout_s, "the buffer actor to start")
+
+
+def relays_checking_store(cfg: Config, run_dir: str) -> Config:
+    """The config relays start with: the run's weight store filled in (the weight plane's default,
+    `<run_dir>/weights`, when relay.store_url is unset), so a relay serves only versions that store
+    has committed (relay.store_check_s)."""
+    url = cfg.relay.store_url or os.path.join(run_dir, "weights")
+    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
+
+
 def _kill_relay(actor, address: str) -> str:
     """Fault injection: kill a relay actor; its address goes into the failure record."""
     import ray
@@ -129,7 +163,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
 
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.relay.auth import run_key
-    from laminar_jax.runtime.buffer_service import BufferService
+    from laminar_jax.runtime.ray_buffer import RestartingBuffer
 
     cfg, resuming = resolve(cfg, run_dir)
     rt, rpc = cfg.runtime, rpc_timeout(cfg)
@@ -149,15 +183,16 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
         learner = make_learner()
         built.append(learner.close)
         extra = learner.restore_latest()
-        here = ray.get_runtime_context().get_node_id()
-        handle = ray.remote(BufferService).options(
-            **role_options("buffer", gpus), max_concurrency=BUFFER_CONCURRENCY,
-            scheduling_strategy=_node_affinity(here, soft=True)).remote(cfg, learner.version,
-                                                                        extra["runtime"] if extra else None)
-        built.append(lambda: ray.kill(handle, no_restart=True))
-        buffer = RemoteBuffer(handle, rpc)
+        # A named actor: rollout actors find its replacement by name if it dies (runtime/ray_buffer.py).
+        buffer_name = f"laminar-buffer-{uuid.uuid4().hex[:12]}"
+        spawn = functools.partial(_spawn_buffer, cfg, gpus, buffer_name, rpc)
+        restore = extra["runtime"] if extra else None
+        handle, _ = spawn(learner.version, restore, [])
+        buffer = RestartingBuffer(handle, rpc, spawn, learner.version, restore, cfg.scheduler.max_server_restarts,
+                                  t0=monitor.t0)
+        built.append(lambda: ray.kill(buffer.handle, no_restart=True))
         key = run_key(run_dir)
-        relays = _start_relays(cfg, gpus, rpc, key)
+        relays = _start_relays(relays_checking_store(cfg, run_dir), gpus, rpc, key)
         built += [lambda a=a: ray.kill(a, no_restart=True) for a, _ in relays.values()]
         master = next(iter(relays.values()))
         weights = WeightsPlane(cfg, run_dir, [a for _, a in relays.values()],
@@ -168,14 +203,17 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
         weights.attach(learner, initial=True)
         monitor.phase(f"starting {rt.num_servers} rollout actors")
         fleet = RayFleet(cfg, handle, {n: a for n, (_, a) in relays.items()}, weights.store_url, monitor.timeline,
-                         rpc, role_options("rollout", gpus), key)
+                         rpc, role_options("rollout", gpus), key, buffer_name)
+        buffer.on_restart = fleet.buffer_restarted
     except BaseException:
         close_all([*reversed(built), monitor.close, *([ray.shutdown] if started else [])])
         raise
-    closers = [lambda: ray.kill(handle, no_restart=True), *([ray.shutdown] if started else [])]
-    return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
-                  weights=weights, monitor=monitor, stop=stop, learner_failures=(InjectedFault, LearnerGroupError),
-                  sft_losses=sft_losses, resumed=bool(extra), closers=closers, summary_extra=_ray_summary)
+    closers = [lambda: ray.kill(buffer.handle, no_restart=True), *([ray.shutdown] if started else [])]
+    driver = Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
+                    weights=weights, monitor=monitor, stop=stop, learner_failures=(InjectedFault, LearnerGroupError),
+                    sft_losses=sft_losses, resumed=bool(extra), closers=closers, summary_extra=_ray_summary)
+    buffer.failures = driver.failures  # a buffer restart is reported with the run's other failures
+    return driver
 
 
 def _ray_summary(driver: Driver) -> dict:
@@ -185,6 +223,7 @@ def _ray_summary(driver: Driver) -> dict:
                     "learner_processes": driver.cfg.runtime.learner_processes,
                     "relays": list(driver.weights.relay_addresses),
                     "requeued_samples": b.get("requeued", 0),
+                    "buffer_restarts": len(driver.buffer.restarts),
                     "dropped_late_results": b.get("dropped_late_results", 0),
                     "repack_failed_moves": driver.repacker.failed if driver.repacker else 0,
                     "publisher_relay_failures": list(pub.relay_failures) if pub is not None else None}}

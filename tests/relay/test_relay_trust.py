@@ -437,9 +437,72 @@ def test_tcp_pulls_check_every_chunk_against_the_learners_tags():
             peer.recv_into(memoryview(buf), "bytes")
         finally:
             peer.close()
-        client._check_chunks("relay", d, memoryview(buf), m, h["signature"])  # intact: passes
+        check = lambda data, sig: client._read_checked(FakePeer(data), d, memoryview(bytearray(plen)), m, sig, "bytes")
+        check(bytes(buf), h["signature"])  # intact: passes
         buf[plen // 2] ^= 0x40
         with pytest.raises(AuthError, match="does not match its tag"):
-            client._check_chunks("relay", d, memoryview(buf), m, h["signature"])
+            check(bytes(buf), h["signature"])
         with pytest.raises(AuthError, match="without valid chunk tags"):
-            client._check_chunks("relay", d, memoryview(buf), m, auth.sign_version(KEY, 1, m.digest()))
+            check(bytes(buf), auth.sign_version(KEY, 1, m.digest()))
+
+
+class FakePeer:
+    """Hands out recorded payload bytes in order (what Peer.recv_into does with a socket)."""
+
+    name = "relay"
+
+    def __init__(self, data):
+        self.data, self.pos = data, 0
+
+    def recv_into(self, mv, what):
+        mv[:] = self.data[self.pos:self.pos + mv.nbytes]
+        self.pos += mv.nbytes
+
+
+# ---- versions come from the store's manifests too
+def _signed_push(server, version, flat):
+    """A push the relay's key vouches for (e.g. a replayed or stray learner push), delivered whole."""
+    from laminar_jax.relay.push import push_version
+
+    m = plan_layout(flat, version)
+    peer = connect(server.address, 2.0, 3.0, KEY)
+    try:
+        return push_version(peer, ArraysSource(m, flat, CFG.chunk_bytes, KEY), None, 0.1, 3.0, 1)
+    finally:
+        peer.close()
+
+
+def test_relay_refuses_a_version_the_store_does_not_commit(tmp_path):
+    from laminar_jax.relay.store import WeightStore
+
+    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=3.0, heartbeat_s=0.1, store_url=str(tmp_path / "w"),
+                       store_check_s=1.0)
+    store = WeightStore(cfg.store_url)
+    with RelayServer(cfg, key=KEY) as server:
+        with Publisher(cfg, store=store, relay_addresses=[server.address], key=KEY) as pub:
+            pub.publish(1, _flat(1))
+            pub.flush(20)
+        assert RelayClient([server.address], config=cfg, key=KEY).wait_for(1, 10) == 1  # stored: served
+        assert server.stats()["store_cleared"] == 1
+        # Signed, fully delivered, but never committed to the store: never served, then dropped.
+        assert _signed_push(server, 7, _flat(7)) == "delivered"
+        assert _wait(lambda: server.stats().get("store_refused", 0) == 1, 10)
+        assert server.versions_held() == [1] and 7 not in server.stats()["partial"]
+        # Older than the store's newest and absent there: refused without waiting out store_check_s.
+        t0 = time.monotonic()
+        assert _signed_push(server, 0, _flat(0)) == "delivered"
+        assert _wait(lambda: server.stats().get("store_refused", 0) == 2, 10)
+        assert time.monotonic() - t0 < cfg.store_check_s
+        # In the store, but with another layout: refused.
+        store.write(2, _flat(2))
+        assert _signed_push(server, 2, _flat(2, n=1000)) == "delivered"
+        assert _wait(lambda: server.stats().get("store_refused", 0) == 3, 10)
+        assert any("another layout" in e for e in server.stats()["conn_errors"])
+        # A push that arrives before its store commit is held back, then served once committed.
+        assert _signed_push(server, 3, _flat(3)) == "delivered"
+        time.sleep(0.2)
+        assert server.versions_held() == [1]
+        store.write(3, _flat(3))
+        v, got = RelayClient([server.address], config=cfg, key=KEY).pull(1, timeout=5, copy=True)
+        assert v == 3 and np.array_equal(got["w"], _flat(3)["w"])
+        assert server.stats()["store_refused"] == 3

@@ -1,17 +1,17 @@
 """Live sequence export/import: a moved sequence continues exactly as if it had never moved."""
 
 import dataclasses
-import json
 import os
-import socket
-import struct
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
 
+from laminar_jax.relay.wire import AuthError, WireError
 from laminar_jax.rollout import NoFreeSlotError, SequenceState, VersionMismatchError
+from laminar_jax.rollout.transfer import SequenceListener, send_sequence
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -101,27 +101,56 @@ def test_import_refuses_other_versions_and_full_servers():
         a.export_sequence(0)
 
 
+KEY = bytes(range(32))
+
+
 def test_move_to_another_process_over_loopback_tcp():
+    """Authenticated with the run key; a keyless and a wrong-key sender are dropped first."""
     ref = _reference()
     env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "tests.rollout.seq_worker"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
+        proc.stdin.write(KEY.hex() + "\n")
+        proc.stdin.close()
         a = make_server()
         a.submit(REQ)
         _step_n(a, 9)
-        payload = a.export_sequence(_slot_of(a, REQ.uid)).to_bytes()
-        port = int(proc.stdout.readline())
-        with socket.create_connection(("127.0.0.1", port), timeout=120) as conn:
-            conn.settimeout(120)
-            conn.sendall(struct.pack("<Q", len(payload)) + payload)
-            (n,) = struct.unpack("<Q", conn.recv(8, socket.MSG_WAITALL))
-            reply = json.loads(conn.recv(n, socket.MSG_WAITALL))
+        seq = a.export_sequence(_slot_of(a, REQ.uid))
+        address = f"127.0.0.1:{int(proc.stdout.readline())}"
+        for bad in (None, b"x" * 32):
+            with pytest.raises((AuthError, WireError, OSError)):
+                send_sequence(address, seq, bad, timeout_s=10)
+        reply = send_sequence(address, seq, KEY, timeout_s=120)
         proc.wait(timeout=60)
         assert proc.returncode == 0, proc.stderr.read()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=10)
+    assert reply["refused"] == 2
     assert reply["tokens"] == ref.response_ids.tolist() and reply["moves"] == 1
     np.testing.assert_array_equal(np.asarray(reply["logprobs"], np.float32), ref.behaviour_logprobs)
+
+
+def test_sequence_listener_drops_peers_without_the_key_at_their_first_message():
+    a = make_server()
+    a.submit(REQ)
+    _step_n(a, 3)
+    seq = a.export_sequence(_slot_of(a, REQ.uid))
+    got = {}
+    with SequenceListener(key=KEY) as listener:
+        def receive():
+            s, answer = listener.accept(timeout_s=30)
+            got["seq"] = s
+            answer({"slot": 0})
+        t = threading.Thread(target=receive, daemon=True)
+        t.start()
+        with pytest.raises((AuthError, WireError, OSError)):
+            send_sequence(listener.address, seq, None, timeout_s=10)  # keyless: its frame is not a nonce
+        with pytest.raises((AuthError, WireError, OSError)):
+            send_sequence(listener.address, seq, b"y" * 32, timeout_s=10)  # wrong key: the header tag fails
+        assert send_sequence(listener.address, seq, KEY, timeout_s=10)["slot"] == 0
+        t.join(10)
+    assert listener.rejected == 2 and got["seq"].uid == REQ.uid
+    assert got["seq"].to_bytes() == seq.to_bytes()
