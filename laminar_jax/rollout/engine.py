@@ -291,11 +291,12 @@ class Engine:
         self._cached_hi.pop(slot, None)
 
     def extend(self, params: Any, decode_state: DecodeState, slot: int, observation_ids, num_cached: int,
-               max_new: int) -> DecodeState:
+               last_token: int, num_generated: int, max_new: int) -> DecodeState:
         """Feed a parked slot's observation over its cached context (see rollout/extend.py), reactivate it.
 
         num_cached: tokens whose KV the slot holds (prompt - 1 + response so far, the last sampled
-        token excluded); max_new: the next turn's token budget. Pages for the observation and the
+        token excluded); last_token: that last sampled token; num_generated: policy tokens sampled
+        so far (the sampling key's counter); max_new: the next turn's token budget. Pages for the observation and the
         next turn are added to the slot's own; raises ValueError past pages_per_seq, OutOfPages
         (state untouched) when the pool is short.
         """
@@ -316,7 +317,8 @@ class Engine:
         treedef = jax.tree.structure(params)
         # One row attends at most its own pages_per_seq pages.
         program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.uses_live_pages else 0)
-        return program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m), np.int32(max_new))
+        return program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
+                       np.int32(num_cached), np.int32(last_token), np.int32(num_generated), np.int32(max_new))
 
     # ---------------------------------------------------------------- helpers
 

@@ -29,10 +29,16 @@ def obs_bucket(m: int) -> int:
     return max(16, 1 << int(m).bit_length())
 
 
-def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, max_new):
-    """ids: i32[N] observation ids (padded); n: their count m >= 1; max_new: the slot's new budget."""
+def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, num_cached, last_token,
+                 num_generated, max_new):
+    """ids: i32[N] observation ids (padded); n: their count m >= 1; the rest from the host's books.
+
+    The host's num_cached / last_token / num_generated are the truth: a turn ended by a host-side
+    stop sequence may have decoded a token or two more on the device (pipelining); those are
+    overwritten here and never attended (attention reads positions < the new length only).
+    """
     model = nnx.merge(spec.graphdef, params)
-    feed = jnp.concatenate([state.last_token[slot][None], ids])  # token i is fed at position L + i
+    feed = jnp.concatenate([last_token[None], ids])  # token i is fed at position num_cached + i
     row = page_row[None]
     active = jnp.ones((1,), bool)
 
@@ -45,20 +51,21 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
         _, cache = model.forward_cached(feed[i][None, None], pos[None, None], list(zip(k_pages, v_pages)), backend)
         return tuple(c[0] for c in cache), tuple(c[1] for c in cache), pos + 1
 
-    k_pages, v_pages, pos = jax.lax.fori_loop(0, n, body, (state.k_pages, state.v_pages, state.lengths[slot]))
+    k_pages, v_pages, pos = jax.lax.fori_loop(0, n, body, (state.k_pages, state.v_pages, num_cached))
     return state._replace(
         k_pages=k_pages, v_pages=v_pages, page_table=state.page_table.at[slot].set(page_row),
         lengths=state.lengths.at[slot].set(pos), last_token=state.last_token.at[slot].set(feed[n]),
-        max_new=state.max_new.at[slot].set(state.num_generated[slot] + max_new),
+        num_generated=state.num_generated.at[slot].set(num_generated),
+        max_new=state.max_new.at[slot].set(num_generated + max_new),
         active=state.active.at[slot].set(True))
 
 
 @functools.lru_cache(maxsize=32)
 def extend_program(spec, params_treedef, live_bucket: int) -> Callable:
     """Jitted extend for one engine geometry (state donated); shared by equal engines."""
-    def run(leaves, state, slot, page_row, ids, n, max_new):
+    def run(leaves, state, slot, page_row, ids, n, *books):
         return _extend_impl(spec, live_bucket, jax.tree.unflatten(params_treedef, leaves), state, slot, page_row,
-                            ids, n, max_new)
+                            ids, n, *books)
 
     return jax.jit(run, donate_argnums=(1,))
 
