@@ -64,9 +64,10 @@ def _reset(factory: Callable[[], Environment], name: str, record: dict):
 class EpisodeDriver:
     def __init__(self, pool: EnvPool, tokenizer, *, default_env: Optional[str] = None,
                  by_data_source: Optional[dict] = None, chat_template: Optional[str] = None,
-                 clock: Callable[[], float] = time.monotonic):
+                 env_kwargs: Optional[dict] = None, clock: Callable[[], float] = time.monotonic):
         self.pool, self.tokenizer, self.clock = pool, tokenizer, clock
         self.default_env, self.by_data_source, self.chat_template = default_env, by_data_source or {}, chat_template
+        self.env_kwargs = {k: dict(v) for k, v in (env_kwargs or {}).items()}
         self._eps: dict[str, _Episode] = {}
         self._done = self._turns = self._tool_turns = self._failures = 0
         self._wait_slot_s = 0.0
@@ -76,6 +77,7 @@ class EpisodeDriver:
     def start(self, request, record: dict) -> None:
         """Begin an episode for `request` (a rollout Request with .turn set): its env resets in the pool."""
         name, kwargs = select_env(record, self.default_env, self.by_data_source)
+        kwargs = {**self.env_kwargs.get(name, {}), **kwargs}
         ep = _Episode(name, None, request)
         ep.pending = self.pool.submit(_reset, lambda: make_env(name, **kwargs), name, record)
         self._eps[request.uid] = ep
@@ -157,6 +159,10 @@ class EpisodeDriver:
                          env_wait_s=round(ep.env_wait_s, 4), env_error=ep.failed)
             out.append(dataclasses.replace(traj, reward=float(reward), extra=extra))
         return out
+
+    def starting(self) -> int:
+        """Episodes whose environment is still resetting (not yet submitted to the server)."""
+        return sum(1 for ep in self._eps.values() if not ep.submitted)
 
     def forget(self, uid: str) -> None:
         """Drop an episode whose sequence left this server (killed server: the work is requeued)."""
