@@ -16,16 +16,20 @@ import numpy as np
 
 from laminar_jax.env.base import Environment, StepResult
 from laminar_jax.env.registry import register_env
+from laminar_jax.sim.workload import PRESETS
 
-MEDIAN_PRESET_S = 3.0
+# One workload definition: the simulator's `agentic` preset models this environment's latency.
+MEDIAN_PRESET_S = PRESETS["agentic"].env_latency_median_s
+SIGMA_PRESET = PRESETS["agentic"].env_latency_sigma
 
 
 def sample_latency(rng: np.random.Generator, median_s: float, sigma: float) -> float:
+    """The simulator's law (laminar_jax.sim.workload.env_latency): median * exp(sigma * z)."""
     return float(median_s * np.exp(sigma * rng.standard_normal())) if median_s > 0 else 0.0
 
 
 class LatencyEnv(Environment):
-    def __init__(self, turns: int = 3, median_s: float = MEDIAN_PRESET_S, sigma: float = 0.5, seed: int = 0,
+    def __init__(self, turns: int = 3, median_s: float = MEDIAN_PRESET_S, sigma: float = SIGMA_PRESET, seed: int = 0,
                  observation: str = " ok ", reward_scale: float = 1.0):
         if turns < 1 or median_s < 0 or sigma < 0:
             raise ValueError(f"latency env: turns={turns} >= 1, median_s={median_s} >= 0, sigma={sigma} >= 0")
