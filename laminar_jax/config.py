@@ -19,6 +19,7 @@ import ml_collections
 from laminar_jax.buffer.config import BufferSection
 from laminar_jax.configlib import ConfigError, expect, from_config_dict, to_config_dict, to_json, validate_tree
 from laminar_jax.data.config import DataSection
+from laminar_jax.env.config import EnvSection
 from laminar_jax.learner.config import LearnerSection, MeshSection
 from laminar_jax.model.config import ModelSection
 from laminar_jax.relay.config import RelaySection
@@ -43,6 +44,7 @@ class Config:
       scheduler: Repack and failure detection (laminar_jax.scheduler).
       data: Prompts and rewards (laminar_jax.data).
       runtime: Wiring, mode and run length (laminar_jax.runtime).
+      env: Multi-turn episodes and their environments (laminar_jax.env).
       seed: Global seed; planes derive theirs from it unless set.
     """
 
@@ -55,6 +57,7 @@ class Config:
     scheduler: SchedulerSection = SchedulerSection()
     data: DataSection = DataSection()
     runtime: RuntimeSection = RuntimeSection()
+    env: EnvSection = EnvSection()
     seed: int = 0
 
     def validate(self, prefix: str) -> None:

@@ -24,13 +24,17 @@ class Trajectory:
       sample_index: Index within the prompt's group (0..n_samples-1).
       prompt_ids: i32[P] prompt token ids.
       response_ids: i32[R] generated ids (including the stop token when finish_reason == 'eos').
-      behaviour_logprobs: f32[R] log-prob of each generated token under `version` (sampling dist.).
+      behaviour_logprobs: f32[N] log-prob of each *policy* token under `version` (sampling dist.):
+        N = R without a policy mask, N = policy_mask.sum() with one.
       version: The one weight version that generated every response token.
       finish_reason: 'eos' (stop token), 'length' (max_new_tokens / max length) or 'aborted'.
       reward: Scalar reward, None until scored.
       data_source: Key of the reward function that scores it.
       ground_truth: Whatever the reward function needs.
       extra: Free-form JSON-serialisable metadata (timings, server id, moves...).
+      policy_mask: u8[R] or None. Multi-turn episodes interleave generated tokens (1) with
+        environment observation tokens (0) in response_ids; observations are context only (never
+        trained on, no behaviour log-prob). None means every response token is generated.
     """
 
     uid: str
@@ -45,10 +49,21 @@ class Trajectory:
     data_source: str = ""
     ground_truth: Any = None
     extra: dict = dataclasses.field(default_factory=dict)
+    policy_mask: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
         return int(len(self.prompt_ids) + len(self.response_ids))
+
+    @property
+    def num_policy_tokens(self) -> int:
+        return int(len(self.response_ids) if self.policy_mask is None else np.asarray(self.policy_mask).sum())
+
+    def response_policy_mask(self) -> np.ndarray:
+        """f32[R]: the policy mask, all ones when there is none."""
+        if self.policy_mask is None:
+            return np.ones(len(self.response_ids), np.float32)
+        return np.asarray(self.policy_mask, np.float32)
 
     def with_reward(self, reward: float) -> "Trajectory":
         return dataclasses.replace(self, reward=float(reward))
@@ -63,9 +78,12 @@ REQUIRED_FIELDS = ("response_ids", "behaviour_logprobs", "version", "reward")
 
 def to_row(traj: Trajectory) -> dict[str, Any]:
     """What a finished trajectory writes into its experience row (reward and version come with the score)."""
-    return {"response_ids": np.asarray(traj.response_ids, np.int32),
-            "behaviour_logprobs": np.asarray(traj.behaviour_logprobs, np.float32),
-            "finish_reason": traj.finish_reason}
+    row = {"response_ids": np.asarray(traj.response_ids, np.int32),
+           "behaviour_logprobs": np.asarray(traj.behaviour_logprobs, np.float32),
+           "finish_reason": traj.finish_reason}
+    if traj.policy_mask is not None:
+        row["policy_mask"] = np.asarray(traj.policy_mask, np.uint8)
+    return row
 
 
 def from_row(row: dict[str, Any]) -> Trajectory:
@@ -76,4 +94,6 @@ def from_row(row: dict[str, Any]) -> Trajectory:
                       behaviour_logprobs=np.asarray(row["behaviour_logprobs"], np.float32),
                       version=int(row["version"]), finish_reason=row.get("finish_reason", "eos"),
                       reward=float(row["reward"]), data_source=row.get("data_source", ""),
-                      ground_truth=row.get("ground_truth"))
+                      ground_truth=row.get("ground_truth"),
+                      policy_mask=(None if row.get("policy_mask") is None
+                                   else np.asarray(row["policy_mask"], np.uint8)))

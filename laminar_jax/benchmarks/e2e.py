@@ -1,11 +1,18 @@
 """End-to-end benchmark: the same workload in every mode, side by side, in one run.
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
+                           [--workload demo|agentic] [--env-median-s 3.0]
 
 Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
 rollout servers and generation slots, same wall-clock budget of RL per mode. Reports training
 throughput (trajectory tokens consumed by the learner per second of RL), time-weighted generation
 slot utilization, and reward against wall-clock (plotted).
+
+--workload agentic: each prompt is a multi-turn episode against the `latency` environment
+(configs/agentic_demo.py: 3 turns, log-normal latency per step, median 3 s unless
+--env-median-s), so generation waits on the environment, not on compute; the JSON adds the
+environment figures per mode (turns, env latency p50/p99, failures, share of slot-time waiting)
+and the load average.
 """
 
 from __future__ import annotations
@@ -42,11 +49,21 @@ def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:
     return out_dir
 
 
+def _workload_config(args):
+    if getattr(args, "workload", "demo") == "agentic":
+        from laminar_jax.config import repo_config
+
+        c = repo_config("agentic_demo", "latency")
+        c.env.env_kwargs = {"latency": dict(c.env.env_kwargs["latency"], median_s=args.env_median_s)}
+        return c
+    return _demo_config()
+
+
 def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) -> dict:
     from laminar_jax.config import finalize
     from laminar_jax.runtime.local import LocalRun
 
-    c = _demo_config()
+    c = _workload_config(args)
     c.model.path = model_dir
     c.runtime.mode = "laminar" if mode == "laminar_norepack" else mode
     c.scheduler.repack = mode != "laminar_norepack"
@@ -73,6 +90,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--prompts-per-step", type=int, default=8)
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
+    ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
+    ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
     args = ap.parse_args(argv)
     budget = args.budget_s or (30.0 if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
@@ -129,6 +148,11 @@ def main(argv: list[str]) -> dict:
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
         "plot": plot, "wall_s": round(time.time() - t0, 1),
     }
+    if args.workload == "agentic":
+        result.update(workload="agentic", env_median_s=args.env_median_s, load_avg=[round(x, 2) for x in os.getloadavg()],
+                      **{k: {m: r.get(k) for m, r in results.items()}
+                         for k in ("turns_per_trajectory", "env_latency_p50_s", "env_latency_p99_s", "env_failures",
+                                   "env_wait_share")})
     print(json.dumps(result))
     return result
 

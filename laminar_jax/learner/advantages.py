@@ -192,17 +192,19 @@ def compute_advantages(name: str, inp: AdvantageInputs, hp: AdvantageParams) -> 
 
 
 def terminal_token_rewards(rewards: jax.Array, mask: jax.Array, seq_ids: Optional[jax.Array] = None) -> jax.Array:
-    """f32[B, T]: reward r_s at trajectory s's last mask position (its last response token), 0 elsewhere.
+    """f32[B, T]: reward r_s at trajectory s's last mask position (its last policy token), 0 elsewhere.
 
-    Without seq_ids (one trajectory per row): the row's last mask position. With seq_ids: every
-    mask position whose successor is off-mask or another trajectory's (segments are contiguous).
+    The last mask position of each trajectory, wherever it lies: the mask may have holes
+    (multi-turn observations) and rows may hold several trajectories (packing, `seq_ids`; None
+    means one trajectory per row). A segment of policy tokens followed by an observation is not
+    the end of its trajectory.
     """
-    if seq_ids is not None:
-        nxt_mask = jnp.pad(mask[:, 1:], ((0, 0), (0, 1)))
-        nxt_seq = jnp.pad(seq_ids[:, 1:], ((0, 0), (0, 1)), constant_values=-1)
-        last = (mask > 0) & ((nxt_mask == 0) | (nxt_seq != seq_ids))
-        return jnp.where(last, rewards[jnp.maximum(seq_ids, 0)], 0.0).astype(jnp.float32)
-    t = mask.shape[1]
-    idx = jnp.arange(t)[None, :]
-    last = jnp.max(jnp.where(mask > 0, idx, -1), axis=1)  # i32[B]; -1 for a fully masked row
-    return jnp.where(idx == last[:, None], rewards[:, None], 0.0).astype(jnp.float32)
+    b, t = mask.shape
+    seq_ids = row_seq_ids(mask) if seq_ids is None else seq_ids
+    on = (mask > 0) & (seq_ids >= 0)
+    flat = jnp.arange(b * t, dtype=jnp.int32).reshape(b, t)
+    slot = jnp.where(on, seq_ids, rewards.shape[0])  # off-mask tokens go to a spare segment
+    last = jax.ops.segment_max(jnp.where(on, flat, -1).reshape(-1), slot.reshape(-1),
+                               num_segments=rewards.shape[0] + 1)
+    is_last = on & (flat == last[slot])
+    return jnp.where(is_last, rewards[jnp.maximum(seq_ids, 0)], 0.0).astype(jnp.float32)

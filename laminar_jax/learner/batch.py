@@ -13,6 +13,10 @@ length R (L = P + R tokens), relative positions t = 0..L-1 at o + t:
     loss_mask[t]= 1  for t in [P-1, L-2]     (the target is a response token)
     behaviour_logprobs[P-1+j] = trajectory.behaviour_logprobs[j]
 
+Multi-turn trajectories carry a policy mask over their response (1 generated, 0 observation
+tokens from the environment): loss_mask[P-1+j] = policy_mask[j], so the mask has holes, and the
+behaviour log-probs (one per policy token) fill the policy positions in order.
+
 Group advantages (GRPO/RLOO) are NOT computed here: the learner computes every advantage on
 device, once per Learner.step over the whole batch, before splitting it into mini-batches
 (see step.make_prepare_fn), so groups are never split by mini-batching.
@@ -62,9 +66,12 @@ def _check(tr: Trajectory, i: int) -> None:
         raise ValueError(f"{where}: reward is None (score trajectories before the learner sees them)")
     if len(tr.prompt_ids) < 1:
         raise ValueError(f"{where}: empty prompt_ids (need >= 1 token to predict the first response token)")
-    if len(tr.behaviour_logprobs) != len(tr.response_ids):
-        raise ValueError(f"{where}: behaviour_logprobs has {len(tr.behaviour_logprobs)} entries, "
+    if tr.policy_mask is not None and len(tr.policy_mask) != len(tr.response_ids):
+        raise ValueError(f"{where}: policy_mask has {len(tr.policy_mask)} entries, "
                          f"response_ids has {len(tr.response_ids)}")
+    if len(tr.behaviour_logprobs) != tr.num_policy_tokens:
+        raise ValueError(f"{where}: behaviour_logprobs has {len(tr.behaviour_logprobs)} entries, "
+                         f"response_ids has {tr.num_policy_tokens} policy tokens")
 
 
 def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_token_id: int = 0,
@@ -122,8 +129,9 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
         positions[row, o:o + length] = np.arange(length)
         segment_ids[row, o:o + length] = segment_ids[row].max() + 1
         seq_ids[row, o:o + length] = i
-        loss_mask[row, o + p - 1:o + length - 1] = 1.0
-        blp[row, o + p - 1:o + length - 1] = np.asarray(tr.behaviour_logprobs, np.float32)
+        policy = tr.response_policy_mask()
+        loss_mask[row, o + p - 1:o + length - 1] = policy
+        blp[row, o + p - 1 + np.flatnonzero(policy)] = np.asarray(tr.behaviour_logprobs, np.float32)
         rewards[i] = tr.reward
         versions[i] = tr.version
         group_ids[i] = group_of.setdefault(tr.prompt_uid, len(group_of))

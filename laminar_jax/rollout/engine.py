@@ -282,6 +282,44 @@ class Engine:
                                jnp.asarray(np.pad(v, pad)).astype(self.kv_dtype), dst, np.int32(slot), row,
                                np.int32(num_cached), np.int32(last_token), *self._init_arrays(init))
 
+    # ---------------------------------------------------------------- multi-turn (rollout/extend.py)
+
+    def park(self, slot: int) -> None:
+        """A stopped sequence waits on its environment: its pages stay, decode calls skip it."""
+        if slot not in self.slot_pages:
+            raise ValueError(f"slot {slot} holds no sequence to park")
+        self._cached_hi.pop(slot, None)
+
+    def extend(self, params: Any, decode_state: DecodeState, slot: int, observation_ids, num_cached: int,
+               last_token: int, num_generated: int, max_new: int) -> DecodeState:
+        """Feed a parked slot's observation over its cached context (see rollout/extend.py), reactivate it.
+
+        num_cached: tokens whose KV the slot holds (prompt - 1 + response so far, the last sampled
+        token excluded); last_token: that last sampled token; num_generated: policy tokens sampled
+        so far (the sampling key's counter); max_new: the next turn's token budget. Pages for the observation and the
+        next turn are added to the slot's own; raises ValueError past pages_per_seq, OutOfPages
+        (state untouched) when the pool is short.
+        """
+        from laminar_jax.rollout import extend as ext
+
+        if slot not in self.slot_pages:
+            raise ValueError(f"slot {slot} holds no sequence to extend")
+        ids, m = ext.padded_ids(observation_ids)
+        need = pages_needed(num_cached + m + max_new - 1, self.page_size)
+        if need > self.pages_per_seq:
+            raise ValueError(f"extend: {num_cached + m + max_new - 1} tokens need {need} pages, more than "
+                             f"rollout.pages_per_seq={self.pages_per_seq}")
+        have = self.slot_pages[slot]
+        if need > len(have):
+            have.extend(self.allocator.allocate(need - len(have)))
+        self._cached_hi[slot] = num_cached + m
+        leaves, _ = self._bind(params)
+        treedef = jax.tree.structure(params)
+        # One row attends at most its own pages_per_seq pages.
+        program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.uses_live_pages else 0)
+        return program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
+                       np.int32(num_cached), np.int32(last_token), np.int32(num_generated), np.int32(max_new))
+
     # ---------------------------------------------------------------- helpers
 
     def _page_row(self, pages: list[int]) -> np.ndarray:

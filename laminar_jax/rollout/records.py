@@ -30,6 +30,34 @@ class NoFreeSlotError(RuntimeError):
 
 
 @dataclasses.dataclass(frozen=True)
+class TurnSpec:
+    """What makes a request a multi-turn episode (see RolloutServer: take_turns / continue_episode).
+
+    Attributes:
+      max_new_tokens: Token budget of one policy turn (the request's sampling.max_new_tokens is the first's).
+      stop_sequences: Token-id sequences that end a turn (e.g. the ids of "</tool_call>"), checked on
+        the host after each token; single stop ids go to sampling.stop_token_ids and stop on the device.
+      max_response_tokens: Budget of the whole response (policy + observation tokens); 0 = the server's room.
+    """
+
+    max_new_tokens: int
+    stop_sequences: tuple = ()
+    max_response_tokens: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class TurnEnd:
+    """A multi-turn sequence stopped its policy turn and waits (KV pages kept) for its environment."""
+
+    uid: str
+    turn: int  # 0-based index of the turn that ended
+    turn_ids: np.ndarray  # i32[n] the tokens generated in this turn
+    finish_reason: str  # 'stop' (stop id or stop sequence) or 'length' (turn budget)
+    response_tokens: int  # response tokens so far (policy + observation)
+    room: int  # tokens the whole-trajectory budget still allows
+
+
+@dataclasses.dataclass(frozen=True)
 class Request:
     """One prompt to complete.
 
@@ -43,6 +71,7 @@ class Request:
       sampling: Per-request sampling; None -> the server's config defaults.
       data_source: Reward function key, passed through to the Trajectory.
       ground_truth: Passed through to the Trajectory.
+      turn: A TurnSpec for a multi-turn episode; None for a single completion.
     """
 
     uid: str
@@ -54,6 +83,7 @@ class Request:
     sampling: Optional[SamplingParams] = None
     data_source: str = ""
     ground_truth: Any = None
+    turn: Optional[TurnSpec] = None
 
 
 @dataclasses.dataclass(frozen=True)

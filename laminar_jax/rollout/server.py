@@ -16,6 +16,13 @@ Weight versions: ``set_params(v, params)`` records a pending version; admission 
 live sequence of the old version remains the swap happens and admission resumes. ``force=True``
 swaps at the next step, aborting live old-version sequences (finish_reason='aborted', tokens so
 far, stamped with the old version) so no trajectory ever mixes versions.
+
+Multi-turn episodes (Request.turn): a turn ends at a stop id (on the device), a stop sequence
+(on the host; the slot is deactivated) or the turn budget; the sequence then *waits*: its slot
+and KV pages stay, decode skips it, and a TurnEnd comes out of take_turns(). Its owner runs the
+environment elsewhere and calls continue_episode(uid, observation_ids) (engine.extend: the
+observation's KV goes into the same pages, decoding resumes) or end_episode(uid). A waiting
+sequence is live, so a weight swap waits for it too: one version per trajectory across turns.
 """
 
 from __future__ import annotations
@@ -34,7 +41,7 @@ import numpy as np
 from laminar_jax.rollout.engine import MAX_STOP_IDS, Engine
 from laminar_jax.rollout.paged import SlotInit
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
-                                         SequenceState, ServerStats, VersionMismatchError)
+                                         SequenceState, ServerStats, TurnEnd, VersionMismatchError)
 from laminar_jax.rollout.sampling import SamplingParams, default_sampling
 from laminar_jax.types import Trajectory
 
@@ -58,6 +65,10 @@ class _Live:
     tokens: list
     logprobs: list
     moves: int = 0
+    mask: Optional[list] = None  # multi-turn: 1 per generated token, 0 per observation token
+    turn: int = 0  # index of the current policy turn
+    turn_start: int = 0  # index in tokens where it began
+    waiting: bool = False  # parked on its environment
 
 
 @dataclasses.dataclass
@@ -89,6 +100,7 @@ class RolloutServer:
         self._rate_sum = 0  # sum of the tokens in _rate, so stats() is O(1) (it runs every poll)
         self._counts = collections.Counter()
         self._default = default_sampling(self.section, tuple(engine.model_cfg.eos_token_id))
+        self._turns: list = []  # TurnEnds not yet taken by the owner
 
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
@@ -163,7 +175,7 @@ class RolloutServer:
             self._maybe_swap()
             self._admit()
             prev, self._inflight = self._inflight, None
-            if self.num_live:
+            if self.num_live > self.num_waiting():
                 self._state, self._inflight = self.engine.generate(self._params, self._state)
             if prev is not None:
                 self._consume(prev)
@@ -203,7 +215,8 @@ class RolloutServer:
         init = SlotInit(adm.key_data, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
                         np.asarray(sp.stop_token_ids, np.int32))
         self._state = self.engine.prefill_insert(self._params, self._state, slot, adm.prompt, init)
-        self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [])
+        self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
+                                  mask=[] if adm.request.turn is not None else None)
 
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
@@ -217,10 +230,14 @@ class RolloutServer:
         for i in range(out.tokens.shape[0]):
             for slot in np.flatnonzero(out.emitted[i]).tolist():
                 live = self._slots[slot]
+                if live is None or live.waiting:
+                    continue  # decoded past a host-side stop sequence (pipelining): not part of the turn
                 live.tokens.append(tokens[i][slot])
                 live.logprobs.append(logprobs[i][slot])
                 n_tokens += 1
-                if done[i][slot]:
+                if live.mask is not None:
+                    self._multi_turn_token(slot, live, done[i][slot], stopped[i][slot])
+                elif done[i][slot]:
                     self._retire(slot, "eos" if stopped[i][slot] else "length")
         now = time.monotonic()
         self._rate.append((now, n_tokens))
@@ -234,11 +251,93 @@ class RolloutServer:
         self.engine.free_resource(slot)
         self._counts["aborted" if reason == "aborted" else "completed"] += 1
         r = live.request
+        extra = {"server_id": self.section.server_id, "moves": live.moves}
+        if live.mask is not None:
+            extra["turns"] = live.turn + 1
         self._finished.append(Trajectory(
             uid=r.uid, prompt_uid=r.prompt_uid, sample_index=r.sample_index, prompt_ids=live.prompt.copy(),
             response_ids=np.asarray(live.tokens, np.int32), behaviour_logprobs=np.asarray(live.logprobs, np.float32),
             version=live.version, finish_reason=reason, data_source=r.data_source, ground_truth=r.ground_truth,
-            extra={"server_id": self.section.server_id, "moves": live.moves}))
+            extra=extra, policy_mask=None if live.mask is None else np.asarray(live.mask, np.uint8)))
+
+    # ---------------------------------------------------------------- multi-turn episodes
+
+    def _multi_turn_token(self, slot: int, live: _Live, done: bool, stopped: bool) -> None:
+        """Book one generated token of an episode; end its turn at a stop id / sequence or the budget."""
+        live.mask.append(1)
+        if done:
+            self._park(slot, "stop" if stopped else "length")
+            return
+        turn_ids = live.tokens[live.turn_start:]
+        for seq in live.request.turn.stop_sequences:
+            if len(seq) and len(turn_ids) >= len(seq) and tuple(turn_ids[-len(seq):]) == tuple(seq):
+                self._state = self.engine.deactivate(self._state, slot)  # the device cannot see stop sequences
+                self._park(slot, "stop")
+                return
+
+    def _room(self, live: _Live) -> int:
+        """Response tokens the whole-trajectory budget still allows."""
+        cap = self.section.max_total_len - len(live.prompt)
+        if live.request.turn.max_response_tokens:
+            cap = min(cap, live.request.turn.max_response_tokens)
+        return cap - len(live.tokens)
+
+    def _park(self, slot: int, reason: str) -> None:
+        live = self._slots[slot]
+        live.waiting = True
+        self.engine.park(slot)
+        self._counts["turns"] += 1
+        self._turns.append(TurnEnd(live.request.uid, live.turn, np.asarray(live.tokens[live.turn_start:], np.int32),
+                                   reason, len(live.tokens), self._room(live)))
+
+    def take_turns(self) -> list:
+        """The TurnEnds since the last call (each sequence named waits for continue/end_episode)."""
+        with self._lock:
+            out, self._turns = self._turns, []
+            return out
+
+    def _waiting_slot(self, uid: str) -> int:
+        for slot, live in enumerate(self._slots):
+            if live is not None and live.request.uid == uid and live.waiting:
+                return slot
+        raise KeyError(f"server {self.section.server_id}: no episode {uid!r} waits here")
+
+    def continue_episode(self, uid: str, observation_ids) -> bool:
+        """Append the observation to a waiting episode and resume decoding its next turn.
+
+        Returns False (and ends the episode, finish_reason 'length') when the observation plus
+        one more token does not fit the whole-trajectory budget.
+        """
+        with self._lock:
+            self._drain()  # its pipelined overshoot (if any) is read and dropped while it still waits
+            slot = self._waiting_slot(uid)
+            live = self._slots[slot]
+            obs = [int(x) for x in np.asarray(observation_ids, np.int32).reshape(-1)]
+            room = self._room(live) - len(obs)
+            if not obs or room < 1:
+                self._end(slot, "length")
+                return False
+            max_new = min(live.request.turn.max_new_tokens, room)
+            n_gen = len(live.logprobs)
+            self._state = self.engine.extend(self._params, self._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
+                                             live.tokens[-1], n_gen, max_new)
+            live.tokens.extend(obs)
+            live.mask.extend([0] * len(obs))
+            live.turn += 1
+            live.turn_start = len(live.tokens)
+            live.waiting = False
+            return True
+
+    def end_episode(self, uid: str, reason: str = "eos") -> None:
+        """Finish a waiting episode: its trajectory comes out of the next step()."""
+        with self._lock:
+            self._end(self._waiting_slot(uid), reason)
+
+    def _end(self, slot: int, reason: str) -> None:
+        self._retire(slot, reason)
+
+    def num_waiting(self) -> int:
+        return sum(x is not None and x.waiting for x in self._slots)
 
     def _drain(self) -> None:
         """Read the in-flight output so host bookkeeping matches the device exactly."""
@@ -293,6 +392,9 @@ class RolloutServer:
             if live is None:
                 raise KeyError(f"server {self.section.server_id}: slot {slot} holds no live sequence "
                                "(it may have just finished; its trajectory comes out of the next step())")
+            if live.mask is not None:
+                raise KeyError(f"server {self.section.server_id}: slot {slot} holds multi-turn episode "
+                               f"{live.request.uid!r}; episodes do not move between servers")
             self._state = self.engine.deactivate(self._state, slot)
             num_cached = len(live.prompt) + len(live.tokens) - 1
             k, v = self.engine.read_slot(self._state, slot, num_cached)

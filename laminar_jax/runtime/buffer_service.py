@@ -156,13 +156,21 @@ class BufferService:
             with self._lock:
                 self.counters["dropped_late_results"] += 1
             return False
+        version = int(traj.version)
+        if traj.reward is not None:  # a multi-turn episode, scored by its environment
+            self.store.put_many(uid, {"reward": float(traj.reward), "version": version})
+            return True
         eos = self.tokenizer.eos_id
         text = self.tokenizer.decode([t for t in np.asarray(traj.response_ids).tolist() if t != eos])
         fut = self.rewards.submit(row.get("data_source", ""), text, row.get("ground_truth"), row.get("extra_info"))
-        version = int(traj.version)
         # 'version' is written last with the reward, so a row is never ready before it is scored.
         fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
         return True
+
+    def episode_record(self, uid: str) -> dict:
+        """What an environment is chosen and reset with: the prompt row's data_source, ground_truth, extra_info."""
+        row = self.store.row(uid)
+        return {k: row.get(k) for k in ("data_source", "ground_truth", "extra_info", "prompt_uid")}
 
     def server_failed(self, i: int, name: str) -> int:
         """Server `name` died: requeue every sample it owned (regenerated from the prompt, ahead of

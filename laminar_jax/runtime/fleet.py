@@ -19,7 +19,7 @@ import time
 from typing import Callable, Optional
 
 from laminar_jax.runtime.loops import Failure, mark_replaced
-from laminar_jax.runtime.rollout_worker import RolloutWorker, params_on_device, pull_timeout
+from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, params_on_device, pull_timeout
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import Worker
 
@@ -54,8 +54,10 @@ def server_factory(cfg, model, buffer, weights, timeline):
         section = server_section(cfg, i, generation)
         name = section.server_id
         engine, _ = make_engine(model, section)
+        episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg), timeline=timeline)
+                               buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg), timeline=timeline,
+                               episodes=episodes)
         buffer.register(i, name, version)
         return worker
 

@@ -52,6 +52,12 @@ class RunStats:
     publish: Optional[dict] = None
 
 
+def episode_turns(traj) -> int:
+    """Policy turns of a multi-turn trajectory: the runs of 1 in its policy mask."""
+    m = np.asarray(traj.policy_mask, np.int8)
+    return int(m[0] == 1) + int(np.sum((m[1:] == 1) & (m[:-1] == 0))) if len(m) else 0
+
+
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
     return None if x is None else round(float(x), nd)
 
@@ -96,6 +102,9 @@ class Monitor:
         rec = {"t": now - stats.t_rl, "wall": now - stats.t0, **{k: float(v) for k, v in metrics.items()
                                                                    if np.isscalar(v)}}
         rec["tokens"] = int(sum(t.num_tokens for t in trajs))
+        turns = [episode_turns(t) for t in trajs if t.policy_mask is not None]
+        if turns:
+            rec["turns_per_trajectory"] = float(np.mean(turns))
         rec["versions"] = [s.version for s in stats.servers]
         self.steps.append(rec)
         step = int(metrics["version"])
@@ -112,6 +121,9 @@ class Monitor:
             if k in rec:
                 self._tb.add_scalar(f"train/{k}", rec[k], step)
         self._tb.add_scalar("rollout/queue", stats.buffer.get("queue", 0), step)
+        for k, v in self.env_summary().items():  # multi-turn episodes only
+            if v is not None:
+                self._tb.add_scalar(f"env/{k}", v, step)
         if stats.buffer.get("latency_p50_s") is not None:
             self._tb.add_scalar("rollout/latency_p50_s", stats.buffer["latency_p50_s"], step)
         for k, v in (stats.publish or {}).items():  # learner stall, store and relay visibility of this version
@@ -173,12 +185,28 @@ class Monitor:
             "sft_loss": [round(stats.sft_losses[0], 4), round(stats.sft_losses[-1], 4)] if stats.sft_losses else None,
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
+            **self.env_summary(),
             "repack_moves": stats.repack_moves,
             "failures": list(stats.failures),
             "stopped_early": stopped_early,
             "timeline_png": timeline_png,
             "run_dir": self.run_dir,
         }
+
+    def env_summary(self) -> dict:
+        """Multi-turn figures (empty without episodes): turns, env latency and failures, waiting share."""
+        turns = [s["turns_per_trajectory"] for s in self.steps if "turns_per_trajectory" in s]
+        env = list(self.timeline.env.values())
+        if not turns and not env:
+            return {}
+        done = sum(e.episodes_done for e in env)
+        return {"turns_per_trajectory": _round(float(np.mean(turns)) if turns else None),
+                "tool_call_rate": _round(sum(e.tool_call_rate * e.turns_per_episode * e.episodes_done for e in env)
+                                         / max(sum(e.turns_per_episode * e.episodes_done for e in env), 1e-9)),
+                "env_failures": int(sum(e.env_failures for e in env)), "env_episodes": int(done),
+                "env_latency_p50_s": _round(max((e.env_latency_p50_s for e in env), default=None)),
+                "env_latency_p99_s": _round(max((e.env_latency_p99_s for e in env), default=None)),
+                "env_wait_share": _round(self.timeline.env_wait_share())}
 
     def close(self) -> None:
         self.console.close()

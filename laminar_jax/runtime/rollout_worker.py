@@ -124,7 +124,7 @@ class RolloutWorker:
 
     def __init__(self, index: int, name: str, server, client, buffer, policy: ModePolicy,
                  params_from_flat: Callable[[dict], Any], *, pull_timeout_s: float, board_sync_s: float = 0.0,
-                 timeline=None, poll_s: float = 0.05):
+                 timeline=None, poll_s: float = 0.05, episodes=None):
         self.index, self.name, self.server, self.client = index, name, server, client
         self.buffer, self.policy = buffer, policy
         self.params_from_flat = params_from_flat
@@ -138,6 +138,7 @@ class RolloutWorker:
         self._last_poll = -float("inf")
         self.swaps = 0
         self.dropped = 0  # results the buffer refused (this server had been declared dead)
+        self.episodes = episodes  # an EpisodeFeed (multi-turn episodes) or None (single-turn completions)
 
     def _poll_newest(self) -> None:
         now = time.monotonic()
@@ -165,8 +166,13 @@ class RolloutWorker:
             return
         st = s.stats()
         free = st.slots_total - st.slots_used - st.queue_length
+        if self.episodes is not None:
+            free -= self.episodes.starting()  # episodes whose environment is still resetting
         for item in self.buffer.take_work(self.index, self.name, s.version, free) if free > 0 else []:
-            s.submit(make_request(item), timeout=self.pull_timeout_s)
+            if self.episodes is not None:
+                self.episodes.start(item)
+            else:
+                s.submit(make_request(item), timeout=self.pull_timeout_s)
 
     def iterate(self) -> bool:
         """One iteration; returns True when the server did work."""
@@ -179,6 +185,8 @@ class RolloutWorker:
             self._maybe_swap()
             self._admit()
             done = s.step()
+            if self.episodes is not None:
+                done = self.episodes.step(s, done)
             if self.killed.is_set():
                 return False  # declared dead meanwhile: its work was requeued, drop these results
             for traj in done:
@@ -189,7 +197,9 @@ class RolloutWorker:
                 st = s.stats()
                 self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
                                      st.kv_pages_used, st.kv_pages_total)
-            return bool(done) or s.num_live > 0
+                if self.episodes is not None and hasattr(self.timeline, "sample_waiting"):
+                    self.timeline.sample_waiting(self.name, s.num_waiting(), self.episodes.driver.stats())
+            return bool(done) or s.num_live > 0 or (self.episodes is not None and self.episodes.busy())
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and not self.killed.is_set():
@@ -229,3 +239,40 @@ def pull_timeout(cfg) -> float:
     missed a version is given up on (falling back to the weight store) before the server is
     declared dead; and never beyond the runtime's bound on any wait."""
     return min(cfg.runtime.wait_timeout_s, 120.0, cfg.scheduler.heartbeat_timeout_s / 2)
+
+
+class EpisodeFeed:
+    """The worker's multi-turn side: work items become episodes (EpisodeDriver), rewards come from
+    the environments. `record_of(uid)` gives the prompt's record (data_source, ground_truth, extra_info)."""
+
+    def __init__(self, driver, record_of: Callable[[str], dict], turn):
+        self.driver, self.record_of, self.turn = driver, record_of, turn
+
+    def start(self, item: WorkItem) -> None:
+        req = dataclasses.replace(make_request(item), turn=self.turn)
+        self.driver.start(req, dict(self.record_of(item.uid), uid=item.uid))
+
+    def starting(self) -> int:
+        return self.driver.starting()
+
+    def busy(self) -> bool:
+        return self.driver.stats().waiting_now > 0 or self.driver.starting() > 0
+
+    def step(self, server, done: list) -> list:
+        self.driver.poll(server)
+        return self.driver.finish(done)
+
+
+def episode_feed(cfg, tokenizer, record_of: Callable[[str], dict]):
+    """An EpisodeFeed for cfg.env (None when env.enabled is False); its EnvPool dies with the process."""
+    if not cfg.env.enabled:
+        return None
+    from laminar_jax.env import EnvPool
+    from laminar_jax.env.driver import EpisodeDriver
+    from laminar_jax.rollout.records import TurnSpec
+
+    e = cfg.env
+    driver = EpisodeDriver(EnvPool(e.workers, e.timeout_s), tokenizer, default_env=e.default,
+                           by_data_source=e.by_data_source, chat_template=e.chat_template, env_kwargs=e.env_kwargs)
+    stop = tuple(tokenizer.encode(e.turn_stop))
+    return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens))

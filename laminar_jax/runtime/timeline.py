@@ -19,6 +19,8 @@ class Timeline:
         # latest sample time per server closes each server's last interval.
         self._state: dict[str, tuple] = {}
         self._last_t: dict[str, float] = {}
+        self.waiting: list[tuple[float, str, int, int]] = []  # t, server, slots waiting on envs, slots total
+        self.env: dict[str, object] = {}  # server -> its EpisodeDriver's latest DriverStats
 
     def sample(self, t: float, server: str, used: int, total: int, version: int,
                kv_used: Optional[int] = None, kv_total: Optional[int] = None) -> None:
@@ -31,6 +33,22 @@ class Timeline:
             if kv_used is not None and kv_total and prev[1] != (kv_used, kv_total):
                 self.kv.append((t, server, kv_used, kv_total))
             self._state[server] = ((used, total, version), (kv_used, kv_total))
+
+    def sample_waiting(self, server: str, waiting: int, env_stats=None) -> None:
+        """Slots of `server` whose episode waits on its environment (call right after sample())."""
+        with self._lock:
+            t = self._last_t.get(server, 0.0)
+            total = self._state.get(server, ((0, 1, 0),))[0][1]
+            last = next((w for w in reversed(self.waiting) if w[1] == server), None)
+            if last is None or last[2] != waiting:
+                self.waiting.append((t, server, waiting, total))
+            if env_stats is not None:
+                self.env[server] = env_stats
+
+    def env_wait_share(self) -> Optional[float]:
+        """Time-weighted share of slot-time spent waiting on environments (None without episodes)."""
+        with self._lock:
+            return _time_weighted(self._closed(self.waiting)) if self.waiting else None
 
     def _closed(self, points: list) -> list:
         """points plus one closing point per server at its latest sample time (lock held)."""
@@ -67,6 +85,9 @@ class Timeline:
         import matplotlib.colors
 
         samples, publishes = self.relative_to(t_start)
+        shift = 0.0 if t_start is None else t_start - self.t0
+        with self._lock:
+            waiting = [(t - shift, *rest) for t, *rest in self._closed(list(self.waiting))]
         servers = sorted({s for _, s, *_ in samples})
         versions = sorted({v for *_, v in samples}) or [0]
         # A colour scale over versions (a legend of 80 entries covered the bars).
@@ -82,16 +103,26 @@ class Timeline:
                     bars.setdefault((u / max(tot, 1), v), []).append((t0, t1 - t0))
             for (h, v), xr in bars.items():
                 ax.broken_barh(xr, (row, 0.9 * h), color=color[v], linewidth=0)
+            _waiting_bars(ax, row, [w for w in waiting if w[1] == server])
         for t, v in publishes:
             ax.axvline(t, color="red", linewidth=0.6, alpha=0.6)
         ax.set_yticks([i + 0.45 for i in range(len(servers))], servers)
         ax.set_xlim(left=0.0)
-        ax.set_xlabel("seconds of RL (bar height = slot occupancy; red = publish)")
+        ax.set_xlabel("seconds of RL (bar height = slot occupancy; red = publish"
+                      + ("; orange = slots waiting on environments)" if waiting else ")"))
         ax.set_title(title or "rollout slot occupancy")
         fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="weight version", pad=0.01)
         fig.tight_layout()
         fig.savefig(path, dpi=110)
         return path
+
+
+def _waiting_bars(ax, row: int, pts: list) -> None:
+    """Overlay, from the bottom of a server's bar, the share of its slots waiting on environments."""
+    pts = sorted((t, w, tot) for t, _, w, tot in pts)
+    for (t0, w, tot), (t1, *_rest) in zip(pts, pts[1:]):
+        if w:
+            ax.broken_barh([(t0, t1 - t0)], (row, 0.9 * w / max(tot, 1)), color="orange", alpha=0.85, linewidth=0)
 
 
 def _time_weighted(samples: Sequence[tuple[float, str, int, int]]) -> float:

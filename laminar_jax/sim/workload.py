@@ -62,6 +62,7 @@ PRESETS: dict[str, WorkloadSpec] = {
     "math": WorkloadSpec("math", response_median=1500, p99_over_median=10.0, max_response=16384,
                          prompt_median=300, prompt_sigma=0.5, max_prompt=2048),
     # Multi-turn tool calling with a code sandbox: 2-8 turns, seconds of environment latency per turn.
+    # The `latency` environment (laminar_jax/env/latency.py) takes its median and sigma from here.
     "agentic": WorkloadSpec("agentic", response_median=2000, p99_over_median=8.0, max_response=16384,
                             prompt_median=800, prompt_sigma=0.4, max_prompt=2048, turns_min=2, turns_max=8,
                             env_latency_median_s=3.0, env_latency_sigma=0.8, obs_tokens=200,

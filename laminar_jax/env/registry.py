@@ -1,0 +1,75 @@
+"""Environments registered by name, and which one a prompt record asks for.
+
+Selection, first match wins:
+  1. ``extra_info["env"]`` (a registered name; ``extra_info["env_kwargs"]`` its keyword arguments);
+  2. verl's multi-turn layout: ``extra_info["interaction_kwargs"]["name"]``, the other keys of
+     ``interaction_kwargs`` being the keyword arguments;
+  3. ``by_data_source[record["data_source"]]`` (config);
+  4. ``default`` (config).
+verl's ``tools_kwargs`` (per-tool create/execute kwargs) are passed to the environment as
+``tools_kwargs`` when the environment accepts it; verl's tool *classes* are not loaded: a tool
+here is part of an Environment.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Optional
+
+from laminar_jax.env.base import Environment
+
+EnvFactory = Callable[..., Environment]
+_REGISTRY: dict[str, EnvFactory] = {}
+
+
+def register_env(name: str, factory: EnvFactory) -> None:
+    if not name or not callable(factory):
+        raise ValueError(f"register_env: need a non-empty name and a callable, got {name!r}, {factory!r}")
+    _REGISTRY[name] = factory
+
+
+def registered() -> list[str]:
+    _builtins()
+    return sorted(_REGISTRY)
+
+
+def _builtins() -> None:
+    # Imported on first use so that `laminar_jax.env` stays cheap to import.
+    from laminar_jax.env import calculator, latency, python_sandbox  # noqa: F401
+
+
+def select_env(record: dict[str, Any], default: Optional[str] = None,
+               by_data_source: Optional[dict[str, str]] = None) -> tuple[str, dict]:
+    """(env name, kwargs) for a prompt record (see the module docstring); raises naming the record."""
+    extra = record.get("extra_info") or {}
+    if extra.get("env"):
+        name, kwargs = extra["env"], dict(extra.get("env_kwargs") or {})
+    elif isinstance(extra.get("interaction_kwargs"), dict) and extra["interaction_kwargs"].get("name"):
+        kwargs = dict(extra["interaction_kwargs"])
+        name = kwargs.pop("name")
+    elif by_data_source and record.get("data_source") in by_data_source:
+        name, kwargs = by_data_source[record["data_source"]], {}
+    elif default:
+        name, kwargs = default, {}
+    else:
+        raise ValueError(f"record data_source={record.get('data_source')!r}: no environment named "
+                         "(extra_info.env, extra_info.interaction_kwargs.name, env.by_data_source or env.default)")
+    if extra.get("tools_kwargs"):
+        kwargs.setdefault("tools_kwargs", extra["tools_kwargs"])
+    return name, kwargs
+
+
+def make_env(name: str, **kwargs: Any) -> Environment:
+    """Build a registered environment; unknown names and keyword arguments are refused by name."""
+    _builtins()
+    if name not in _REGISTRY:
+        raise ValueError(f"environment {name!r} is not registered (have {sorted(_REGISTRY)})")
+    factory = _REGISTRY[name]
+    try:
+        params = inspect.signature(factory).parameters
+    except (TypeError, ValueError):
+        params = {}
+    if "tools_kwargs" in kwargs and "tools_kwargs" not in params and not any(
+            p.kind == p.VAR_KEYWORD for p in params.values()):
+        kwargs.pop("tools_kwargs")
+    return factory(**kwargs)

@@ -1,0 +1,79 @@
+"""extend(): append observation tokens to a waiting sequence, in its own KV pages.
+
+A multi-turn sequence stops (a stop id ends its policy turn) with ``lengths[slot] = L`` tokens
+cached and its last sampled token not yet fed. The environment answers with observation ids
+o_0..o_{m-1}. extend feeds ``last_token, o_0, .., o_{m-2}`` at positions L..L+m-1 over the cached
+context (attention reads the slot's pages; the context is never prefilled again), writes their
+KV into the slot's pages (more pages are allocated when the turn needs them), and leaves
+``last_token = o_{m-1}``, so the next generate() samples the first token of the next turn through
+the one sampling path. The observation is fed one token per loop iteration with the decode
+step's own attention backend: observations are short (a tool result), and the decode path is
+the one whose numbers the rollout already matches against the learner.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from laminar_jax.rollout.attention import DecodeMeta, live_page_list
+
+
+def obs_bucket(m: int) -> int:
+    """Padded length of the fed ids (a power of two >= m + 1, at least 16): few compiled shapes."""
+    return max(16, 1 << int(m).bit_length())
+
+
+def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, num_cached, last_token,
+                 num_generated, max_new):
+    """ids: i32[N] observation ids (padded); n: their count m >= 1; the rest from the host's books.
+
+    The host's num_cached / last_token / num_generated are the truth: a turn ended by a host-side
+    stop sequence may have decoded a token or two more on the device (pipelining); those are
+    overwritten here and never attended (attention reads positions < the new length only).
+    """
+    model = nnx.merge(spec.graphdef, params)
+    feed = jnp.concatenate([last_token[None], ids])  # token i is fed at position num_cached + i
+    row = page_row[None]
+    active = jnp.ones((1,), bool)
+
+    def body(i, carry):
+        k_pages, v_pages, pos = carry
+        meta = DecodeMeta(row, pos[None], active, spec.page_size, kv_dtype=spec.kv_dtype)
+        if live_bucket:
+            meta = meta._replace(live=live_page_list(meta, live_bucket))
+        backend = functools.partial(spec.attend, meta=meta)
+        _, cache = model.forward_cached(feed[i][None, None], pos[None, None], list(zip(k_pages, v_pages)), backend)
+        return tuple(c[0] for c in cache), tuple(c[1] for c in cache), pos + 1
+
+    k_pages, v_pages, pos = jax.lax.fori_loop(0, n, body, (state.k_pages, state.v_pages, num_cached))
+    return state._replace(
+        k_pages=k_pages, v_pages=v_pages, page_table=state.page_table.at[slot].set(page_row),
+        lengths=state.lengths.at[slot].set(pos), last_token=state.last_token.at[slot].set(feed[n]),
+        num_generated=state.num_generated.at[slot].set(num_generated),
+        max_new=state.max_new.at[slot].set(num_generated + max_new),
+        active=state.active.at[slot].set(True))
+
+
+@functools.lru_cache(maxsize=32)
+def extend_program(spec, params_treedef, live_bucket: int) -> Callable:
+    """Jitted extend for one engine geometry (state donated); shared by equal engines."""
+    def run(leaves, state, slot, page_row, ids, n, *books):
+        return _extend_impl(spec, live_bucket, jax.tree.unflatten(params_treedef, leaves), state, slot, page_row,
+                            ids, n, *books)
+
+    return jax.jit(run, donate_argnums=(1,))
+
+
+def padded_ids(obs_ids: Any) -> tuple[np.ndarray, int]:
+    ids = np.asarray(obs_ids, np.int32).reshape(-1)
+    if len(ids) < 1:
+        raise ValueError("extend: observation_ids is empty (an episode turn needs at least one token)")
+    out = np.zeros((obs_bucket(len(ids)),), np.int32)
+    out[:len(ids)] = ids
+    return out, len(ids)
