@@ -17,7 +17,7 @@ from laminar_jax.runtime.buffer_service import BufferService
 from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet, params_from_flat
 from laminar_jax.runtime.monitor import Monitor
-from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
+from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.weights import WeightsPlane
 
 
@@ -58,7 +58,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
         monitor.phase(f"resumed from the checkpoint at learner version {learner.version}")
     buffer = BufferService(cfg, learner.version, extra["runtime"] if extra else None)
     key = run_key(run_dir)
-    address, stop_relay, kill_relay = _relay(cfg, key)
+    address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), key)
     weights = WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")

@@ -20,6 +20,14 @@ from laminar_jax.config import Config, resolve_run_dir, save_config
 log = logging.getLogger(__name__)
 
 
+def relays_checking_store(cfg: Config, run_dir: str) -> Config:
+    """The config every relay of a run starts with, in-process or an actor: the run's weight store
+    filled in (the weight plane's default, `<run_dir>/weights`, when relay.store_url is unset), so
+    a relay serves only versions that store has committed (relay.store_check_s)."""
+    url = cfg.relay.store_url or os.path.join(run_dir, "weights")
+    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
+
+
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
     """(cfg with runtime.run_dir = run_dir and learner.checkpoint_dir resolved (default
     <run_dir>/checkpoints, absolute), whether that directory holds a checkpoint)."""

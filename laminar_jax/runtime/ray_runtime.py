@@ -13,7 +13,6 @@ serialised by Ray inside the cluster; weights travel through the relays and the 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import os
 import threading
@@ -24,7 +23,7 @@ from typing import Optional
 from laminar_jax.config import Config
 from laminar_jax.runtime.driver import Driver, close_all
 from laminar_jax.runtime.monitor import Monitor
-from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
+from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.ray_actors import RelayActor
 from laminar_jax.runtime.ray_fleet import RayFleet
 from laminar_jax.learner.publish import model_params
@@ -114,14 +113,6 @@ def _spawn_buffer(cfg: Config, gpus: float, name: str, timeout_s: float, learner
                 raise TimeoutError(f"the buffer actor's name {name!r} was not released within {timeout_s:.1f}s")
             time.sleep(0.05)
     return handle, bounded_get(handle.ready.remote(), timeout_s, "the buffer actor to start")
-
-
-def relays_checking_store(cfg: Config, run_dir: str) -> Config:
-    """The config relays start with: the run's weight store filled in (the weight plane's default,
-    `<run_dir>/weights`, when relay.store_url is unset), so a relay serves only versions that store
-    has committed (relay.store_check_s)."""
-    url = cfg.relay.store_url or os.path.join(run_dir, "weights")
-    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
 
 
 def _kill_relay(actor, address: str) -> str:
