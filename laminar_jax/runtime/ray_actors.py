@@ -59,14 +59,26 @@ class RemoteBuffer:
 
             handle = self.handle
             try:
-                return self._call(handle, method, args)
-            except ray.exceptions.RayActorError:
-                if self.name is None:
-                    raise
-                self.handle = follow_named(self.name, handle, self.timeout_s)
-                return self._call(self.handle, method, args)
+                out = self._call(handle, method, args)
+            except ray.exceptions.RayActorError as e:
+                handle = self._replacement(handle, method, e)
+                if handle is None:
+                    return None
+                out = self._call(handle, method, args)
+            return self._note(handle, method, args, out)
 
         return call
+
+    def _replacement(self, dead, method: str, error: BaseException):
+        """The live actor to make a call again on after `dead` failed it (None: the call needs no answer)."""
+        if self.name is None:
+            raise error
+        self.handle = follow_named(self.name, dead, self.timeout_s)
+        return self.handle
+
+    def _note(self, handle, method: str, args: tuple, out):
+        """What a subclass keeps from an answer as it passes; the answer the caller gets."""
+        return out
 
 
 def follow_named(name: str, dead, timeout_s: float):

@@ -53,25 +53,11 @@ class RestartingBuffer(RemoteBuffer):
         if time.monotonic() - self._last_answer > idle_s:
             self.ready()
 
-    def __getattr__(self, method: str):
-        if method.startswith("_"):
-            raise AttributeError(method)
-
-        def call(*args):
-            import ray
-
-            handle = self.handle
-            try:
-                out = self._call(handle, method, args)
-            except ray.exceptions.RayActorError as e:
-                if method == "close":
-                    return None  # nothing left to close
-                self._restart(handle, e)
-                handle = self.handle
-                out = self._call(handle, method, args)
-            return self._note(handle, method, args, out)
-
-        return call
+    def _replacement(self, dead, method: str, error: BaseException):
+        if method == "close":
+            return None  # nothing left to close
+        self._restart(dead, error)
+        return self.handle
 
     def _note(self, handle, method: str, args: tuple, out):
         """Keep what a restart needs from the answers passing by; give up a batch from a buffer that
