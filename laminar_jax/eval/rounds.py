@@ -44,7 +44,9 @@ def _seed(base: int, uid: str) -> int:
 def eval_items(prompts: Sequence, round_id: int, n_samples: int, temperature: float, rollout, seed: int
                ) -> list[EvalItem]:
     """Sample 0 of each prompt is greedy; samples 1..n are drawn at `temperature`. Lengths: the
-    rollout section's max_new_tokens, capped by the room max_total_len leaves after the prompt."""
+    rollout section's max_new_tokens, capped by the room max_total_len leaves after the prompt.
+    Seeds depend on the prompt and sample, not the round: every round (and launch/eval.py) draws
+    with the same keys, so rounds differ by the policy alone."""
     items = []
     for p in prompts:
         prompt_len = min(len(p.prompt_ids), rollout.max_prompt_len)
@@ -55,7 +57,7 @@ def eval_items(prompts: Sequence, round_id: int, n_samples: int, temperature: fl
                                 top_p=rollout.top_p if i else 1.0, max_new_tokens=new,
                                 stop_token_ids=rollout.stop_token_ids)
             items.append(EvalItem(uid, f"eval{round_id}:{p.uid}", i, tuple(int(t) for t in p.prompt_ids),
-                                  _seed(seed, uid), round=round_id, sampling=sp, data_source=p.data_source,
+                                  _seed(seed, f"{p.uid}/{i}"), round=round_id, sampling=sp, data_source=p.data_source,
                                   ground_truth=p.ground_truth, extra_info=p.extra_info))
     return items
 
