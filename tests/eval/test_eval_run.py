@@ -1,0 +1,149 @@
+"""Eval rounds in real local runs (demo short variant): eval.jsonl with versions, training goes on
+while a round is in flight (laminar) or waits for it (sync), no eval sample reaches the training
+ledger; launch/eval.py on the run directory and on its exported HF directory reproduces the run's
+last round."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from laminar_jax.config import finalize, repo_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+VAL = ["--config.data.val_size=12", "--config.runtime.eval_samples=3", "--config.runtime.eval_k=2"]
+
+
+def demo_with_eval(run_dir, mode, total_steps, every):
+    c = repo_config("demo", "short")
+    c.runtime.mode, c.runtime.run_dir, c.runtime.total_steps = mode, str(run_dir), total_steps
+    c.data.val_size, c.runtime.eval_samples, c.runtime.eval_k = 12, 3, 2
+    c.runtime.eval_every, c.runtime.eval_before_train = every, True
+    return finalize(c)
+
+
+def read_jsonl(path):
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+@pytest.fixture(scope="module")
+def laminar_run(tmp_path_factory):
+    from laminar_jax.runtime.local import run_local
+
+    run_dir = tmp_path_factory.mktemp("eval") / "laminar"
+    summary = run_local(demo_with_eval(run_dir, "laminar", 6, 3))
+    return run_dir, summary
+
+
+def test_laminar_run_writes_eval_rounds_and_trains_while_they_run(laminar_run):
+    run_dir, s = laminar_run
+    rounds = read_jsonl(run_dir / "eval.jsonl")
+    assert [r["step"] for r in rounds] == [0, 3, 6]  # before training, every 3 steps, the last step
+    for r in rounds:
+        assert r["version"] == r["step"] and sum(r["versions"].values()) == 12 * 4  # greedy + 3 sampled
+        assert all(int(v) >= r["step"] for v in r["versions"])  # never an older policy than it claims
+        o = r["metrics"]["overall"]
+        assert o["prompts"] == 12 and o["samples"] == 48 and 0.0 <= o["acc"] <= 1.0 and 0.0 <= o["pass@2"] <= 1.0
+        assert o["response_len"] > 0 and 0.0 <= o["truncation_rate"] <= 1.0
+        assert r["metrics"]["synthetic_skew"] == o  # one data source
+    # Laminar does not stall: the learner finished steps while a round was in flight (stamped by
+    # the buffer when the round's last sample was scored, not when the driver collected it).
+    assert any(r["learner_version_at_done"] > r["step"] for r in rounds[:-1]), rounds
+    # Eval samples are never trained on nor counted in the prompt ledger.
+    assert s["consumed_prompts"] == 6 * 8 and s["duplicated_prompts"] == 0 and s["lost_prompts"] == 0
+    assert s["eval_rounds"] == 3 and s["eval_step"] == 6 and s["eval_acc"] == rounds[-1]["metrics"]["overall"]["acc"]
+    assert any(name.startswith("events") for name in os.listdir(run_dir / "tb"))
+
+
+@pytest.mark.slow
+def test_sync_run_pins_each_round_to_one_version_and_waits_for_it(tmp_path):
+    from laminar_jax.runtime.local import run_local
+
+    s = run_local(demo_with_eval(tmp_path / "sync", "sync", 2, 1))
+    rounds = read_jsonl(tmp_path / "sync" / "eval.jsonl")
+    assert [r["step"] for r in rounds] == [0, 1, 2]
+    for r in rounds:
+        assert r["versions"] == {str(r["step"]): 48} and r["learner_version_at_done"] == r["step"]
+    assert s["consumed_prompts"] == 2 * 8 and s["eval_rounds"] == 3
+
+
+def _eval_cmd(checkpoint, out):
+    return [sys.executable, os.path.join(ROOT, "launch", "eval.py"), f"--config={ROOT}/configs/demo.py:short",
+            f"--checkpoint={checkpoint}", f"--out={out}", *VAL]
+
+
+def _run(argv):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_launch_eval_on_the_run_dir_and_its_hf_export_reproduces_the_last_round(laminar_run, tmp_path):
+    from laminar_jax.runtime import export_pretrained
+
+    run_dir, _ = laminar_run
+    last = read_jsonl(run_dir / "eval.jsonl")[-1]
+    rec = _run(_eval_cmd(run_dir, tmp_path / "run_eval.jsonl"))
+    assert rec["kind"] == "run" and rec["version"] == 6 and rec["versions"] == {"6": 48}
+    # Same weights, same prompts, same per-sample seeds: the engine gives the same responses
+    # offline as on the run's servers.
+    assert rec["metrics"] == last["metrics"]
+    assert read_jsonl(tmp_path / "run_eval.jsonl") == [rec]
+    export_pretrained(str(run_dir), str(tmp_path / "hf"))
+    hf = _run(_eval_cmd(tmp_path / "hf", tmp_path / "hf_eval.jsonl"))
+    assert hf["kind"] == "hf" and hf["version"] is None and hf["metrics"] == last["metrics"]
+
+
+def test_launch_eval_errors_name_the_problem(tmp_path):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    no_val = [sys.executable, os.path.join(ROOT, "launch", "eval.py"), f"--config={ROOT}/configs/demo.py:short",
+              f"--checkpoint={tmp_path}"]
+    res = subprocess.run(no_val, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2 and "data.val_files" in res.stderr
+    res = subprocess.run(no_val + VAL, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode != 0 and "no config.json" in res.stderr
+
+
+@pytest.mark.parametrize("override,key", [
+    ({"runtime.eval_every": 2}, "runtime.eval_every"),
+    ({"runtime.eval_before_train": True}, "runtime.eval_before_train"),
+    ({"runtime.eval_every": -1, "data.val_size": 4}, "runtime.eval_every"),
+    ({"runtime.eval_k": 5, "data.val_size": 4}, "runtime.eval_k"),
+    ({"runtime.eval_temperature": 0.0}, "runtime.eval_temperature"),
+    ({"data.val_size": 4, "data.source": "reasoning_gym"}, "data.val_size"),
+    ({"data.val_files": " "}, "data.val_files"),
+    ({"runtime.loggers": ("tensorboard", "mlflow")}, "runtime.loggers"),
+    ({"runtime.eval_every": 2, "data.val_size": 4, "env.enabled": True}, "runtime.eval_every"),
+])
+def test_bad_eval_config_names_the_key(override, key):
+    from laminar_jax.config import ConfigError
+
+    c = repo_config("demo", "short")
+    for dotted, v in override.items():
+        section, name = dotted.split(".")
+        setattr(getattr(c, section), name, v)
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        finalize(c)
+
+
+def test_val_files_in_verl_layout_are_the_eval_prompts(tmp_path):
+    from laminar_jax.data.config import DataSection
+    from laminar_jax.data.source import build_val_prompts
+    from laminar_jax.model import load_tokenizer
+
+    path = tmp_path / "val.jsonl"
+    rows = [{"data_source": "synthetic_skew", "prompt": [{"role": "user", "content": f"ab*{k}="}],
+             "reward_model": {"ground_truth": "x"}} for k in range(1, 6)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    section = DataSection(val_files=str(path), max_prompt_tokens=32)
+    prompts = build_val_prompts(section, load_tokenizer("builtin"), max_prompts=3)
+    assert [p.index for p in prompts] == [0, 1, 2] and all(p.uid.startswith("val/val/") for p in prompts)
+    with pytest.raises(FileNotFoundError, match="data.val_files"):
+        build_val_prompts(DataSection(val_files=str(tmp_path / "nope.jsonl")), load_tokenizer("builtin"))
+    synth = build_val_prompts(DataSection(val_size=5), load_tokenizer("builtin"))
+    train = build_val_prompts(DataSection(val_size=5, seed=1), load_tokenizer("builtin"))
+    assert len(synth) == 5 and [p.prompt_text for p in synth] != [p.prompt_text for p in train]
