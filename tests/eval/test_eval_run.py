@@ -29,16 +29,91 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def has_wandb() -> bool:
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
 def laminar_run(tmp_path_factory):
+    """One laminar run with eval rounds, logged to TensorBoard and (when installed) to W&B offline."""
+    import dataclasses
+
     from laminar_jax.runtime.local import run_local
 
     run_dir = tmp_path_factory.mktemp("eval") / "laminar"
-    summary = run_local(demo_with_eval(run_dir, "laminar", 6, 3))
+    cfg = demo_with_eval(run_dir, "laminar", 6, 3)
+    loggers = ("tensorboard", "wandb") if has_wandb() else ("tensorboard",)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, loggers=loggers))
+    saved = {k: os.environ.get(k) for k in ("WANDB_MODE", "WANDB_SILENT")}
+    os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true")
+    try:
+        summary = run_local(cfg)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     return run_dir, summary
 
 
-def test_laminar_run_writes_eval_rounds_and_trains_while_they_run(laminar_run):
+def wandb_history(path) -> list[dict]:
+    """The history rows of an offline W&B run file (a LevelDB-style log of protobuf Records:
+    32 KiB blocks, each chunk a 7-byte header crc32/u32, length/u16, type/u8)."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data.startswith(b":W&B"), path
+    pos, records, buf = 7, [], b""
+    while pos + 7 <= len(data):
+        left = 32768 - pos % 32768
+        if left < 7:
+            pos += left
+            continue
+        _, n, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        buf += data[pos + 7:pos + 7 + n]
+        pos += 7 + n
+        if kind in (1, 4):  # a full record, or the last chunk of one
+            records.append(buf)
+            buf = b""
+    rows = []
+    for raw in records:
+        r = pb.Record()
+        r.ParseFromString(raw)
+        if r.WhichOneof("record_type") == "history":
+            rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item})
+    return rows
+
+
+@pytest.mark.skipif(not has_wandb(), reason="wandb is not installed (the 'wandb' extra)")
+def test_wandb_offline_run_holds_the_logged_keys(laminar_run):
+    run_dir, _ = laminar_run
+    (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    rows = wandb_history(run_file)
+    keys = {k for row in rows for k in row}
+    assert {"train/reward_mean", "train/loss", "warm_start/loss", "eval/overall/acc", "eval/overall/pass@2",
+            "eval/synthetic_skew/truncation_rate", "rollout/queue"} <= keys, sorted(keys)
+    train_steps = [row["train/step"] for row in rows if "train/reward_mean" in row]
+    assert train_steps == list(range(1, 7)), rows
+    assert sorted(row["eval/step"] for row in rows if "eval/overall/acc" in row) == [0, 3, 6], rows
+
+
+def test_wandb_logger_without_the_package_names_runtime_loggers(monkeypatch, tmp_path):
+    from laminar_jax.config import ConfigError
+    from laminar_jax.runtime.loggers import make_loggers
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
+    with pytest.raises(ConfigError, match=r"runtime\.loggers.*pip install"):
+        make_loggers(("tensorboard", "wandb"), str(tmp_path))
+
+
+def test_laminar_run_writes_eval_rounds(laminar_run):
     run_dir, s = laminar_run
     rounds = read_jsonl(run_dir / "eval.jsonl")
     assert [r["step"] for r in rounds] == [0, 3, 6]  # before training, every 3 steps, the last step
@@ -49,13 +124,28 @@ def test_laminar_run_writes_eval_rounds_and_trains_while_they_run(laminar_run):
         assert o["prompts"] == 12 and o["samples"] == 48 and 0.0 <= o["acc"] <= 1.0 and 0.0 <= o["pass@2"] <= 1.0
         assert o["response_len"] > 0 and 0.0 <= o["truncation_rate"] <= 1.0
         assert r["metrics"]["synthetic_skew"] == o  # one data source
-    # Laminar does not stall: the learner finished steps while a round was in flight (stamped by
-    # the buffer when the round's last sample was scored, not when the driver collected it).
-    assert any(r["learner_version_at_done"] > r["step"] for r in rounds[:-1]), rounds
     # Eval samples are never trained on nor counted in the prompt ledger.
     assert s["consumed_prompts"] == 6 * 8 and s["duplicated_prompts"] == 0 and s["lost_prompts"] == 0
     assert s["eval_rounds"] == 3 and s["eval_step"] == 6 and s["eval_acc"] == rounds[-1]["metrics"]["overall"]["acc"]
     assert any(name.startswith("events") for name in os.listdir(run_dir / "tb"))
+
+
+def test_laminar_training_goes_on_while_a_round_is_in_flight(tmp_path):
+    """One large round before training (16 prompts x 16 responses): the learner trains while the
+    round's requests share the servers' slots. The buffer stamps the learner version when the
+    round's last sample is scored (not when the driver collects it)."""
+    import dataclasses
+
+    from laminar_jax.runtime.local import run_local
+
+    cfg = demo_with_eval(tmp_path / "big", "laminar", 3, 0)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, eval_samples=15, eval_k=4),
+                              data=dataclasses.replace(cfg.data, val_size=16))
+    s = run_local(cfg)
+    (r,) = read_jsonl(tmp_path / "big" / "eval.jsonl")
+    assert r["step"] == 0 and sum(r["versions"].values()) == 16 * 16
+    assert r["learner_version_at_done"] >= 1, r  # a step completed between submission and result
+    assert s["steps"] == 3 and s["consumed_prompts"] == 3 * 8
 
 
 @pytest.mark.slow
