@@ -38,8 +38,13 @@ def main(argv):
         print("launch/eval.py needs held-out prompts: set --config.data.val_files=<file or glob> (or "
               "--config.data.val_size=N with data.source='synthetic_skew')", file=sys.stderr)
         return 2
-    from laminar_jax.eval.offline import evaluate_checkpoint
+    from laminar_jax.eval.offline import checkpoint_kind, evaluate_checkpoint
 
+    try:
+        checkpoint_kind(_CHECKPOINT.value)
+    except (FileNotFoundError, ValueError) as e:
+        print(e, file=sys.stderr)
+        return 2
     record = evaluate_checkpoint(cfg, _CHECKPOINT.value, _VERSION.value)
     out = _OUT.value or os.path.join(_CHECKPOINT.value, "eval.jsonl")
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

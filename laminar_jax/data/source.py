@@ -222,8 +222,8 @@ def build_val_prompts(section: DataSection, tokenizer, max_prompts: int = 0) -> 
 
         try:
             rows: RowSource = ListRows(read_rows(section.val_files))
-        except (FileNotFoundError, ValueError) as e:
-            raise type(e)(f"data.val_files={section.val_files!r}: {e}") from None
+        except (FileNotFoundError, ValueError) as e:  # read_rows names data.path; these are the val files
+            raise type(e)(str(e).replace("data.path", "data.val_files")) from None
         path = section.val_files
         name = "val/" + os.path.basename(os.path.splitext(path)[0] if path.endswith((".parquet", ".jsonl", ".json"))
                                          else path)

@@ -191,16 +191,16 @@ def test_launch_eval_on_the_run_dir_and_its_hf_export_reproduces_the_last_round(
 def test_launch_eval_errors_name_the_problem(tmp_path):
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
     no_val = [sys.executable, os.path.join(ROOT, "launch", "eval.py"), f"--config={ROOT}/configs/demo.py:short",
-              f"--checkpoint={tmp_path}"]
+              f"--checkpoint={tmp_path}", "--config.data.val_size=0"]
     res = subprocess.run(no_val, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 2 and "data.val_files" in res.stderr
     res = subprocess.run(no_val + VAL, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-    assert res.returncode != 0 and "no config.json" in res.stderr
+    assert res.returncode == 2 and f"--checkpoint={tmp_path}: no config.json" in res.stderr, res.stderr[-2000:]
 
 
 @pytest.mark.parametrize("override,key", [
-    ({"runtime.eval_every": 2}, "runtime.eval_every"),
-    ({"runtime.eval_before_train": True}, "runtime.eval_before_train"),
+    ({"runtime.eval_every": 2, "data.val_size": 0}, "runtime.eval_every"),
+    ({"runtime.eval_before_train": True, "data.val_size": 0}, "runtime.eval_before_train"),
     ({"runtime.eval_every": -1, "data.val_size": 4}, "runtime.eval_every"),
     ({"runtime.eval_k": 5, "data.val_size": 4}, "runtime.eval_k"),
     ({"runtime.eval_temperature": 0.0}, "runtime.eval_temperature"),
