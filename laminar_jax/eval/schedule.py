@@ -53,12 +53,13 @@ class Evaluation:
             self._start(version)
 
     def finish(self, version: int, timeout_s: float, stop=None) -> None:
-        """The run ended at `version`: start a round still owed, then wait (bounded) for rounds in flight."""
-        self.collect()
-        if not self.in_flight and self.pending_since is not None:
+        """The run ended at `version`: wait (bounded) for the round in flight, start the round still
+        owed (the last step's, deferred behind it), and wait for that one too."""
+        self.wait(timeout_s, stop)
+        if not self.in_flight and self.pending_since is not None and not (stop is not None and stop.is_set()):
             self.pending_since = None
             self._start(version, block=False)
-        self.wait(timeout_s, stop)
+            self.wait(timeout_s, stop)
         if self.in_flight:
             log.warning("eval rounds %s did not finish within runtime.wait_timeout_s=%ss; not recorded",
                         self.in_flight, timeout_s)
@@ -73,6 +74,10 @@ class Evaluation:
 
     def collect(self) -> list[dict]:
         out = self.buffer.poll_eval()
+        finished = {rec["round"] for rec in out["done"]}
+        lost = [r for r in self.in_flight if r not in out["in_flight"] and r not in finished]
+        if lost:  # a replacement buffer actor (Ray) knows nothing of the dead one's rounds
+            log.warning("eval rounds %s were lost with the buffer service that held them; not recorded", lost)
         self.in_flight = list(out["in_flight"])
         for rec in out["done"]:
             self.done.append(rec)

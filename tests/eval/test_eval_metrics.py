@@ -111,3 +111,48 @@ def test_sink_admits_by_version_and_closes_a_round_when_every_sample_is_scored()
 def test_eval_points():
     assert [v for v in range(0, 11) if is_due(v, 4, 10)] == [4, 8, 10]
     assert not any(is_due(v, 0, 10) for v in range(11))
+
+
+class FakeBuffer:
+    """start_eval / poll_eval of the buffer service, with rounds finished by hand."""
+
+    def __init__(self):
+        self.started, self.running, self.finished = [], [], []
+
+    def start_eval(self, round_id, version):
+        self.started.append((round_id, version))
+        self.running.append(round_id)
+        return 4
+
+    def poll_eval(self):
+        done, self.finished = self.finished, []
+        return {"done": done, "in_flight": list(self.running)}
+
+    def finish(self, round_id):
+        self.running.remove(round_id)
+        self.finished.append({"round": round_id})
+
+
+class _Rt:
+    mode, eval_every, eval_before_train, total_steps, wait_timeout_s = "laminar", 2, True, 6, 1.0
+
+
+def test_schedule_defers_a_due_round_behind_the_one_in_flight_and_owes_the_last_step():
+    from laminar_jax.eval.schedule import Evaluation
+
+    buf, seen = FakeBuffer(), []
+    ev = Evaluation(_Rt, buf, seen.append)
+    ev.begin(0)
+    ev.after_step(1)
+    ev.after_step(2)  # due, but round 0 runs: deferred
+    assert buf.started == [(0, 0)] and ev.pending_since == 2
+    buf.finish(0)
+    ev.after_step(3)  # collected; the deferred round starts now, at version 3
+    assert buf.started == [(0, 0), (1, 3)] and seen == [{"round": 0}]
+    ev.after_step(4)
+    ev.after_step(5)
+    ev.after_step(6)  # the last step is due while round 1 runs
+    assert len(buf.started) == 2
+    buf.finish(1)
+    ev.finish(6, timeout_s=0.2)  # round 1 collected, the owed round started and waited for (bounded)
+    assert buf.started[-1] == (2, 6) and ev.in_flight == [2]

@@ -237,3 +237,22 @@ def test_val_files_in_verl_layout_are_the_eval_prompts(tmp_path):
     synth = build_val_prompts(DataSection(val_size=5), load_tokenizer("builtin"))
     train = build_val_prompts(DataSection(val_size=5, seed=1), load_tokenizer("builtin"))
     assert len(synth) == 5 and [p.prompt_text for p in synth] != [p.prompt_text for p in train]
+
+
+@pytest.mark.slow
+def test_eval_rounds_on_the_ray_runtime(tmp_path):
+    """The same rounds with the roles as Ray actors: eval requests cross to the rollout actors and
+    their results come back through the buffer actor."""
+    pytest.importorskip("ray")
+    import dataclasses
+
+    from laminar_jax.runtime import run
+
+    cfg = demo_with_eval(tmp_path / "ray", "laminar", 4, 2)
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, kind="ray", wait_timeout_s=240.0))
+    s = run(cfg)
+    rounds = read_jsonl(tmp_path / "ray" / "eval.jsonl")
+    steps = [r["step"] for r in rounds]  # a round due while another runs starts when it is collected
+    assert steps[0] == 0 and steps[-1] == 4 and steps == sorted(set(steps)) and s["eval_rounds"] == len(rounds)
+    assert all(sum(r["versions"].values()) == 48 and min(map(int, r["versions"])) >= r["step"] for r in rounds)
+    assert s["consumed_prompts"] == 4 * 8 and s["lost_prompts"] == 0
