@@ -156,8 +156,8 @@ class Monitor:
         if self._tb is not None:
             for source, figures in record["metrics"].items():
                 for k, v in figures.items():
-                    if v is not None:
-                        self._tb.add_scalar(f"eval/{source}/{k}", v, record["step"])
+                    if v is not None:  # 'pass@k' -> 'pass_at_k': TensorBoard rewrites '@' in tags
+                        self._tb.add_scalar(f"eval/{source}/{k.replace('@', '_at_')}", v, record["step"])
         self.console.phase(eval_line(record))
 
     def eval_summary(self) -> dict:

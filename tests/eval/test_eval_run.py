@@ -97,7 +97,7 @@ def test_wandb_offline_run_holds_the_logged_keys(laminar_run):
     (run_file,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
     rows = wandb_history(run_file)
     keys = {k for row in rows for k in row}
-    assert {"train/reward_mean", "train/loss", "warm_start/loss", "eval/overall/acc", "eval/overall/pass@2",
+    assert {"train/reward_mean", "train/loss", "warm_start/loss", "eval/overall/acc", "eval/overall/pass_at_2",
             "eval/synthetic_skew/truncation_rate", "rollout/queue"} <= keys, sorted(keys)
     train_steps = [row["train/step"] for row in rows if "train/reward_mean" in row]
     assert train_steps == list(range(1, 7)), rows
@@ -127,7 +127,28 @@ def test_laminar_run_writes_eval_rounds(laminar_run):
     # Eval samples are never trained on nor counted in the prompt ledger.
     assert s["consumed_prompts"] == 6 * 8 and s["duplicated_prompts"] == 0 and s["lost_prompts"] == 0
     assert s["eval_rounds"] == 3 and s["eval_step"] == 6 and s["eval_acc"] == rounds[-1]["metrics"]["overall"]["acc"]
-    assert any(name.startswith("events") for name in os.listdir(run_dir / "tb"))
+    tb = tensorboard_scalars(run_dir / "tb")
+    assert tb["eval/overall/acc"] == [0, 3, 6] and tb["eval/synthetic_skew/pass_at_2"] == [0, 3, 6]
+    assert tb["train/reward_mean"] == list(range(1, 7))
+
+
+def tensorboard_scalars(tb_dir) -> dict:
+    """{tag: [steps]} of the scalars in a TensorBoard event directory (TFRecord framing:
+    u64 length, u32 crc, the Event proto, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+
+    out: dict = {}
+    for path in sorted(tb_dir.glob("events*")):
+        data, pos = path.read_bytes(), 0
+        while pos + 12 <= len(data):
+            (n,) = struct.unpack("<Q", data[pos:pos + 8])
+            event = event_pb2.Event.FromString(data[pos + 12:pos + 12 + n])
+            pos += 12 + n + 4
+            for v in event.summary.value:
+                out.setdefault(v.tag, []).append(event.step)
+    return out
 
 
 def test_laminar_training_goes_on_while_a_round_is_in_flight(tmp_path):
