@@ -29,6 +29,10 @@ def read_jsonl(path):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def eval_steps(run_dir):
+    return [r["step"] for r in read_jsonl(run_dir / "eval.jsonl")]
+
+
 def has_wandb() -> bool:
     try:
         import wandb  # noqa: F401
@@ -101,7 +105,7 @@ def test_wandb_offline_run_holds_the_logged_keys(laminar_run):
             "eval/synthetic_skew/truncation_rate", "rollout/queue"} <= keys, sorted(keys)
     train_steps = [row["train/step"] for row in rows if "train/reward_mean" in row]
     assert train_steps == list(range(1, 7)), rows
-    assert sorted(row["eval/step"] for row in rows if "eval/overall/acc" in row) == [0, 3, 6], rows
+    assert sorted(row["eval/step"] for row in rows if "eval/overall/acc" in row) == eval_steps(run_dir), rows
 
 
 def test_wandb_logger_without_the_package_names_runtime_loggers(monkeypatch, tmp_path):
@@ -116,7 +120,10 @@ def test_wandb_logger_without_the_package_names_runtime_loggers(monkeypatch, tmp
 def test_laminar_run_writes_eval_rounds(laminar_run):
     run_dir, s = laminar_run
     rounds = read_jsonl(run_dir / "eval.jsonl")
-    assert [r["step"] for r in rounds] == [0, 3, 6]  # before training, every 3 steps, the last step
+    steps = eval_steps(run_dir)
+    # Before training, every 3 steps, the last step; a round due while another is in flight (the
+    # first one may still run at step 3 on a loaded machine) starts when that one is collected.
+    assert steps[0] == 0 and steps[-1] == 6 and all(3 <= x < 6 for x in steps[1:-1]) and len(steps) <= 3, steps
     for r in rounds:
         assert r["version"] == r["step"] and sum(r["versions"].values()) == 12 * 4  # greedy + 3 sampled
         assert all(int(v) >= r["step"] for v in r["versions"])  # never an older policy than it claims
@@ -126,9 +133,9 @@ def test_laminar_run_writes_eval_rounds(laminar_run):
         assert r["metrics"]["synthetic_skew"] == o  # one data source
     # Eval samples are never trained on nor counted in the prompt ledger.
     assert s["consumed_prompts"] == 6 * 8 and s["duplicated_prompts"] == 0 and s["lost_prompts"] == 0
-    assert s["eval_rounds"] == 3 and s["eval_step"] == 6 and s["eval_acc"] == rounds[-1]["metrics"]["overall"]["acc"]
+    assert s["eval_rounds"] == len(steps) and s["eval_step"] == 6 and s["eval_acc"] == rounds[-1]["metrics"]["overall"]["acc"]
     tb = tensorboard_scalars(run_dir / "tb")
-    assert tb["eval/overall/acc"] == [0, 3, 6] and tb["eval/synthetic_skew/pass_at_2"] == [0, 3, 6]
+    assert tb["eval/overall/acc"] == steps and tb["eval/synthetic_skew/pass_at_2"] == steps
     assert tb["train/reward_mean"] == list(range(1, 7))
 
 
