@@ -171,13 +171,12 @@ class Driver:
         run records only the finished ones."""
         if self.evals is None:
             return
+        self.evals.collect()
         if stopped_early:
-            self.evals.collect()
-        else:
-            self.evals.collect()
-            if self.evals.in_flight or self.evals.pending_since is not None:
-                self.monitor.phase("training done; waiting for the eval rounds in flight")
-            self.evals.finish(self.learner.version, self.cfg.runtime.wait_timeout_s, self.sup.stop)
+            return
+        if self.evals.in_flight or self.evals.pending_since is not None:
+            self.monitor.phase("training done; waiting for the eval rounds in flight")
+        self.evals.finish(self.learner.version, self.cfg.runtime.wait_timeout_s, self.sup.stop)
 
     def _checkpoint(self) -> None:
         if self._last_ckpt == self.learner.version:
