@@ -44,6 +44,12 @@ def get_config(variant: str = ""):
     c.runtime.total_steps = 80
     # A brief supervised warm-start (60 steps) teaches the format; RL then does the rest.
     c.runtime.sft_warmup_steps = 60
+    # Evaluation on 16 held-out prompts of the task (their own random stream) every 20 steps and at
+    # the end, on the rollout servers beside training: eval.jsonl, TensorBoard eval/*, the summary.
+    c.data.val_size = 16
+    c.runtime.eval_every = 20
+    c.runtime.eval_samples = 4
+    c.runtime.eval_k = 4
     c.buffer.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
 
     c.scheduler.max_batch = 16
@@ -56,6 +62,7 @@ def get_config(variant: str = ""):
         c.runtime.total_steps = 4
         c.runtime.sft_warmup_steps = 20
         c.runtime.progress = False
+        c.runtime.eval_every = 0  # tests that want eval rounds turn them on
     elif variant:
         raise ValueError(f"configs/demo.py: unknown variant {variant!r} (known: '', 'short')")
     return c

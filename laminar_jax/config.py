@@ -75,6 +75,14 @@ class Config:
             expect(self.runtime.samples_per_prompt >= 2, "runtime.samples_per_prompt", self.runtime.samples_per_prompt,
                    f">= 2 with learner.adv_estimator={self.learner.adv_estimator!r} (a group of one trajectory has "
                    "no baseline and gets advantage 0; use 'gae' with a critic for one sample per prompt)")
+        rt = self.runtime
+        if rt.eval_every or rt.eval_before_train:
+            key = "runtime.eval_every" if rt.eval_every else "runtime.eval_before_train"
+            value = rt.eval_every or rt.eval_before_train
+            expect(self.data.has_val(), key, value, "0/False unless held-out prompts are set (data.val_files, or "
+                   "data.val_size with data.source='synthetic_skew')")
+            expect(not self.env.enabled, key, value, "0/False with env.enabled=True (evaluation of multi-turn "
+                   "episodes is not supported)")
         if self.learner.pack_length:
             # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
             expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",

@@ -30,7 +30,9 @@ MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
 def _demo_config():
     from laminar_jax.config import repo_config
 
-    return repo_config("demo")
+    c = repo_config("demo")
+    c.runtime.eval_every = 0  # the modes are compared on training throughput: no eval traffic
+    return c
 
 
 def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:

@@ -15,6 +15,8 @@ class DataSection:
     Attributes:
       source: 'synthetic_skew' (built-in skewed-length task), 'file' (parquet/jsonl in verl's layout) or 'reasoning_gym'.
       path: File or glob of .parquet/.jsonl/.json files (source='file'); files are read in sorted order.
+      val_files: Held-out prompts for evaluation (runtime.eval_every, launch/eval.py): a file or glob of .parquet/.jsonl/.json files in the same layout as data.path; None = none (or data.val_size).
+      val_size: synthetic_skew only, when val_files is None: this many held-out prompts drawn from a random stream of their own (not the training prompts'); 0 = none.
       name: Dataset name used in prompt uids; None derives it from the source (file stem, task name).
       reasoning_gym_dataset: reasoning-gym dataset name, e.g. 'basic_arithmetic' (source='reasoning_gym').
       dataset_size: Number of distinct prompts per epoch for procedural sources.
@@ -40,6 +42,8 @@ class DataSection:
 
     source: Literal["synthetic_skew", "file", "reasoning_gym"] = "synthetic_skew"
     path: Optional[str] = None
+    val_files: Optional[str] = None
+    val_size: int = 0
     name: Optional[str] = None
     reasoning_gym_dataset: str = "basic_arithmetic"
     dataset_size: int = 10_000
@@ -65,6 +69,11 @@ class DataSection:
     def validate(self, prefix: str) -> None:
         p = prefix
         expect(self.source != "file" or bool(self.path), f"{p}.path", self.path, "a file or glob when source='file'")
+        expect(self.val_files is None or self.val_files.strip() != "", f"{p}.val_files", self.val_files,
+               "a file or glob of .parquet/.jsonl/.json files, or None")
+        expect(self.val_size >= 0, f"{p}.val_size", self.val_size, ">= 0")
+        expect(self.val_size == 0 or self.val_files is not None or self.source == "synthetic_skew", f"{p}.val_size",
+               self.val_size, f"0 unless data.source='synthetic_skew' (got {self.source!r}; use data.val_files)")
         expect(bool(self.reasoning_gym_dataset), f"{p}.reasoning_gym_dataset", self.reasoning_gym_dataset, "a name")
         expect(self.dataset_size >= 1, f"{p}.dataset_size", self.dataset_size, ">= 1")
         expect(0 <= self.seed < 2**32, f"{p}.seed", self.seed, "in [0, 2**32)")
@@ -86,3 +95,7 @@ class DataSection:
             self.skew_pattern_max,
             f"in [skew_pattern_min={self.skew_pattern_min}, 16]",
         )
+
+    def has_val(self) -> bool:
+        """Whether the section names held-out prompts (val_files, or val_size for synthetic_skew)."""
+        return self.val_files is not None or (self.val_size > 0 and self.source == "synthetic_skew")

@@ -44,14 +44,15 @@ class ListRows:
 class SkewRows:
     """synthetic_skew problems as verl-layout rows, generated on access."""
 
-    def __init__(self, task: synthetic_skew.SkewTask, size: int, seed: int):
+    def __init__(self, task: synthetic_skew.SkewTask, size: int, seed: int, stream: Optional[int] = None):
         self.task, self.size, self.seed = task, size, seed
+        self.stream = synthetic_skew._RL_STREAM if stream is None else stream
 
     def __len__(self) -> int:
         return self.size
 
     def __getitem__(self, index: int) -> tuple[str, Any]:
-        problem = synthetic_skew.sample_problem(self.task, self.seed, index)
+        problem = synthetic_skew.sample_problem(self.task, self.seed, index, stream=self.stream)
         return f"synthetic_skew row {index}", synthetic_skew.to_row(problem, index, self.seed)
 
 
@@ -209,3 +210,36 @@ def build_prompt_source(section: DataSection, tokenizer) -> PromptSource:
         add_bos=section.add_bos,
         chat=chat,
     )
+
+
+def build_val_prompts(section: DataSection, tokenizer, max_prompts: int = 0) -> list[Prompt]:
+    """The held-out eval prompts, in file order (no shuffle, one epoch), at most `max_prompts`
+    (0 = all): data.val_files, or data.val_size synthetic_skew prompts from their own stream.
+    Templating, BOS and the over-long rule are the training prompts' (data.*)."""
+    section.validate("data")
+    if section.val_files is not None:
+        from laminar_jax.data.files import read_rows
+
+        try:
+            rows: RowSource = ListRows(read_rows(section.val_files))
+        except (FileNotFoundError, ValueError) as e:  # read_rows names data.path; these are the val files
+            raise type(e)(str(e).replace("data.path", "data.val_files")) from None
+        path = section.val_files
+        name = "val/" + os.path.basename(os.path.splitext(path)[0] if path.endswith((".parquet", ".jsonl", ".json"))
+                                         else path)
+    elif section.val_size > 0 and section.source == "synthetic_skew":
+        rows = SkewRows(skew_task(section), section.val_size, section.seed, stream=synthetic_skew.VAL_STREAM)
+        name = f"val/synthetic_skew-s{section.seed}"
+    else:
+        raise ValueError("no held-out prompts: set data.val_files (or data.val_size with data.source='synthetic_skew')")
+    source = PromptSource(rows, tokenizer, dataset=name, shuffle=False, num_epochs=1,
+                          max_prompt_tokens=section.max_prompt_tokens, overlong=section.overlong,
+                          skip_bad_rows=section.skip_bad_rows, add_bos=section.add_bos, chat=chat_options(section))
+    out: list[Prompt] = []
+    for prompt in source:
+        out.append(prompt)
+        if max_prompts and len(out) >= max_prompts:
+            break
+    if not out:
+        raise ValueError(f"data.val_files={section.val_files!r}: no usable held-out prompt ({source.counters})")
+    return out

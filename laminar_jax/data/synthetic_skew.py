@@ -70,6 +70,7 @@ def make_prompt(pattern: str, repeats: int) -> str:
 
 
 _RL_STREAM, _SFT_STREAM = 0x5CE3, 0x5F70
+VAL_STREAM = 0x5A11  # held-out eval prompts (data.val_size): neither the RL nor the SFT stream
 
 
 def sample_problem(task: SkewTask, seed: int, index: int, stream: int = _RL_STREAM) -> SkewProblem:

@@ -24,6 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
+from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
 from laminar_jax.runtime.dispatch import WorkItem
 from laminar_jax.threads import Worker
 from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
@@ -67,6 +68,8 @@ class BufferService:
         self._dead: set[str] = set()
         self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0}
         self._latencies: list[float] = []  # dispatch -> completion of each accepted sample
+        self.evals = eval_sink(cfg)  # eval rounds: apart from the store and the ledger
+        self._val_prompts: Optional[list] = None  # the held-out prompts, read at the first eval round
         self._stop = threading.Event()
         self._pumper = Worker("buffer-dispatcher", self._dispatch_loop, self._stop).start()
 
@@ -129,7 +132,8 @@ class BufferService:
             self.board.update(i, version, self.board.live[i])
             if not server_may_admit(self.policy, version, self.board.newest, self.board.global_pending()):
                 return []
-            items = self.queue.take(n)
+            items = self.evals.take(version, eval_share(n, self.evals.waiting(version), len(self.queue)))
+            items += self.queue.take(n - len(items))
             for it in items:
                 self._owner[it.uid] = (name, it)
         return items
@@ -145,6 +149,9 @@ class BufferService:
                 self.counters["dropped_late_results"] += 1
                 return False
             del self._owner[uid]
+            if isinstance(owner[1], EvalItem):
+                self._complete_eval(owner[1], traj)
+                return True
             start = self.dispatcher.enqueued_at.pop(uid, None)
             if start is not None:
                 self._latencies.append(time.monotonic() - start)
@@ -167,6 +174,35 @@ class BufferService:
         fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
         return True
 
+    def _complete_eval(self, item, traj: Trajectory) -> None:
+        """An eval sample: scored by the reward pool, collected by its round (never trained on)."""
+        eos = self.tokenizer.eos_id
+        text = self.tokenizer.decode([t for t in np.asarray(traj.response_ids).tolist() if t != eos])
+        fut = self.rewards.submit(item.data_source, text, item.ground_truth, item.extra_info)
+        n, reason, version = len(traj.response_ids), traj.finish_reason, int(traj.version)
+        fut.add_done_callback(lambda f: self.evals.add(item, f.result().reward, n, reason, version,
+                                                       self.board.learner_version))
+
+    # ------------------------------------------------------------------------------ eval rounds
+    def start_eval(self, round_id: int, learner_version: int) -> int:
+        """Submit eval round `round_id` at `learner_version` (greedy + runtime.eval_samples sampled
+        requests per held-out prompt); returns the number of requests."""
+        from laminar_jax.data.source import build_val_prompts
+        from laminar_jax.eval.rounds import eval_items
+
+        rt = self.cfg.runtime
+        if self._val_prompts is None:
+            self._val_prompts = build_val_prompts(self.cfg.data, self.tokenizer, rt.eval_max_prompts)
+        items = eval_items(self._val_prompts, round_id, rt.eval_samples, rt.eval_temperature, self.cfg.rollout,
+                           self.cfg.seed)
+        self.evals.start(round_id, int(learner_version), items)
+        return len(items)
+
+    def poll_eval(self) -> dict:
+        """{'done': finished round records (each once), 'in_flight': round ids still running}."""
+        self.check()
+        return {"done": self.evals.pop_done(), "in_flight": self.evals.in_flight()}
+
     def episode_record(self, uid: str) -> dict:
         """What an environment is chosen and reset with: the prompt row's data_source, ground_truth, extra_info."""
         row = self.store.row(uid)
@@ -183,7 +219,8 @@ class BufferService:
             for it in items:
                 del self._owner[it.uid]
             self.counters["requeued"] += len(items)
-        self.dispatcher.requeue(items)
+        self.evals.requeue([it for it in items if isinstance(it, EvalItem)])
+        self.dispatcher.requeue([it for it in items if not isinstance(it, EvalItem)])
         return len(items)
 
     def move(self, uid: str, src: str, dst: str) -> bool:
@@ -204,7 +241,10 @@ class BufferService:
                 return False
             del self._owner[uid]
             self.counters["requeued"] += 1
-        self.dispatcher.requeue([entry[1]])
+        if isinstance(entry[1], EvalItem):
+            self.evals.requeue([entry[1]])
+        else:
+            self.dispatcher.requeue([entry[1]])
         return True
 
     # ------------------------------------------------------------------------------ learner
@@ -263,12 +303,19 @@ class BufferService:
                 "board_versions": list(self.board.versions),
                 "board_live": list(self.board.live), "newest": self.board.newest,
                 "latency_p50_s": lat[0], "latency_p99_s": lat[1], "reward_failures": self.rewards.failures,
+                "eval_tokens": self.evals.tokens,
                 **counters}
 
     def close(self) -> None:
         self._stop.set()
         self._pumper.join(timeout=10)
         self.rewards.close()
+
+
+def eval_sink(cfg) -> EvalSink:
+    """The sink of this run's eval rounds (pass@k only with sampled responses)."""
+    rt = cfg.runtime
+    return EvalSink(rt.eval_k if rt.eval_samples else None, rt.eval_correct_threshold)
 
 
 def mark_trained(state: dict, trained: Sequence[str]) -> dict:

@@ -8,6 +8,7 @@ from typing import Literal, Optional
 from laminar_jax.configlib import expect
 
 MODES = ("sync", "one_step", "stream", "laminar")
+LOGGERS = ("tensorboard", "wandb")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,6 +35,15 @@ class RuntimeSection:
       learner_processes: Learner processes joined by jax.distributed into one mesh (kind='ray' only; 1 = the learner runs in the driver process). mesh spans every process's devices.
       learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
       compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
+      eval_every: Learner steps between evaluations on the held-out prompts (data.val_files / data.val_size), run on the rollout servers; the last step is evaluated too. 0 = no evaluation during training.
+      eval_before_train: Also evaluate the starting policy, before the first step.
+      eval_samples: Sampled responses per eval prompt (at eval_temperature) for pass@k, besides the one greedy response; 0 = greedy only.
+      eval_k: The k of pass@k (<= eval_samples).
+      eval_max_prompts: Evaluate at most this many held-out prompts (the first ones, in file order); 0 = all.
+      eval_temperature: Sampling temperature of the eval_samples responses.
+      eval_correct_threshold: A response counts as correct (accuracy, pass@k) when its reward is >= this.
+      loggers: Where scalars go besides metrics.jsonl: 'tensorboard' (tb/ in the run directory) and/or 'wandb' (Weights & Biases; pip install -e ".[wandb]"; WANDB_MODE=offline logs under the run directory).
+      wandb_project: The Weights & Biases project of runs logged with loggers=['wandb', ...].
       learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 
@@ -57,6 +67,15 @@ class RuntimeSection:
     learner_gpus_per_process: int = 1
     learner_resource: Optional[str] = None
     compilation_cache_dir: str = "~/.cache/laminar_jax/jax"
+    eval_every: int = 0
+    eval_before_train: bool = False
+    eval_samples: int = 4
+    eval_k: int = 4
+    eval_max_prompts: int = 0
+    eval_temperature: float = 1.0
+    eval_correct_threshold: float = 1.0
+    loggers: tuple[str, ...] = ("tensorboard",)
+    wandb_project: str = "laminar_jax"
 
     def validate(self, prefix: str) -> None:
         for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):
@@ -70,5 +89,18 @@ class RuntimeSection:
                self.learner_processes, "1 unless runtime.kind='ray' (the local runtime has one learner process)")
         expect(self.learner_gpus_per_process >= 0, f"{prefix}.learner_gpus_per_process",
                self.learner_gpus_per_process, ">= 0")
+        self._validate_eval(prefix)
+        for name in self.loggers:
+            expect(name in LOGGERS, f"{prefix}.loggers", self.loggers, f"a list of {list(LOGGERS)}")
         expect(self.learner_resource is None or self.learner_resource.strip() != "", f"{prefix}.learner_resource",
                self.learner_resource, "a Ray resource name or None")
+
+    def _validate_eval(self, prefix: str) -> None:
+        p = prefix
+        expect(self.eval_every >= 0, f"{p}.eval_every", self.eval_every, ">= 0 (0 = no evaluation during training)")
+        expect(self.eval_samples >= 0, f"{p}.eval_samples", self.eval_samples, ">= 0 (0 = greedy only)")
+        expect(self.eval_samples == 0 or 1 <= self.eval_k <= self.eval_samples, f"{p}.eval_k", self.eval_k,
+               f"in [1, runtime.eval_samples={self.eval_samples}]")
+        expect(self.eval_max_prompts >= 0, f"{p}.eval_max_prompts", self.eval_max_prompts, ">= 0 (0 = all)")
+        expect(self.eval_temperature > 0, f"{p}.eval_temperature", self.eval_temperature,
+               "> 0 (the greedy response is always generated besides)")

@@ -22,6 +22,7 @@ import logging
 import time
 from typing import Callable, Optional, Sequence
 
+from laminar_jax.eval.schedule import Evaluation
 from laminar_jax.runtime.loops import HealthLoop, RepackLoop
 from laminar_jax.runtime.monitor import RunStats
 from laminar_jax.runtime.rollout_worker import InjectedFault
@@ -80,6 +81,8 @@ class Driver:
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         self.repacker = RepackLoop(fleet, buffer, cfg.scheduler) if policy.repack else None
         self.health = HealthLoop(fleet, buffer, cfg.scheduler, self.failures, monitor.t0)
+        # Eval rounds on the rollout servers (None without runtime.eval_every / eval_before_train).
+        self.evals = Evaluation.maybe(cfg, buffer, monitor.on_eval)
         self.t_rl = time.time()
 
     # ----------------------------------------------------------------------------------- run
@@ -106,6 +109,8 @@ class Driver:
         self.t_rl = time.time()
         stopped_early = False
         try:
+            if self.evals is not None:
+                self.evals.begin(self.learner.version)
             while self.learner.version < rt.total_steps:
                 if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
                     stopped_early = True
@@ -116,6 +121,7 @@ class Driver:
                     stopped_early = True
                     break
                 self._train_on(rows)
+            self._end_evals(stopped_early)
         except BaseException:
             self._shutdown(clean=False)
             raise
@@ -152,11 +158,25 @@ class Driver:
         if self.repacker is not None:
             self.repacker.poke()
         self.monitor.on_step(metrics, trajs, self.stats())
+        if self.evals is not None:
+            self.evals.after_step(self.learner.version)
         every = self.cfg.runtime.checkpoint_every
         if every and self.learner.version % every == 0:
             self._checkpoint()
         for hook in list(self.on_step_hooks):
             hook(self.learner.version)
+
+    def _end_evals(self, stopped_early: bool) -> None:
+        """Collect the eval rounds: wait (bounded) for those in flight after a full run; a stopped
+        run records only the finished ones."""
+        if self.evals is None:
+            return
+        self.evals.collect()
+        if stopped_early:
+            return
+        if self.evals.in_flight or self.evals.pending_since is not None:
+            self.monitor.phase("training done; waiting for the eval rounds in flight")
+        self.evals.finish(self.learner.version, self.cfg.runtime.wait_timeout_s, self.sup.stop)
 
     def _checkpoint(self) -> None:
         if self._last_ckpt == self.learner.version:

@@ -16,6 +16,7 @@ from typing import Optional
 import numpy as np
 
 from laminar_jax.runtime.console import Console
+from laminar_jax.runtime.loggers import make_loggers
 from laminar_jax.runtime.timeline import Timeline
 
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
@@ -58,6 +59,24 @@ def episode_turns(traj) -> int:
     return int(m[0] == 1) + int(np.sum((m[1:] == 1) & (m[:-1] == 0))) if len(m) else 0
 
 
+def eval_line(record: dict) -> str:
+    """One console line for a finished eval round."""
+    o = record["metrics"].get("overall", {})
+    figures = " ".join(f"{k} {v:.3f}" for k, v in o.items() if isinstance(v, float))
+    return (f"eval round {record['round']} at version {record['step']} (versions {record['versions']}, "
+            f"{o.get('prompts', 0)} prompts, {record['duration_s']:.1f}s): {figures}")
+
+
+def _flat_config(cfg) -> Optional[dict]:
+    """The run's config as a plain dict (for W&B's run config)."""
+    try:
+        from laminar_jax.configlib import to_json
+
+        return json.loads(to_json(cfg))
+    except Exception:  # noqa: BLE001 - a config the logger cannot show is no reason to fail the run
+        return None
+
+
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
     return None if x is None else round(float(x), nd)
 
@@ -72,14 +91,10 @@ class Monitor:
         self.duplicate_trajectories = 0
         self._cpu_first: Optional[tuple[float, float]] = None  # (wall, process CPU) at the first/last step
         self._cpu_last: Optional[tuple[float, float]] = None
-        self._tb = None
-        try:
-            from tensorboardX import SummaryWriter
-
-            self._tb = SummaryWriter(os.path.join(run_dir, "tb"))
-        except ImportError:  # TensorBoard output is optional; the summary JSON always exists
-            self._tb = None
         os.makedirs(run_dir, exist_ok=True)
+        # runtime.loggers: TensorBoard (tb/) and/or W&B; None when there are none.
+        self._tb = make_loggers(cfg.runtime.loggers, run_dir, cfg.runtime.wandb_project, _flat_config(cfg))
+        self.evals: list[dict] = []  # finished eval rounds (eval.jsonl)
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
         self.console = Console(cfg.runtime.progress, t0)
         self._sft_logged = False
@@ -132,6 +147,26 @@ class Monitor:
             for i, loss in enumerate(stats.sft_losses):
                 self._tb.add_scalar("warm_start/loss", loss, i)
             self._sft_logged = True
+
+    def on_eval(self, record: dict) -> None:
+        """A finished eval round: one line of eval.jsonl, scalars eval/<source>/<figure>, a console line."""
+        self.evals.append(record)
+        with open(os.path.join(self.run_dir, "eval.jsonl"), "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+        if self._tb is not None:
+            for source, figures in record["metrics"].items():
+                for k, v in figures.items():
+                    if v is not None:  # 'pass@k' -> 'pass_at_k': TensorBoard rewrites '@' in tags
+                        self._tb.add_scalar(f"eval/{source}/{k.replace('@', '_at_')}", v, record["step"])
+        self.console.phase(eval_line(record))
+
+    def eval_summary(self) -> dict:
+        """The last eval round's overall figures as flat scalars (eval_acc, eval_pass@k, ...)."""
+        if not self.evals:
+            return {}
+        last = self.evals[-1]
+        return {"eval_rounds": len(self.evals), "eval_step": last["step"],
+                **{f"eval_{k}": v for k, v in last["metrics"].get("overall", {}).items()}}
 
     def cpu_cores_busy(self) -> Optional[float]:
         """CPU seconds this process spent per second of RL, first step to last (how many cores the
@@ -186,6 +221,7 @@ class Monitor:
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
             **self.env_summary(),
+            **self.eval_summary(),
             "repack_moves": stats.repack_moves,
             "failures": list(stats.failures),
             "stopped_early": stopped_early,

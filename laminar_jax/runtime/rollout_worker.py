@@ -112,11 +112,12 @@ def params_on_device(flat: dict[str, Any], template: Any) -> Any:
 
 
 def make_request(item: WorkItem):
-    """The engine's request for a work item: the prompt and its seed (nothing the reward needs)."""
+    """The engine's request for a work item: the prompt and its seed (nothing the reward needs), and
+    an eval item's own sampling (greedy or the eval temperature; None: the server's defaults)."""
     from laminar_jax.rollout.records import Request
 
     return Request(uid=item.uid, prompt_ids=np.asarray(item.prompt_ids, np.int32), prompt_uid=item.prompt_uid,
-                   sample_index=item.sample_index, seed=item.seed)
+                   sample_index=item.sample_index, seed=item.seed, sampling=getattr(item, "sampling", None))
 
 
 class RolloutWorker:

@@ -65,6 +65,8 @@ RULES = [
     Rule(r"-m laminar_jax\.relay\.worker", "skip", "a relay worker process: the runtime starts it and writes its key on stdin"),
     Rule(r"launch/sft\.py .*(\.\.\.|<)", "help", "placeholder arguments (the user's config and output directory)"),
     Rule(r"launch/sft\.py", "run", "60 supervised steps of the tiny model"),
+    Rule(r"launch/eval\.py .*<", "help", "placeholder checkpoint (a run directory of the user's; "
+         "tests/eval/test_eval_run.py runs it on a real one)"),
     Rule(r"launch/run\.py .*--dry_run", "run", "validates a config and exits"),
     Rule(r"launch/run\.py", "dry_run", "a full run takes minutes (or a GPU, a cluster, a downloaded model)"),
 ]

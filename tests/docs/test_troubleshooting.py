@@ -258,6 +258,29 @@ def _publisher_nowhere():
 QWEN2 = {"model_type": "qwen2", "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
          "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
 
+def _eval_cli_without_val(tmp_path) -> str:
+    res = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "eval.py"),
+                          f"--config={ROOT}/configs/demo.py:short", f"--checkpoint={tmp_path}",
+                          "--config.data.val_size=0"],
+                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 2, res.stderr[-2000:]
+    return res.stderr
+
+
+def _val_prompts(tmp_path, **kv):
+    from laminar_jax.data.config import DataSection
+    from laminar_jax.data.source import build_val_prompts
+
+    return build_val_prompts(DataSection(**kv), load_tokenizer("builtin"))
+
+
+def _loggers(tmp_path, names):
+    from laminar_jax.runtime.loggers import make_loggers
+
+    return make_loggers(names, str(tmp_path))
+
+
 TRIGGERS = {
     "config-bad-value": lambda t, m, c: raised(lambda: _finalize_with(**{"learner.lr": -1.0})),
     "config-choice": lambda t, m, c: raised(lambda: _finalize_with(**{"runtime.mode": "async"})),
@@ -315,6 +338,13 @@ TRIGGERS = {
     "reasoning-gym-unknown": lambda t, m, c: raised(lambda: _source(
         t, source="reasoning_gym", reasoning_gym_dataset="no_such_task", dataset_size=4)),
     "checkpoint-relative": lambda t, m, c: raised(lambda: _checkpoint_relative(t, m)),
+    "eval-no-val": lambda t, m, c: raised(lambda: _finalize_with(**{"runtime.eval_every": 20})),
+    "eval-cli-no-val": lambda t, m, c: _eval_cli_without_val(t),
+    "eval-val-files-missing": lambda t, m, c: raised(lambda: _val_prompts(t, val_files=str(t / "val*.jsonl"))),
+    "eval-env": lambda t, m, c: raised(lambda: _finalize_with(**{
+        "runtime.eval_every": 20, "data.val_size": 8, "env.enabled": True})),
+    "wandb-missing": lambda t, m, c: (m.setitem(sys.modules, "wandb", None), raised(
+        lambda: _loggers(t, ("wandb",))))[1],
 }
 
 
