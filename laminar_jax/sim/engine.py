@@ -35,6 +35,13 @@ from laminar_jax.sim.metrics import Recorder, SimResult
 from laminar_jax.sim.workload import WorkloadSpec, env_latency, sample
 
 
+# shared_host: the learner's share of the host while servers decode. The planes share it, not the
+# threads: every server's decode loop runs under one interpreter lock, so generation as a whole
+# competes with the learner as one claimant (a CPU run's learner step takes ~2x its time alone
+# while servers decode, not 1 + servers times; docs/SIMULATION.md, "Held against a real run").
+LEARNER_HOST_SHARE = 0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Resolved GPU split.
@@ -137,7 +144,12 @@ class Simulator:
         # Learner.
         self.l_steps = 0  # learner version = steps trained
         self.l_free = 0.0
-        self.l_span = (0.0, 0.0)  # the latest learner step's (start, end)
+        # shared_host: the running step's (start, tokens, staleness) and host-seconds of work left;
+        # its end is found tick by tick, as its share of the host depends on the servers decoding.
+        self.l_run: tuple | None = None
+        self.l_work = 0.0
+        self.n_decoding = 0  # servers decoding in the current tick
+        self.host_div = 1.0  # and the divisor of their share of the host
         self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
         self.v_seen = 0  # newest version the rollout side has seen
         self.next_repack = 0.0
@@ -174,7 +186,7 @@ class Simulator:
             self.next_repack = t + self.cfg.repack_interval_s
         self._decode(t, t1)
         self._preempt()
-        self._learner(t1)
+        self._learner(t, t1)
         self.rec.sample_tick(t, t1, self)
 
     # ---- weights ----------------------------------------------------------------------------
@@ -326,7 +338,9 @@ class Simulator:
 
     def _charge_prefill(self, tok, sq, t: float) -> None:
         pre = self.cost.prefill_s(tok, sq)
-        self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + pre, self.busy_until)
+        # shared_host: the server gets its share of the host, as in the last tick's decode.
+        wall = pre * self.host_div if self.cfg.shared_host else pre
+        self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + wall, self.busy_until)
         self.rec.add_prefill(pre, t)
 
     # ---- KV ---------------------------------------------------------------------------------
@@ -425,9 +439,8 @@ class Simulator:
         b = active.sum(1)
         avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
         avail[b == 0] = 0.0
-        if self.cfg.shared_host:  # one host, shared equally by the busy servers and a training learner
-            learner = max(0.0, min(t1, self.l_span[1]) - max(t, self.l_span[0])) / (t1 - t)
-            avail = avail / max(1.0, float((b > 0).sum()) + learner)
+        if self.cfg.shared_host:
+            avail = avail / self._host_divisor(int((b > 0).sum()), t1 - t)
         ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
         tau = self.cost.decode_step_s(b, ctx_sum)
         steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
@@ -491,9 +504,44 @@ class Simulator:
             self.buf.append((float(g["ready"][gid]), meta))
 
     # ---- learner ----------------------------------------------------------------------------
-    def _learner(self, t1: float) -> None:
-        """Start every learner step that can start by t1 (continuous time)."""
-        while self.l_free <= t1 and len(self.buf) >= self.B:
+    def _host_divisor(self, n: int, dt: float) -> float:
+        """shared_host: the n decoding servers each get dt / divisor host-seconds of the tick.
+
+        Processor sharing between two planes: while the learner trains and servers decode, the
+        learner gets LEARNER_HOST_SHARE of the host and the servers split the rest equally; the
+        learner counts for the part of the tick its step still needs at that share.
+        """
+        self.n_decoding = n
+        lam = self._learner_share(n)
+        a = min(1.0, self.l_work / lam / dt) if self.l_run is not None and n > 0 else 0.0
+        self.host_div = max(1.0, n / (1.0 - a * lam))
+        return self.host_div
+
+    @staticmethod
+    def _learner_share(n_decoding: int) -> float:
+        return 1.0 if n_decoding == 0 else LEARNER_HOST_SHARE
+
+    def _learner_progress(self, t: float, t1: float) -> float | None:
+        """shared_host: advance the running step by its host share this tick; its end, or None."""
+        s0 = max(t, self.l_run[0])
+        rate = self._learner_share(self.n_decoding)
+        if self.l_work <= (t1 - s0) * rate:
+            end, self.l_work = s0 + self.l_work / rate, 0.0
+            return end
+        self.l_work -= (t1 - s0) * rate
+        return None
+
+    def _learner(self, t: float, t1: float) -> None:
+        """Start (and, on a shared host, finish) every learner step that can by t1 (continuous time)."""
+        while True:
+            if self.l_run is not None:
+                end = self._learner_progress(t, t1)
+                if end is None:
+                    return
+                (start, tokens, stale), self.l_run = self.l_run, None
+                self._end_step(start, end, tokens, stale)
+            if not (self.l_free <= t1 and len(self.buf) >= self.B):
+                return
             ready_times = sorted(rt for rt, _ in self.buf)
             td = max(self.l_free, ready_times[self.B - 1])
             if td > t1:
@@ -509,14 +557,18 @@ class Simulator:
                     return  # the policy declined: try again next tick
                 continue
             tokens = sum(m.num_tokens for m in sel.take)
+            stale = [policies.staleness(self.l_steps, m.version) for m in sel.take]
             dur = self.cost.learner_step_s(tokens, self.place.learner_gpus)
-            if self.cfg.shared_host:  # each server holding live sequences takes an equal share
-                dur *= 1.0 + float(((self.sid >= 0).any(1)).sum())
-            end = td + dur
-            if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
-                end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
-            self.rec.step(td, end, tokens, [policies.staleness(self.l_steps, m.version) for m in sel.take])
-            self.l_span = (td, end)
-            self.l_steps += 1
-            self.l_free = end + self.d2h_s
-            self.publish_t.append(self.l_free)
+            if self.cfg.shared_host:  # the end depends on the host share it gets: found tick by tick
+                self.l_run, self.l_work, self.l_free = (td, tokens, stale), dur, math.inf
+                self.rec.learner_work(td, dur)
+                continue
+            self._end_step(td, td + dur, tokens, stale)
+
+    def _end_step(self, start: float, end: float, tokens: int, stale: list[int]) -> None:
+        if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
+            end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
+        self.rec.step(start, end, tokens, stale)
+        self.l_steps += 1
+        self.l_free = end + self.d2h_s
+        self.publish_t.append(self.l_free)
