@@ -122,6 +122,11 @@ class Simulator:
         self.ready_t = np.zeros((S, M))  # decodable from (env wait, KV transfer)
         self.paused = np.zeros((S, M), bool)  # preempted: holds no KV, resumes with a re-prefill
         self.adm = np.zeros((S, M))  # admission time (preemption order)
+        # Flat views of the slot arrays (the hot loop works on the occupied slots only) and a zeroed
+        # [S·M] scratch row: per-server float sums go through it so that they add the same numbers
+        # in the same order as a sum over the whole [S, M] array (identical results).
+        self._flat = {k: getattr(self, k).reshape(-1) for k in ("sid", "rem", "ctx", "ready_t", "paused")}
+        self._scratch = np.zeros(S * M)
         # Servers.
         self.version = np.zeros(S, np.int64)
         self.loading = np.zeros(S, bool)
@@ -344,36 +349,47 @@ class Simulator:
         self.rec.add_prefill(pre, t)
 
     # ---- KV ---------------------------------------------------------------------------------
-    def _pages(self) -> np.ndarray:
-        """KV pages held per slot, f64[S, M] (paused sequences hold none)."""
-        held = (self.sid >= 0) & ~self.paused
-        return np.where(held, np.ceil(self.ctx / self.cfg.page_tokens), 0.0)
+    def _held(self) -> np.ndarray:
+        """Flat indices of the slots holding KV (live, not paused), ascending."""
+        f = self._flat
+        occ = np.flatnonzero(f["sid"] >= 0)
+        return occ[~f["paused"][occ]]
+
+    def _used_pages(self) -> np.ndarray:
+        """KV pages held per server, f64[S] (whole pages per sequence: exact in any order)."""
+        held = self._held()
+        pages = np.ceil(self._flat["ctx"][held] / self.cfg.page_tokens)
+        return np.bincount(held // self.M, weights=pages, minlength=self.S)
+
+    def _row_pages(self, s: int) -> np.ndarray:
+        """KV pages held per slot of server s, f64[M] (paused sequences hold none)."""
+        held = (self.sid[s] >= 0) & ~self.paused[s]
+        return np.where(held, np.ceil(self.ctx[s] / self.cfg.page_tokens), 0.0)
 
     def _preempt(self) -> None:
         """Over-full KV: pause the most recently admitted sequences (vLLM recompute preemption).
 
         Leaves ``self.used`` (pages per server) current for the next tick's admission and metrics.
         """
-        pages = self._pages()
-        used = pages.sum(1)
+        used = self._used_pages()
         self.used = used
         for s in np.nonzero(used > self.kv_cap)[0]:
+            pages = self._row_pages(s)
             cand = np.nonzero((self.sid[s] >= 0) & ~self.paused[s])[0]
             cand = cand[np.argsort(-self.adm[s, cand])]
             excess = used[s] - self.kv_cap
-            freed = np.cumsum(pages[s, cand])
+            freed = np.cumsum(pages[cand])
             n = int(np.searchsorted(freed, excess)) + 1
             self.paused[s, cand[:n]] = True
             self.rec.preemptions += n
-            self.used[s] -= pages[s, cand[:n]].sum()
+            self.used[s] -= pages[cand[:n]].sum()
 
     def _resume_paused(self, t: float) -> None:
         any_paused = self.paused.any(1) & ~self.loading
         if not any_paused.any():
             return
-        pages = self._pages()
         for s in np.nonzero(any_paused)[0]:
-            used = pages[s].sum()
+            used = self._row_pages(s).sum()
             idx = np.nonzero(self.paused[s])[0]
             idx = idx[np.argsort(self.adm[s, idx])]
             need = np.cumsum(np.ceil(self.ctx[s, idx] / self.cfg.page_tokens))
@@ -393,7 +409,7 @@ class Simulator:
         """Snapshot servers as ServerViews (see :func:`snapshot_servers`) and execute plan_repack's moves."""
         occ = self.sid >= 0
         live = occ.sum(1)
-        used = self._pages().sum(1).astype(np.int64)
+        used = self._used_pages().astype(np.int64)
         picked = snapshot_servers(live, self.version, ~self.loading, self.cfg.max_batch)
         rows, cols = np.nonzero(occ[picked])  # row-major: grouped by picked server
         uids = self.sid[picked[rows], cols].tolist()
@@ -434,31 +450,40 @@ class Simulator:
 
     # ---- decode -----------------------------------------------------------------------------
     def _decode(self, t: float, t1: float) -> None:
-        occ = self.sid >= 0
-        active = occ & ~self.paused & (self.ready_t <= t)
-        b = active.sum(1)
+        S, M, f, buf = self.S, self.M, self._flat, self._scratch
+        occ = np.flatnonzero(f["sid"] >= 0)
+        idx = occ[~f["paused"][occ] & (f["ready_t"][occ] <= t)]  # active slots, ascending (row-major)
+        row = idx // M
+        b = np.bincount(row, minlength=S)
         avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
         avail[b == 0] = 0.0
         if self.cfg.shared_host:
             avail = avail / self._host_divisor(int((b > 0).sum()), t1 - t)
-        ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
+        ctx_a = f["ctx"][idx]
+        buf[idx] = ctx_a
+        ctx_sum = buf.reshape(S, M).sum(1)
         tau = self.cost.decode_step_s(b, ctx_sum)
-        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
+        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
         tau = self.cost.decode_step_s(b, ctx_sum + b * steps / 2)  # context grows during the tick
-        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
-        rem = np.where(active, self.rem, 0.0)
-        adv = np.minimum(rem, steps[:, None])
-        self.rem -= adv
-        self.ctx += adv
-        self.rec.tokens_generated += float(adv.sum())
-        need = np.where(b > 0, rem.max(1) * tau, 0.0)
+        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
+        rem_a = f["rem"][idx]
+        adv = np.minimum(rem_a, steps[row])
+        left_a = rem_a - adv
+        f["rem"][idx] = left_a
+        f["ctx"][idx] = ctx_a + adv
+        buf[idx] = adv
+        self.rec.tokens_generated += float(buf.sum())
+        buf[idx] = 0.0
+        rmax = np.zeros(S)
+        np.maximum.at(rmax, row, rem_a)
+        need = np.where(b > 0, rmax * tau, 0.0)
         self.rec.add_decode(np.minimum(avail, need), t)
-        done = active & (self.rem <= 0)
+        done = left_a <= 0
         if not done.any():
             return
-        rows, cols = np.nonzero(done)
+        rows, cols = row[done], idx[done] - row[done] * M
         start = t1 - avail[rows]
-        finish = start + rem[rows, cols] / np.maximum(steps[rows], 1e-12) * avail[rows]
+        finish = start + rem_a[done] / np.maximum(steps[rows], 1e-12) * avail[rows]
         more = self.left[rows, cols] > 0
         if more.any():
             self._next_turn(rows[more], cols[more], finish[more], t)
