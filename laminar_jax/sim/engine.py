@@ -317,8 +317,11 @@ class Simulator:
             want = np.zeros_like(want)
             want[order] = keep
             total = nq
-        rank = np.cumsum(~occupied, axis=1) - 1
-        rows, cols = np.nonzero(~occupied & (rank < want[:, None]))
+        # The lowest free slots of each server, row-major (flat indices: np.nonzero on 2-D is slow).
+        take = np.flatnonzero(want > 0)
+        sub = ~occupied[take]
+        flat = np.flatnonzero(sub & (np.cumsum(sub, axis=1) <= want[take, None]))
+        rows, cols = take[flat // self.M], flat % self.M
         sids = self.queue[self.q_head:self.q_head + total]
         self.q_head += total
         self._place(rows, cols, sids, t)
@@ -411,8 +414,10 @@ class Simulator:
         live = occ.sum(1)
         used = self._used_pages().astype(np.int64)
         picked = snapshot_servers(live, self.version, ~self.loading, self.cfg.max_batch)
-        rows, cols = np.nonzero(occ[picked])  # row-major: grouped by picked server
+        flat = np.flatnonzero(occ[picked])  # row-major: grouped by picked server
+        rows, cols = flat // self.M, flat % self.M
         uids = self.sid[picked[rows], cols].tolist()
+        col_of = dict(zip(uids, cols.tolist()))
         pages = np.ceil(self.ctx[picked[rows], cols] / self.cfg.page_tokens).astype(np.int64).tolist()
         bounds = np.concatenate([[0], np.cumsum(live[picked])]).tolist()
         ver, prev, used_l = self.version[picked].tolist(), self.used_prev[picked].tolist(), used[picked].tolist()
@@ -429,12 +434,12 @@ class Simulator:
         for m in moves:
             by_pair.setdefault((int(m.src), int(m.dst)), []).append(int(m.seq_uid))
         for (src, dst), uids in by_pair.items():
-            self._move(src, dst, uids, t)
+            self._move(src, dst, np.sort(np.array([col_of[u] for u in uids], np.int64)), t)
 
-    def _move(self, src: int, dst: int, uids: list[int], t: float) -> None:
+    def _move(self, src: int, dst: int, src_cols: np.ndarray, t: float) -> None:
+        """Move the sequences in src's slots ``src_cols`` (ascending) to dst's lowest free slots."""
         if int(self.version[src]) != int(self.version[dst]):
             raise AssertionError(f"repack moved sequences across versions ({src}->{dst})")
-        src_cols = np.nonzero(np.isin(self.sid[src], uids))[0]
         dst_cols = np.nonzero(self.sid[dst] < 0)[0][:src_cols.size]
         if dst_cols.size < src_cols.size:
             raise AssertionError(f"repack destination {dst} has no free slot")
