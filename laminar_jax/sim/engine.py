@@ -454,8 +454,17 @@ class Simulator:
         self.rec.moved_pages += float(pages)
 
     # ---- decode -----------------------------------------------------------------------------
+    def _dense_sum(self, idx: np.ndarray, values: np.ndarray, per_server: bool = False):
+        """Sum of ``values`` at flat slots ``idx`` (per server, or in all), zeros elsewhere: the same
+        additions in the same order as summing the whole [S, M] array, so the result is identical."""
+        buf = self._scratch
+        buf[idx] = values
+        out = buf.reshape(self.S, self.M).sum(1) if per_server else buf.sum()
+        buf[idx] = 0.0
+        return out
+
     def _decode(self, t: float, t1: float) -> None:
-        S, M, f, buf = self.S, self.M, self._flat, self._scratch
+        S, M, f = self.S, self.M, self._flat
         occ = np.flatnonzero(f["sid"] >= 0)
         idx = occ[~f["paused"][occ] & (f["ready_t"][occ] <= t)]  # active slots, ascending (row-major)
         row = idx // M
@@ -465,8 +474,7 @@ class Simulator:
         if self.cfg.shared_host:
             avail = avail / self._host_divisor(int((b > 0).sum()), t1 - t)
         ctx_a = f["ctx"][idx]
-        buf[idx] = ctx_a
-        ctx_sum = buf.reshape(S, M).sum(1)
+        ctx_sum = self._dense_sum(idx, ctx_a, per_server=True)
         tau = self.cost.decode_step_s(b, ctx_sum)
         steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
         tau = self.cost.decode_step_s(b, ctx_sum + b * steps / 2)  # context grows during the tick
@@ -476,9 +484,7 @@ class Simulator:
         left_a = rem_a - adv
         f["rem"][idx] = left_a
         f["ctx"][idx] = ctx_a + adv
-        buf[idx] = adv
-        self.rec.tokens_generated += float(buf.sum())
-        buf[idx] = 0.0
+        self.rec.tokens_generated += float(self._dense_sum(idx, adv))
         rmax = np.zeros(S)
         np.maximum.at(rmax, row, rem_a)
         need = np.where(b > 0, rmax * tau, 0.0)
