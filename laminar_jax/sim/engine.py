@@ -302,6 +302,8 @@ class Simulator:
             return
         occupied = self.sid >= 0
         free = self.M - occupied.sum(1)
+        if not (free.any() and (self.used < self.cfg.admit_kv_frac * self.kv_cap).any()):
+            return  # every slot taken, or every server's KV at the admission bound: want is all 0
         head = self.queue[self.q_head:self.q_head + min(nq, 4096)]
         per_prompt = math.ceil(float(self.seqs["plen"][head].mean()) / self.cfg.page_tokens) + 1
         room = np.floor((self.cfg.admit_kv_frac * self.kv_cap - self.used) / per_prompt)
