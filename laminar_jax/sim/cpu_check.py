@@ -49,8 +49,12 @@ def capture(out: str, modes=CAPTURE_MODES) -> dict:
     run_mode = e2e.run_mode
 
     def keep(mode, model_dir, budget_s, run_root, args):
+        load_before = os.getloadavg()
         s = run_mode(mode, model_dir, budget_s, run_root, args)
         summaries[mode] = {k: s.get(k) for k in _KEEP}
+        # The host's load around each mode's run: the modes run one after another, and a load that
+        # rises during the capture slows the later ones in ways cpu_cores_busy does not show.
+        summaries[mode]["loadavg"] = [load_before, os.getloadavg()]
         summaries[mode]["run"] = {"servers": args.servers, "slots": args.slots,
                                   "prompts_per_step": args.prompts_per_step}
         return s
@@ -66,7 +70,7 @@ def capture(out: str, modes=CAPTURE_MODES) -> dict:
     demo = finalize(repo_config("demo"))
     rec = {"bench": "e2e_capture", "command": "python -m laminar_jax.sim.cpu_check capture --out FILE",
            "e2e": res, "modes": summaries, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-           "samples_per_prompt": demo.runtime.samples_per_prompt, "admit_lag": demo.scheduler.admit_lag,
+           "host_cpus": os.cpu_count(), "samples_per_prompt": demo.runtime.samples_per_prompt, "admit_lag": demo.scheduler.admit_lag,
            "max_inflight_batches": demo.runtime.max_inflight_batches}
     with open(out, "w") as f:
         f.write(json.dumps(rec) + "\n")
