@@ -70,7 +70,8 @@ def capture(out: str, modes=CAPTURE_MODES) -> dict:
     demo = finalize(repo_config("demo"))
     rec = {"bench": "e2e_capture", "command": "python -m laminar_jax.sim.cpu_check capture --out FILE",
            "e2e": res, "modes": summaries, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-           "host_cpus": os.cpu_count(), "samples_per_prompt": demo.runtime.samples_per_prompt, "admit_lag": demo.scheduler.admit_lag,
+           "host_cpus": os.cpu_count(), "samples_per_prompt": demo.runtime.samples_per_prompt,
+           "admit_lag": demo.scheduler.admit_lag,
            "max_inflight_batches": demo.runtime.max_inflight_batches}
     with open(out, "w") as f:
         f.write(json.dumps(rec) + "\n")
@@ -204,7 +205,8 @@ def check(path: str, tolerance: float = TOLERANCE) -> dict:
                       "ratio": round(ratio, 3), "fitted_on": mode == "sync", "host_share": round(share, 3),
                       "predicted_host_busy": round(r.extra["host_busy"], 3),
                       "measured_staleness": m["mean_staleness"], "predicted_staleness": round(r.mean_staleness, 2),
-                      "measured_learner_busy": m["learner_busy_frac"], "predicted_learner_busy": round(1 - r.learner_idle, 3),
+                      "measured_learner_busy": m["learner_busy_frac"],
+                      "predicted_learner_busy": round(1 - r.learner_idle, 3),
                       "measured_slot_util": m["slot_util"], "predicted_slot_util": round(r.slot_util, 3),
                       "measured_learner_step_s": round(_step_figures(m, m["run"], rec["samples_per_prompt"])[0], 4),
                       "predicted_learner_step_s": round(r.step_s * (1 - r.learner_idle), 4)}
