@@ -51,9 +51,10 @@ class SimSection:
       seed: Seed of the workload draws.
       timeline_servers: Servers recorded in the timeline picture (0 = none).
       calibration: JSON file of fitted cost parameters (laminar_jax.sim.calibrate), or None.
-      shared_host: The learner and every rollout server share one host's cores (a CPU run): while both
-        work, each gets half (fair sharing), so a learner step started while servers hold live
-        sequences takes twice as long and decoding slows to half speed while the learner trains.
+      shared_host: The learner and every rollout server share one host's CPU (a CPU run): processor
+        sharing between the two planes, so while the learner trains and servers decode each plane
+        gets half of the host (the decoding servers split generation's half equally) and a plane
+        alone gets all of it; a learner step ends when it has had its work's worth of host time.
     """
 
     model: str = "qwen2.5-7b"

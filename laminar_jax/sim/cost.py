@@ -156,9 +156,10 @@ class CostModel:
 
     # ---- relay ------------------------------------------------------------------------------
     def relay_chunk_s(self) -> float:
-        """One 32 MB chunk over one hop: chunk / (node NIC bandwidth·eff) + hop latency."""
+        """One chunk (32 MB, or the whole model if smaller) over one hop: chunk / (node NIC bandwidth·eff)
+        + hop latency."""
         node_bw = self.gpu.nic_gbps * 1e9 * self.gpu.gpus_per_node * self.params.relay_efficiency
-        return self.params.chunk_mb * 1e6 / node_bw + self.params.relay_hop_latency_s
+        return min(self.params.chunk_mb * 1e6, self.model.weight_bytes) / node_bw + self.params.relay_hop_latency_s
 
     def relay_arrival_s(self, hop: int) -> float:
         """Pipelined chain: the relay ``hop`` hops from the master holds all weights after

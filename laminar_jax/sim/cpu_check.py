@@ -15,9 +15,12 @@ step time into ``learner_mfu``, and one decode overhead is fitted so that simula
 measured sync (sync runs generation and training one after the other, so each is seen alone). Every
 other mode is then a prediction, compared with its measured throughput.
 
-The host is shared with other jobs, so the CPU a mode's run actually got differs from sync's (the
-capture records each run's ``cpu_cores_busy``: process CPU seconds per second of RL). Each mode's
-costs are scaled by sync's cores / its cores: the simulated host is as fast as the one that run had.
+The host is shared with other jobs, so the CPU a mode's run actually had differs from sync's. The
+capture records each run's ``cpu_cores_busy`` (process CPU seconds per second of RL): the CPU it
+*used*. The CPU it *had* is that over the fraction of the time the host had work, which the model
+gives (``host_busy``: sync leaves the host idle between a step and the next batch, the overlapped
+modes hardly ever), so each mode's costs are scaled by (sync's cores / sync's host_busy) / (its
+cores / its host_busy): the simulated host is as fast as the one that run had.
 """
 
 from __future__ import annotations
@@ -46,8 +49,12 @@ def capture(out: str, modes=CAPTURE_MODES) -> dict:
     run_mode = e2e.run_mode
 
     def keep(mode, model_dir, budget_s, run_root, args):
+        load_before = os.getloadavg()
         s = run_mode(mode, model_dir, budget_s, run_root, args)
         summaries[mode] = {k: s.get(k) for k in _KEEP}
+        # The host's load around each mode's run: the modes run one after another, and a load that
+        # rises during the capture slows the later ones in ways cpu_cores_busy does not show.
+        summaries[mode]["loadavg"] = [load_before, os.getloadavg()]
         summaries[mode]["run"] = {"servers": args.servers, "slots": args.slots,
                                   "prompts_per_step": args.prompts_per_step}
         return s
@@ -63,7 +70,8 @@ def capture(out: str, modes=CAPTURE_MODES) -> dict:
     demo = finalize(repo_config("demo"))
     rec = {"bench": "e2e_capture", "command": "python -m laminar_jax.sim.cpu_check capture --out FILE",
            "e2e": res, "modes": summaries, "loadavg_before": load0, "loadavg_after": os.getloadavg(),
-           "samples_per_prompt": demo.runtime.samples_per_prompt, "admit_lag": demo.scheduler.admit_lag,
+           "host_cpus": os.cpu_count(), "samples_per_prompt": demo.runtime.samples_per_prompt,
+           "admit_lag": demo.scheduler.admit_lag,
            "max_inflight_batches": demo.runtime.max_inflight_batches}
     with open(out, "w") as f:
         f.write(json.dumps(rec) + "\n")
@@ -157,10 +165,13 @@ def calibrate(rec: dict, path: str):
     return dataclasses.replace(base, decode_overhead_s=ovh, prefill_overhead_s=ovh), work
 
 
-def host_share(rec: dict, mode: str) -> float:
-    """CPU the mode's run got relative to the sync run (1.0 when the capture lacks the figure)."""
+def host_share(rec: dict, mode: str, busy: float = 1.0, sync_busy: float = 1.0) -> float:
+    """CPU the mode's run had relative to the sync run (1.0 when the capture lacks the figure).
+
+    A run's ``cpu_cores_busy`` is the CPU it used; the CPU it had is that over the fraction of the
+    time the host had work, ``busy`` (the model's ``host_busy`` for that run)."""
     sync, m = rec["modes"]["sync"].get("cpu_cores_busy"), rec["modes"][mode].get("cpu_cores_busy")
-    return m / sync if sync and m else 1.0
+    return (m / busy) / (sync / sync_busy) if sync and m else 1.0
 
 
 def scaled(params, share: float):
@@ -170,18 +181,33 @@ def scaled(params, share: float):
                                learner_mfu=params.learner_mfu * share)
 
 
+def predict(rec: dict, mode: str, params, work, sync_busy: float, rounds: int = 2):
+    """(SimResult, host share) of one mode: its host's speed from its ``cpu_cores_busy`` over the
+    model's own ``host_busy`` for it, found by iterating from a fully busy host."""
+    busy = sync_busy if mode == "sync" else 1.0
+    for _ in range(rounds):
+        share = host_share(rec, mode, busy, sync_busy)
+        r = _simulate(rec, mode, scaled(params, share), work)
+        busy = r.extra["host_busy"]
+    return r, share
+
+
 def check(path: str, tolerance: float = TOLERANCE) -> dict:
     """Predicted vs measured train tokens/s per captured mode; 'ok' when within tolerance."""
     rec = load_capture(path)
     params, work = calibrate(rec, path)
+    sync_busy = _simulate(rec, "sync", params, work).extra["host_busy"]
     rows = {}
     for mode, m in rec["modes"].items():
-        share = host_share(rec, mode)
-        r = _simulate(rec, mode, scaled(params, share), work)
+        r, share = predict(rec, mode, params, work, sync_busy, rounds=1 if mode == "sync" else 2)
         ratio = r.tokens_per_s / m["train_tokens_per_s"]
         rows[mode] = {"measured_tps": m["train_tokens_per_s"], "predicted_tps": round(r.tokens_per_s, 1),
                       "ratio": round(ratio, 3), "fitted_on": mode == "sync", "host_share": round(share, 3),
+                      "predicted_host_busy": round(r.extra["host_busy"], 3),
                       "measured_staleness": m["mean_staleness"], "predicted_staleness": round(r.mean_staleness, 2),
+                      "measured_learner_busy": m["learner_busy_frac"],
+                      "predicted_learner_busy": round(1 - r.learner_idle, 3),
+                      "measured_slot_util": m["slot_util"], "predicted_slot_util": round(r.slot_util, 3),
                       "measured_learner_step_s": round(_step_figures(m, m["run"], rec["samples_per_prompt"])[0], 4),
                       "predicted_learner_step_s": round(r.step_s * (1 - r.learner_idle), 4)}
     ok = all(abs(x["ratio"] - 1) <= tolerance for x in rows.values())
@@ -203,11 +229,14 @@ def main(argv: list[str]) -> int:
         capture(args.out)
         return 0
     res = check(args.file, args.tolerance)
-    print(f"{'mode':10s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}  staleness meas/pred  learner step s meas/pred")
+    print(f"{'mode':10s} {'measured':>9s} {'predicted':>9s} {'ratio':>6s}  staleness  learner step s  learner busy"
+          "  slot util  (measured/predicted)  host share")
     for mode, x in res["modes"].items():
         print(f"{mode:10s} {x['measured_tps']:9.0f} {x['predicted_tps']:9.0f} {x['ratio']:6.2f}  "
               f"{x['measured_staleness']:.2f}/{x['predicted_staleness']:.2f}  "
-              f"{x['measured_learner_step_s']:.3f}/{x['predicted_learner_step_s']:.3f}"
+              f"{x['measured_learner_step_s']:.3f}/{x['predicted_learner_step_s']:.3f}  "
+              f"{x['measured_learner_busy']:.2f}/{x['predicted_learner_busy']:.2f}  "
+              f"{x['measured_slot_util']:.2f}/{x['predicted_slot_util']:.2f}  {x['host_share']:.3f}"
               f"{'  (fitted)' if x['fitted_on'] else ''}")
     print(json.dumps(res))
     return 0 if res["ok"] else 1

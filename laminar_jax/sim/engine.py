@@ -35,6 +35,13 @@ from laminar_jax.sim.metrics import Recorder, SimResult
 from laminar_jax.sim.workload import WorkloadSpec, env_latency, sample
 
 
+# shared_host: the learner's share of the host while servers decode. The planes share it, not the
+# threads: every server's decode loop runs under one interpreter lock, so generation as a whole
+# competes with the learner as one claimant (a CPU run's learner step takes ~2x its time alone
+# while servers decode, not 1 + servers times; docs/SIMULATION.md, "Held against a real run").
+LEARNER_HOST_SHARE = 0.5
+
+
 @dataclasses.dataclass(frozen=True)
 class Placement:
     """Resolved GPU split.
@@ -115,6 +122,11 @@ class Simulator:
         self.ready_t = np.zeros((S, M))  # decodable from (env wait, KV transfer)
         self.paused = np.zeros((S, M), bool)  # preempted: holds no KV, resumes with a re-prefill
         self.adm = np.zeros((S, M))  # admission time (preemption order)
+        # Flat views of the slot arrays (the hot loop works on the occupied slots only) and a zeroed
+        # [S·M] scratch row: per-server float sums go through it so that they add the same numbers
+        # in the same order as a sum over the whole [S, M] array (identical results).
+        self._flat = {k: getattr(self, k).reshape(-1) for k in ("sid", "rem", "ctx", "ready_t", "paused")}
+        self._scratch = np.zeros(S * M)
         # Servers.
         self.version = np.zeros(S, np.int64)
         self.loading = np.zeros(S, bool)
@@ -137,7 +149,12 @@ class Simulator:
         # Learner.
         self.l_steps = 0  # learner version = steps trained
         self.l_free = 0.0
-        self.l_span = (0.0, 0.0)  # the latest learner step's (start, end)
+        # shared_host: the running step's (start, tokens, staleness) and host-seconds of work left;
+        # its end is found tick by tick, as its share of the host depends on the servers decoding.
+        self.l_run: tuple | None = None
+        self.l_work = 0.0
+        self.n_decoding = 0  # servers decoding in the current tick
+        self.host_div = 1.0  # and the divisor of their share of the host
         self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
         self.v_seen = 0  # newest version the rollout side has seen
         self.next_repack = 0.0
@@ -174,7 +191,7 @@ class Simulator:
             self.next_repack = t + self.cfg.repack_interval_s
         self._decode(t, t1)
         self._preempt()
-        self._learner(t1)
+        self._learner(t, t1)
         self.rec.sample_tick(t, t1, self)
 
     # ---- weights ----------------------------------------------------------------------------
@@ -285,6 +302,8 @@ class Simulator:
             return
         occupied = self.sid >= 0
         free = self.M - occupied.sum(1)
+        if not (free.any() and (self.used < self.cfg.admit_kv_frac * self.kv_cap).any()):
+            return  # every slot taken, or every server's KV at the admission bound: want is all 0
         head = self.queue[self.q_head:self.q_head + min(nq, 4096)]
         per_prompt = math.ceil(float(self.seqs["plen"][head].mean()) / self.cfg.page_tokens) + 1
         room = np.floor((self.cfg.admit_kv_frac * self.kv_cap - self.used) / per_prompt)
@@ -300,8 +319,11 @@ class Simulator:
             want = np.zeros_like(want)
             want[order] = keep
             total = nq
-        rank = np.cumsum(~occupied, axis=1) - 1
-        rows, cols = np.nonzero(~occupied & (rank < want[:, None]))
+        # The lowest free slots of each server, row-major (flat indices: np.nonzero on 2-D is slow).
+        take = np.flatnonzero(want > 0)
+        sub = ~occupied[take]
+        flat = np.flatnonzero(sub & (np.cumsum(sub, axis=1) <= want[take, None]))
+        rows, cols = take[flat // self.M], flat % self.M
         sids = self.queue[self.q_head:self.q_head + total]
         self.q_head += total
         self._place(rows, cols, sids, t)
@@ -326,40 +348,53 @@ class Simulator:
 
     def _charge_prefill(self, tok, sq, t: float) -> None:
         pre = self.cost.prefill_s(tok, sq)
-        self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + pre, self.busy_until)
+        # shared_host: the server gets its share of the host, as in the last tick's decode.
+        wall = pre * self.host_div if self.cfg.shared_host else pre
+        self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + wall, self.busy_until)
         self.rec.add_prefill(pre, t)
 
     # ---- KV ---------------------------------------------------------------------------------
-    def _pages(self) -> np.ndarray:
-        """KV pages held per slot, f64[S, M] (paused sequences hold none)."""
-        held = (self.sid >= 0) & ~self.paused
-        return np.where(held, np.ceil(self.ctx / self.cfg.page_tokens), 0.0)
+    def _held(self) -> np.ndarray:
+        """Flat indices of the slots holding KV (live, not paused), ascending."""
+        f = self._flat
+        occ = np.flatnonzero(f["sid"] >= 0)
+        return occ[~f["paused"][occ]]
+
+    def _used_pages(self) -> np.ndarray:
+        """KV pages held per server, f64[S] (whole pages per sequence: exact in any order)."""
+        held = self._held()
+        pages = np.ceil(self._flat["ctx"][held] / self.cfg.page_tokens)
+        return np.bincount(held // self.M, weights=pages, minlength=self.S)
+
+    def _row_pages(self, s: int) -> np.ndarray:
+        """KV pages held per slot of server s, f64[M] (paused sequences hold none)."""
+        held = (self.sid[s] >= 0) & ~self.paused[s]
+        return np.where(held, np.ceil(self.ctx[s] / self.cfg.page_tokens), 0.0)
 
     def _preempt(self) -> None:
         """Over-full KV: pause the most recently admitted sequences (vLLM recompute preemption).
 
         Leaves ``self.used`` (pages per server) current for the next tick's admission and metrics.
         """
-        pages = self._pages()
-        used = pages.sum(1)
+        used = self._used_pages()
         self.used = used
         for s in np.nonzero(used > self.kv_cap)[0]:
+            pages = self._row_pages(s)
             cand = np.nonzero((self.sid[s] >= 0) & ~self.paused[s])[0]
             cand = cand[np.argsort(-self.adm[s, cand])]
             excess = used[s] - self.kv_cap
-            freed = np.cumsum(pages[s, cand])
+            freed = np.cumsum(pages[cand])
             n = int(np.searchsorted(freed, excess)) + 1
             self.paused[s, cand[:n]] = True
             self.rec.preemptions += n
-            self.used[s] -= pages[s, cand[:n]].sum()
+            self.used[s] -= pages[cand[:n]].sum()
 
     def _resume_paused(self, t: float) -> None:
         any_paused = self.paused.any(1) & ~self.loading
         if not any_paused.any():
             return
-        pages = self._pages()
         for s in np.nonzero(any_paused)[0]:
-            used = pages[s].sum()
+            used = self._row_pages(s).sum()
             idx = np.nonzero(self.paused[s])[0]
             idx = idx[np.argsort(self.adm[s, idx])]
             need = np.cumsum(np.ceil(self.ctx[s, idx] / self.cfg.page_tokens))
@@ -379,10 +414,12 @@ class Simulator:
         """Snapshot servers as ServerViews (see :func:`snapshot_servers`) and execute plan_repack's moves."""
         occ = self.sid >= 0
         live = occ.sum(1)
-        used = self._pages().sum(1).astype(np.int64)
+        used = self._used_pages().astype(np.int64)
         picked = snapshot_servers(live, self.version, ~self.loading, self.cfg.max_batch)
-        rows, cols = np.nonzero(occ[picked])  # row-major: grouped by picked server
+        flat = np.flatnonzero(occ[picked])  # row-major: grouped by picked server
+        rows, cols = flat // self.M, flat % self.M
         uids = self.sid[picked[rows], cols].tolist()
+        col_of = dict(zip(uids, cols.tolist()))
         pages = np.ceil(self.ctx[picked[rows], cols] / self.cfg.page_tokens).astype(np.int64).tolist()
         bounds = np.concatenate([[0], np.cumsum(live[picked])]).tolist()
         ver, prev, used_l = self.version[picked].tolist(), self.used_prev[picked].tolist(), used[picked].tolist()
@@ -399,12 +436,12 @@ class Simulator:
         for m in moves:
             by_pair.setdefault((int(m.src), int(m.dst)), []).append(int(m.seq_uid))
         for (src, dst), uids in by_pair.items():
-            self._move(src, dst, uids, t)
+            self._move(src, dst, np.sort(np.array([col_of[u] for u in uids], np.int64)), t)
 
-    def _move(self, src: int, dst: int, uids: list[int], t: float) -> None:
+    def _move(self, src: int, dst: int, src_cols: np.ndarray, t: float) -> None:
+        """Move the sequences in src's slots ``src_cols`` (ascending) to dst's lowest free slots."""
         if int(self.version[src]) != int(self.version[dst]):
             raise AssertionError(f"repack moved sequences across versions ({src}->{dst})")
-        src_cols = np.nonzero(np.isin(self.sid[src], uids))[0]
         dst_cols = np.nonzero(self.sid[dst] < 0)[0][:src_cols.size]
         if dst_cols.size < src_cols.size:
             raise AssertionError(f"repack destination {dst} has no free slot")
@@ -419,33 +456,47 @@ class Simulator:
         self.rec.moved_pages += float(pages)
 
     # ---- decode -----------------------------------------------------------------------------
+    def _dense_sum(self, idx: np.ndarray, values: np.ndarray, per_server: bool = False):
+        """Sum of ``values`` at flat slots ``idx`` (per server, or in all), zeros elsewhere: the same
+        additions in the same order as summing the whole [S, M] array, so the result is identical."""
+        buf = self._scratch
+        buf[idx] = values
+        out = buf.reshape(self.S, self.M).sum(1) if per_server else buf.sum()
+        buf[idx] = 0.0
+        return out
+
     def _decode(self, t: float, t1: float) -> None:
-        occ = self.sid >= 0
-        active = occ & ~self.paused & (self.ready_t <= t)
-        b = active.sum(1)
+        S, M, f = self.S, self.M, self._flat
+        occ = np.flatnonzero(f["sid"] >= 0)
+        idx = occ[~f["paused"][occ] & (f["ready_t"][occ] <= t)]  # active slots, ascending (row-major)
+        row = idx // M
+        b = np.bincount(row, minlength=S)
         avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
         avail[b == 0] = 0.0
-        if self.cfg.shared_host:  # one host, shared equally by the busy servers and a training learner
-            learner = max(0.0, min(t1, self.l_span[1]) - max(t, self.l_span[0])) / (t1 - t)
-            avail = avail / max(1.0, float((b > 0).sum()) + learner)
-        ctx_sum = np.where(active, self.ctx, 0.0).sum(1)
+        if self.cfg.shared_host:
+            avail = avail / self._host_divisor(int((b > 0).sum()), t1 - t)
+        ctx_a = f["ctx"][idx]
+        ctx_sum = self._dense_sum(idx, ctx_a, per_server=True)
         tau = self.cost.decode_step_s(b, ctx_sum)
-        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
+        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
         tau = self.cost.decode_step_s(b, ctx_sum + b * steps / 2)  # context grows during the tick
-        steps = np.divide(avail, tau, out=np.zeros(self.S), where=tau > 0)
-        rem = np.where(active, self.rem, 0.0)
-        adv = np.minimum(rem, steps[:, None])
-        self.rem -= adv
-        self.ctx += adv
-        self.rec.tokens_generated += float(adv.sum())
-        need = np.where(b > 0, rem.max(1) * tau, 0.0)
+        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
+        rem_a = f["rem"][idx]
+        adv = np.minimum(rem_a, steps[row])
+        left_a = rem_a - adv
+        f["rem"][idx] = left_a
+        f["ctx"][idx] = ctx_a + adv
+        self.rec.tokens_generated += float(self._dense_sum(idx, adv))
+        rmax = np.zeros(S)
+        np.maximum.at(rmax, row, rem_a)
+        need = np.where(b > 0, rmax * tau, 0.0)
         self.rec.add_decode(np.minimum(avail, need), t)
-        done = active & (self.rem <= 0)
+        done = left_a <= 0
         if not done.any():
             return
-        rows, cols = np.nonzero(done)
+        rows, cols = row[done], idx[done] - row[done] * M
         start = t1 - avail[rows]
-        finish = start + rem[rows, cols] / np.maximum(steps[rows], 1e-12) * avail[rows]
+        finish = start + rem_a[done] / np.maximum(steps[rows], 1e-12) * avail[rows]
         more = self.left[rows, cols] > 0
         if more.any():
             self._next_turn(rows[more], cols[more], finish[more], t)
@@ -491,9 +542,44 @@ class Simulator:
             self.buf.append((float(g["ready"][gid]), meta))
 
     # ---- learner ----------------------------------------------------------------------------
-    def _learner(self, t1: float) -> None:
-        """Start every learner step that can start by t1 (continuous time)."""
-        while self.l_free <= t1 and len(self.buf) >= self.B:
+    def _host_divisor(self, n: int, dt: float) -> float:
+        """shared_host: the n decoding servers each get dt / divisor host-seconds of the tick.
+
+        Processor sharing between two planes: while the learner trains and servers decode, the
+        learner gets LEARNER_HOST_SHARE of the host and the servers split the rest equally; the
+        learner counts for the part of the tick its step still needs at that share.
+        """
+        self.n_decoding = n
+        lam = self._learner_share(n)
+        a = min(1.0, self.l_work / lam / dt) if self.l_run is not None and n > 0 else 0.0
+        self.host_div = max(1.0, n / (1.0 - a * lam))
+        return self.host_div
+
+    @staticmethod
+    def _learner_share(n_decoding: int) -> float:
+        return 1.0 if n_decoding == 0 else LEARNER_HOST_SHARE
+
+    def _learner_progress(self, t: float, t1: float) -> float | None:
+        """shared_host: advance the running step by its host share this tick; its end, or None."""
+        s0 = max(t, self.l_run[0])
+        rate = self._learner_share(self.n_decoding)
+        if self.l_work <= (t1 - s0) * rate:
+            end, self.l_work = s0 + self.l_work / rate, 0.0
+            return end
+        self.l_work -= (t1 - s0) * rate
+        return None
+
+    def _learner(self, t: float, t1: float) -> None:
+        """Start (and, on a shared host, finish) every learner step that can by t1 (continuous time)."""
+        while True:
+            if self.l_run is not None:
+                end = self._learner_progress(t, t1)
+                if end is None:
+                    return
+                (start, tokens, stale), self.l_run = self.l_run, None
+                self._end_step(start, end, tokens, stale)
+            if not (self.l_free <= t1 and len(self.buf) >= self.B):
+                return
             ready_times = sorted(rt for rt, _ in self.buf)
             td = max(self.l_free, ready_times[self.B - 1])
             if td > t1:
@@ -509,14 +595,18 @@ class Simulator:
                     return  # the policy declined: try again next tick
                 continue
             tokens = sum(m.num_tokens for m in sel.take)
+            stale = [policies.staleness(self.l_steps, m.version) for m in sel.take]
             dur = self.cost.learner_step_s(tokens, self.place.learner_gpus)
-            if self.cfg.shared_host:  # each server holding live sequences takes an equal share
-                dur *= 1.0 + float(((self.sid >= 0).any(1)).sum())
-            end = td + dur
-            if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
-                end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
-            self.rec.step(td, end, tokens, [policies.staleness(self.l_steps, m.version) for m in sel.take])
-            self.l_span = (td, end)
-            self.l_steps += 1
-            self.l_free = end + self.d2h_s
-            self.publish_t.append(self.l_free)
+            if self.cfg.shared_host:  # the end depends on the host share it gets: found tick by tick
+                self.l_run, self.l_work, self.l_free = (td, tokens, stale), dur, math.inf
+                self.rec.learner_work(td, dur)
+                continue
+            self._end_step(td, td + dur, tokens, stale)
+
+    def _end_step(self, start: float, end: float, tokens: int, stale: list[int]) -> None:
+        if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
+            end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
+        self.rec.step(start, end, tokens, stale)
+        self.l_steps += 1
+        self.l_free = end + self.d2h_s
+        self.publish_t.append(self.l_free)

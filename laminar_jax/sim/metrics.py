@@ -106,6 +106,7 @@ class Recorder:
         self.pull_lat: list[float] = []
         self.repacks = self.moves = self.preemptions = self.dropped = self.trajectories = 0
         self.moved_pages = self.reprefill_tokens = self.tokens_generated = 0.0
+        self.learner_host_s = 0.0  # shared_host: learner work (host-seconds) of steps started in the window
         self.timeline = None
         if cfg.timeline_servers > 0:
             from laminar_jax.runtime.timeline import Timeline
@@ -120,6 +121,10 @@ class Recorder:
     def add_prefill(self, secs: np.ndarray, t: float) -> None:
         if t >= self.warm:
             self.busy += float(secs.sum())
+
+    def learner_work(self, start: float, host_s: float) -> None:
+        if start >= self.warm:
+            self.learner_host_s += host_s
 
     def pulls(self, lat: np.ndarray) -> None:
         self.pull_lat.extend(lat.tolist())
@@ -184,7 +189,10 @@ class Recorder:
             reprefill_tokens=self.reprefill_tokens, dropped_groups=self.dropped,
             trajectories=self.trajectories,
             extra={"tokens_generated": self.tokens_generated, "moved_pages": self.moved_pages,
-                   "kv_pages_per_server": self.kv_cap})
+                   "kv_pages_per_server": self.kv_cap,
+                   # shared_host: fraction of the window the host had work (decode + prefill + learner
+                   # host-seconds over window seconds): how busy the model keeps the CPU.
+                   "host_busy": (self.busy + self.learner_host_s) / win if cfg.shared_host else None})
 
     def render_timeline(self, path: str, title: str = "") -> Optional[str]:
         if self.timeline is None:

@@ -32,7 +32,48 @@ def test_baselines_predicted_within_25_percent(result, mode):
     assert abs(row["ratio"] - 1) <= cpu_check.TOLERANCE, row
 
 
-@pytest.mark.xfail(strict=True, reason="the model over-predicts CPU laminar by ~40%: see docs/SIMULATION.md, "
+def test_shared_host_never_runs_past_a_full_host(result):
+    # Processor sharing hands out the host's time, it does not make more of it.
+    for mode, row in result["modes"].items():
+        assert 0.5 < row["predicted_host_busy"] <= 1.02, (mode, row)
+
+
+@pytest.mark.parametrize("mode", ["one_step", "stream", "laminar"])
+def test_learner_busy_predicted(result, mode):
+    # The learner shares the host with generation as a whole (about half of it while servers
+    # decode), so its busy fraction in the overlapped modes comes out near the measured one; sharing
+    # per thread (1 + servers ways) put it at 0.84-0.93 against a measured 0.41-0.51.
+    row = result["modes"][mode]
+    assert abs(row["predicted_learner_busy"] - row["measured_learner_busy"]) <= 0.15, row
+
+
+@pytest.mark.xfail(strict=True, reason="the model over-predicts CPU laminar by ~28%: see docs/SIMULATION.md, "
                                        "'Held against a real run'")
 def test_laminar_predicted_within_25_percent(result):
     assert abs(result["modes"]["laminar"]["ratio"] - 1) <= cpu_check.TOLERANCE, result["modes"]["laminar"]
+
+
+def test_capture_keeps_each_modes_figures_and_load(tmp_path, monkeypatch):
+    # The e2e bench itself is minutes of CPU: a fake run_mode/main stand in for it here; the stored
+    # fixture above is the real capture.
+    import types
+
+    from laminar_jax.benchmarks import e2e
+
+    def fake_run_mode(mode, model_dir, budget_s, run_root, args):
+        return {k: 1.0 for k in cpu_check._KEEP}
+
+    def fake_main(argv):
+        args = types.SimpleNamespace(servers=4, slots=8, prompts_per_step=8)
+        for mode in ("sync", "laminar"):
+            e2e.run_mode(mode, "", 1.0, "", args)
+        return {"bench": "e2e"}
+
+    monkeypatch.setattr(e2e, "run_mode", fake_run_mode)
+    monkeypatch.setattr(e2e, "main", fake_main)
+    path = str(tmp_path / "capture.jsonl")
+    cpu_check.capture(path, modes=("sync", "laminar"))
+    rec = cpu_check.load_capture(path)
+    assert set(rec["modes"]) == {"sync", "laminar"} and rec["host_cpus"] >= 1
+    assert len(rec["modes"]["laminar"]["loadavg"]) == 2 and rec["modes"]["laminar"]["run"]["servers"] == 4
+    assert e2e.run_mode is fake_run_mode  # put back
