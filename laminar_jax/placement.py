@@ -158,8 +158,8 @@ def bytes_limits(devices: Sequence[Any]) -> dict[int, Optional[int]]:
 def check_fit(cfg: Any, layout: Layout, devices: Sequence[Any], arch: Any, weight_bytes: int,
               kv_itemsize: int) -> None:
     """Fail at start, naming the budget, when a device cannot hold its roles' share."""
-    need = device_needs(layout, learner_bytes_per_device(arch.num_params(), len(layout.learner)),
-                        rollout_bytes_per_device(arch, cfg.rollout, cfg.placement.rollout_tp, weight_bytes, kv_itemsize))
+    server = rollout_bytes_per_device(arch, cfg.rollout, cfg.placement.rollout_tp, weight_bytes, kv_itemsize)
+    need = device_needs(layout, learner_bytes_per_device(arch.num_params(), len(layout.learner)), server)
     errors = fit_errors(need, bytes_limits(devices))
     if errors:
         raise ConfigError("placement: the model does not fit its devices:\n  " + "\n  ".join(errors))

@@ -1,13 +1,14 @@
 """Per-device memory of a run's placement against a named accelerator (``launch/plan.py memory``).
 
 Learner device: its share of the training state (params + grads + AdamW's two moments in
-model.param_dtype: 16 bytes per parameter in float32, 8 in bfloat16, sharded over the learner's devices by FSDP) plus the activations autodiff keeps for
-one micro-batch's rows on that device (by the learner memory plan's residuals: abstract shapes,
-reflecting learner.remat and attention_impl). Rollout device: its weight shard (weights in
-model.param_dtype / rollout_tp) plus its KV-head share of the page pool (rollout.num_pages pages of
-page_size tokens, in model.dtype). Colocated roles add up on a shared device. Not counted: XLA's
-scratch buffers and the allocator's fragmentation: keep a margin (the verdict asks for
-``margin`` of the device free).
+model.param_dtype: 16 bytes per parameter in float32, 8 in bfloat16, sharded over the learner's
+devices by FSDP) plus the activations autodiff keeps for one micro-batch's rows on that device
+(the learner memory plan's residuals on abstract shapes, reflecting learner.remat and
+attention_impl; worst case: every trajectory at rollout.max_total_len, one per packed row).
+Rollout device: its weight shard (model.param_dtype / rollout_tp) plus its KV-head share of the
+page pool (rollout.num_pages pages of page_size tokens, in model.dtype). Colocated roles add up on
+a shared device. Not counted: XLA's scratch buffers and the allocator's fragmentation, hence the
+margin the verdict keeps free (10% by default).
 """
 
 from __future__ import annotations

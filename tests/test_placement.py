@@ -71,3 +71,28 @@ def test_memory_fit_counts_each_device_and_names_the_budget():
     # Colocated: one device holds the learner's share and a server's.
     both = device_needs(Layout((0,), ((0,),)), 10, 5)
     assert both == {0: 15}
+
+
+class FakeDevice:
+    """Stands in for a jax device's memory_stats (the only thing check_fit reads)."""
+
+    def __init__(self, limit):
+        self.limit = limit
+
+    def memory_stats(self):
+        return None if self.limit is None else {"bytes_limit": self.limit}
+
+
+def test_check_fit_fails_at_start_naming_the_budget():
+    from laminar_jax.config import finalize, repo_config
+    from laminar_jax.placement import check_fit
+
+    c = repo_config("gpu_node")
+    cfg = finalize(c)
+    arch = PRESETS["qwen2.5-7b"]
+    lay = plan_layout(cfg.placement, 8, cfg.runtime.num_servers)
+    weights = 4 * arch.num_params()
+    check_fit(cfg, lay, [FakeDevice(80 * 2**30)] * 8, arch, weights, 2)  # fits
+    check_fit(cfg, lay, [FakeDevice(None)] * 8, arch, weights, 2)  # CPU: nothing reported, nothing checked
+    with pytest.raises(ConfigError, match=r"device 4: needs .* GiB .* bytes_limit is 40\.00 GiB"):
+        check_fit(cfg, lay, [FakeDevice(80 * 2**30)] * 4 + [FakeDevice(40 * 2**30)] * 4, arch, weights, 2)

@@ -76,7 +76,7 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
         section = server_section(cfg, i, generation)
         name = section.server_id
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
-        params = params if engine.mesh is None else engine.place_params(params)
+        params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
                                buffer, policy, from_flat if engine.mesh is None else params_from_flat(model, engine),

@@ -15,7 +15,7 @@ from typing import Optional
 from laminar_jax.config import Config
 from laminar_jax.runtime.buffer_service import BufferService
 from laminar_jax.runtime.driver import Driver
-from laminar_jax.runtime.fleet import ThreadFleet, params_from_flat
+from laminar_jax.runtime.fleet import ThreadFleet
 from laminar_jax.runtime.monitor import Monitor
 from laminar_jax.runtime.parts import resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.weights import WeightsPlane
@@ -39,6 +39,7 @@ def _relay(cfg: Config, key: bytes) -> tuple:
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
     """Build every plane of a local run from the config; `.run()` trains and returns the summary."""
     from laminar_jax.learner.learner import Learner
+    from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.relay.auth import run_key
 
@@ -65,9 +66,9 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
-    host = learner.policy_params()
-    fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version,
-                              params_from_flat(model)(host), server_devices)
+    # Host copies: each server places them on its own devices (no full replica on the default device first).
+    host = unflatten_params(learner.policy_params(), nnx_params(model))
+    fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
                   weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
                   summary_extra=lambda _: {"placement": layout})

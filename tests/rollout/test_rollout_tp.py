@@ -75,3 +75,15 @@ def devs_all(shards):
 def test_kv_heads_not_divisible_is_an_error_naming_both():
     err = _worker("gqa_error")["error"]
     assert err is not None and "TP width 4" in err and "num_kv_heads=2" in err
+
+
+def test_megatron_layout_gathers_no_weights():
+    """Each device keeps its weight shards: the decode program all-reduces activations (after o and
+    down) and all-gathers only the vocabulary-split logits for sampling, never a weight."""
+    out = _worker("collectives")
+    ops = out["ops"]
+    # Hidden-state all-reduces: after o and after down in every layer, and the vocab-split embedding lookup.
+    hidden = f"f32[{out['slots']},1,{out['hidden']}]"
+    assert sum(op == "all-reduce" and s.startswith(hidden) for s, op in ops) == 2 * out["layers"] + 1, ops
+    gathers = [shape for shape, op in ops if op != "all-reduce"]
+    assert gathers and all(s.startswith(f"f32[{out['slots']},{out['vocab']}]") for s in gathers), gathers

@@ -94,6 +94,20 @@ def host_pull():
     return {"shards": shards, "out": out, "ref": ref}
 
 
+def collectives():
+    """The collectives of the TP 2 generate program: all-reduces, and all-gathers only of [slots, vocab] logits."""
+    import re
+
+    s = _server(2)
+    eng = s.engine
+    leaves, progs = eng._bind(s._params)
+    rows, n = eng._rows()
+    text = progs.generate.lower(leaves, s._state, rows, n, eng.live_bucket()).compile().as_text()
+    found = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)\(", text)
+    return {"ops": [[shape, op] for shape, op in found], "slots": SECTION.num_slots, "vocab": CFG.vocab_size,
+            "hidden": CFG.hidden_size, "layers": CFG.num_layers}
+
+
 def gqa_error():
     model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))  # 2 KV heads
     try:
@@ -116,6 +130,8 @@ if __name__ == "__main__":
         out = moves()
     elif what == "host_pull":
         out = host_pull()
+    elif what == "collectives":
+        out = collectives()
     elif what == "gqa_error":
         out = {"error": gqa_error()}
     else:
