@@ -96,3 +96,16 @@ def test_check_fit_fails_at_start_naming_the_budget():
     check_fit(cfg, lay, [FakeDevice(None)] * 8, arch, weights, 2)  # CPU: nothing reported, nothing checked
     with pytest.raises(ConfigError, match=r"device 4: needs .* GiB .* bytes_limit is 40\.00 GiB"):
         check_fit(cfg, lay, [FakeDevice(80 * 2**30)] * 4 + [FakeDevice(40 * 2**30)] * 4, arch, weights, 2)
+
+
+def test_config_json_records_the_layout_and_still_loads(tmp_path):
+    import json
+
+    from laminar_jax.config import load_config, save_config
+
+    cfg = finalize(default_config())
+    layout = {"learner": [0, 1, 2, 3], "servers": [[4, 5], [6, 7]]}
+    path = save_config(cfg, str(tmp_path), layout)
+    with open(path) as f:
+        assert json.load(f)["realised_placement"] == layout
+    assert load_config(path) == cfg
