@@ -27,9 +27,11 @@ def get_config(variant: str = ""):
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
 
-    c.rollout.num_slots = 256
+    # Per rollout GPU (launch/plan.py memory --gpu h100): 30.5 GB of float32 weights + 37.6 GB of
+    # bf16 KV (10240 pages x 64 tokens); 256 x 72 pages (67.6 GB of KV) did not fit an 80 GB H100.
+    c.rollout.num_slots = 128
     c.rollout.page_size = 64
-    c.rollout.num_pages = 256 * 72 + 1
+    c.rollout.num_pages = 128 * 80 + 1
     c.rollout.max_prompt_len = 2048
     c.rollout.max_new_tokens = 16384
     c.rollout.max_total_len = 18432

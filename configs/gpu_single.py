@@ -36,7 +36,9 @@ def get_config(variant: str = ""):
     c.learner.clip_eps_high = 0.28
     c.learner.off_policy = "tis"
     c.learner.loss_agg = "seq-mean-token-mean"
-    c.learner.micro_batches = 8
+    # 16 packed rows of 2560 tokens per micro-batch at worst (every response at max length): ~49 GB of
+    # activations; with 8 micro-batches the worst case needs ~97 GB (launch/plan.py memory says so).
+    c.learner.micro_batches = 16
     c.learner.seq_len_buckets = (512, 1024, 2048, 2560)
     # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "dots_with_no_batch_dims_saveable"  # keep matmul outputs, recompute the rest

@@ -22,6 +22,7 @@ from laminar_jax.data.config import DataSection
 from laminar_jax.env.config import EnvSection
 from laminar_jax.learner.config import LearnerSection, MeshSection
 from laminar_jax.model.config import ModelSection
+from laminar_jax.placement import PlacementSection
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.runtime.config import RuntimeSection
@@ -45,6 +46,7 @@ class Config:
       data: Prompts and rewards (laminar_jax.data).
       runtime: Wiring, mode and run length (laminar_jax.runtime).
       env: Multi-turn episodes and their environments (laminar_jax.env).
+      placement: Which devices the learner and each rollout server use (laminar_jax.placement).
       seed: Global seed; planes derive theirs from it unless set.
     """
 
@@ -58,6 +60,7 @@ class Config:
     data: DataSection = DataSection()
     runtime: RuntimeSection = RuntimeSection()
     env: EnvSection = EnvSection()
+    placement: PlacementSection = PlacementSection()
     seed: int = 0
 
     def validate(self, prefix: str) -> None:
@@ -159,12 +162,20 @@ def unknown_override(argv: list[str]) -> Optional[str]:
     return None
 
 
-def save_config(cfg: Config, run_dir: str) -> str:
+# config.json's record of where the roles ran (placement.Layout.to_json); not a config key.
+REALISED_PLACEMENT = "realised_placement"
+
+
+def save_config(cfg: Config, run_dir: str, layout: Optional[dict] = None) -> str:
+    """Write <run_dir>/config.json; ``layout``: the realised device layout, recorded beside the keys."""
     os.makedirs(run_dir, exist_ok=True)
     path = os.path.join(run_dir, "config.json")
     tmp = path + ".tmp"
+    text = to_json(cfg)
+    if layout is not None:
+        text = json.dumps({**json.loads(text), REALISED_PLACEMENT: layout}, indent=2)
     with open(tmp, "w") as f:
-        f.write(to_json(cfg))
+        f.write(text)
     os.replace(tmp, path)
     return path
 
@@ -176,6 +187,7 @@ def load_config(path: str) -> Config:
             raw = json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path}: not valid JSON ({e})") from None
+    raw.pop(REALISED_PLACEMENT, None)  # a record of the last run's devices, not a key
     return finalize(raw)
 
 

@@ -4,6 +4,12 @@ within the target (sim.max_mean_staleness, sim.max_p99_staleness), by simulation
   python launch/plan.py --model qwen2.5-7b --gpus 256 --gpu h800 --mode laminar
   python launch/plan.py --config=laminar_jax/sim/example_config.py
       (a python file whose get_config() returns a ConfigDict of laminar_jax.sim.SimSection; see docs/CONFIG.md)
+
+Per-device memory of a run config's placement against an accelerator (h100, h200, tpu-v5e):
+
+  python launch/plan.py memory --config=configs/gpu_node.py --gpu h100
+  python launch/plan.py memory --config=configs/gpu_node.py:32b --gpu h200 --devices 8 --json
+      (exit status 0 when it fits, 1 when a device does not; see laminar_jax/placement_memory.py)
 """
 
 import argparse
@@ -56,5 +62,31 @@ def main(argv):
     return 0
 
 
+def memory_main(argv):
+    """`plan.py memory`: per-device bytes of a run config (configs/<x>.py[:variant]) on a host of accelerators."""
+    import json
+
+    from laminar_jax.config import finalize
+    from laminar_jax.placement_memory import ACCELERATORS, format_report, report
+
+    ap = argparse.ArgumentParser(prog="plan.py memory", description=memory_main.__doc__)
+    ap.add_argument("--config", required=True, help="run config file[:variant], e.g. configs/gpu_node.py:32b")
+    ap.add_argument("--gpu", default="h100", choices=sorted(ACCELERATORS), help="accelerator (default h100)")
+    ap.add_argument("--devices", type=int, default=8, help="accelerators on the host (default 8)")
+    ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
+    args = ap.parse_args(argv)
+    path, _, variant = args.config.partition(":")
+    spec = importlib.util.spec_from_file_location("run_config", path)
+    if spec is None or not os.path.exists(path):
+        ap.error(f"--config: {path}: no such file")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    r = report(finalize(mod.get_config(variant)), args.gpu, args.devices)
+    print(json.dumps(r) if args.json else format_report(r))
+    return 0 if r["fits"] else 1
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["memory"]:
+        sys.exit(memory_main(sys.argv[2:]))
     sys.exit(main(sys.argv[1:]))

@@ -116,14 +116,8 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
     return out
 
 
-def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> dict:
-    """Memory of one gradient pass of ``section`` over [rows, seq], from abstract shapes only.
-
-    residual_gb: what autodiff keeps for the backward pass (backend-independent; reflects remat and
-    attention_impl). temp_gb: XLA's scratch for the compiled pass on the backend jax runs on; on
-    XLA:CPU it ignores remat (none/full give the same figure) and computes bf16 matmuls in f32, so
-    there it only compares attention settings.
-    """
+def _abstract_pass(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype):
+    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass."""
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
     graphdef, params = nnx.split(model)
     i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
@@ -141,7 +135,24 @@ def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq:
         return jax.vjp(lambda q: loss_fn(q, b, norm)[0], p)[1]  # a Partial whose leaves are the residuals
 
     saved = jax.eval_shape(residuals, {"actor": params}, batch)
-    residual_gb = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(saved)) / 1e9
+    return params, batch, graphs, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(saved))
+
+
+def memory_plan_residuals(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> int:
+    """Bytes of the activations one gradient pass over [rows, seq] keeps for its backward pass (no compile)."""
+    return _abstract_pass(cfg, section, rows, seq, dtype)[3]
+
+
+def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> dict:
+    """Memory of one gradient pass of ``section`` over [rows, seq], from abstract shapes only.
+
+    residual_gb: what autodiff keeps for the backward pass (backend-independent; reflects remat and
+    attention_impl). temp_gb: XLA's scratch for the compiled pass on the backend jax runs on; on
+    XLA:CPU it ignores remat (none/full give the same figure) and computes bf16 matmuls in f32, so
+    there it only compares attention settings.
+    """
+    params, batch, graphs, residual_bytes = _abstract_pass(cfg, section, rows, seq, dtype)
+    residual_gb = residual_bytes / 1e9
     t0 = time.perf_counter()
     grads = jax.jit(make_grad_fn(section, graphs))
     mem = grads.lower({"actor": params}, batch).compile().memory_analysis()

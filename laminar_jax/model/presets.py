@@ -33,4 +33,9 @@ PRESETS: dict[str, TransformerConfig] = {
                                     intermediate_size=18944, num_layers=28, num_heads=28, num_kv_heads=4,
                                     head_dim=128, rope_theta=1000000.0, qkv_bias=True,
                                     max_position_embeddings=32768),
+    # Qwen2.5-32B shapes (configs/gpu_node.py:32b, memory planning).
+    "qwen2.5-32b": TransformerConfig(model_type="qwen2", vocab_size=152064, hidden_size=5120,
+                                     intermediate_size=27648, num_layers=64, num_heads=40, num_kv_heads=8,
+                                     head_dim=128, rope_theta=1000000.0, qkv_bias=True,
+                                     max_position_embeddings=32768),
 }

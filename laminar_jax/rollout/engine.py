@@ -25,6 +25,13 @@ it rounds the total up to a power of two (at most num_slots x pages_per_seq). Th
 counts the real live pages and reports ``StepOutput.overflow``; the server raises on it. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
 by the first generate step, so every sampled token (including the first) goes through the one
 sampling path in generate().
+
+Tensor parallelism: ``Engine(..., mesh=...)`` (a Mesh with a 'tensor' axis) runs every program
+over that mesh's devices in the Megatron layout of rollout/tp.py: weights split by heads, MLP
+columns/rows and vocabulary, KV pages split on the KV-head axis, page table and sampling state
+replicated. The calls keep their signatures; params in another layout (or on the host) are
+placed once per params object. Export (read_slot) gathers to plain host arrays, so a sequence
+moves between engines of any TP width.
 """
 
 from __future__ import annotations
@@ -57,6 +64,7 @@ from laminar_jax.rollout.paged import (
     pages_needed,
 )
 from laminar_jax.rollout.sampling import sample_tokens
+from laminar_jax.rollout import tp as tpl
 
 MAX_STOP_IDS = 8
 
@@ -65,7 +73,7 @@ class Engine:
     """Paged-KV decode engine for one model graph. Not thread-safe: one owner calls it."""
 
     def __init__(self, graphdef: Any, model_cfg: TransformerConfig, section: RolloutSection,
-                 kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None):
+                 kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None, mesh: Any = None):
         backends = {**BACKENDS, **(attention_backends or {})}
         section.validate_with_backends("rollout", tuple(backends))  # caller-supplied backends are valid names too
         self.graphdef = graphdef
@@ -88,9 +96,16 @@ class Engine:
         self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
+        self.mesh = mesh
+        self.tp = 1 if mesh is None else tpl.tp_width(mesh)
+        if mesh is not None:
+            tpl.check_tp(model_cfg, self.tp)
+        self.state_shardings = None if mesh is None else self._state_shardings(mesh)
+        self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
-                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk)
+                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings)
         self._params_cache: tuple = (None, None, None)  # (params, leaves, programs) of the last params seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -101,12 +116,55 @@ class Engine:
         """
         if self._params_cache[0] is not params:
             leaves, treedef = jax.tree.flatten(params)
+            if self.mesh is not None:  # a no-op for params already in this engine's layout (place_params)
+                leaves = tpl.place_leaves(leaves, self.param_shardings(params))
             self._params_cache = (params, leaves, _programs(self._spec, treedef))
         return self._params_cache[1], self._params_cache[2]
+
+    # ---------------------------------------------------------------- layout (rollout/tp.py)
+
+    def param_shardings(self, params) -> list:
+        """NamedSharding per leaf of ``jax.tree.leaves(params)`` in this engine's TP layout."""
+        if self.mesh is None:
+            raise ValueError("param_shardings: this engine has no mesh")
+        treedef = jax.tree.structure(params)
+        if self._param_shardings[0] is None or self._param_shardings[0] != treedef:
+            self._param_shardings = (treedef, tpl.param_shardings_list(params, self.mesh))
+        return self._param_shardings[1]
+
+    def place_params(self, params):
+        """params (host numpy or device arrays) -> the same tree in this engine's layout.
+
+        A host leaf sends each device only its own shard (make_array_from_callback). Without a
+        mesh: one device_put onto the default device.
+        """
+        if self.mesh is None:
+            return jax.device_put(params)
+        leaves, treedef = jax.tree.flatten(params)
+        return jax.tree.unflatten(treedef, tpl.place_leaves(leaves, self.param_shardings(params)))
+
+    @property
+    def devices(self) -> list:
+        """The devices this engine's weights and KV pages live on."""
+        return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
+
+    def _state_shardings(self, mesh) -> DecodeState:
+        kv = tuple(tpl.kv_sharding(mesh) for _ in range(self.model_cfg.num_layers))
+        rep = tpl.replicated(mesh)
+        return DecodeState(kv, kv, *([rep] * (len(DecodeState._fields) - 2)))
+
+    def _settle(self, state: DecodeState) -> DecodeState:
+        """Keep the state in its layout after a program that does not constrain it (free when it already is)."""
+        return state if self.mesh is None else jax.device_put(state, self.state_shardings)
 
     # ---------------------------------------------------------------- state
 
     def init_decode_state(self) -> DecodeState:
+        if self.mesh is not None:  # built in place: each device allocates only its KV-head shard
+            return jax.jit(self._zero_state, out_shardings=self.state_shardings)()
+        return self._zero_state()
+
+    def _zero_state(self) -> DecodeState:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
         shape = (self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
         store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
@@ -158,8 +216,9 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = prompt_len - 1
-        return _insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
-                           prefix.last_token, np.int32(slot), self._page_row(pages), *self._init_arrays(init))
+        return self._settle(_insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
+                                        prefix.last_token, np.int32(slot), self._page_row(pages),
+                                        *self._init_arrays(init)))
 
     def prefill_insert(self, params: Any, decode_state: DecodeState, slot: int, prompt_ids,
                        init: SlotInit) -> DecodeState:
@@ -252,7 +311,7 @@ class Engine:
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a live slot on the device (before export or abort)."""
-        return _deactivate_jit(decode_state, np.int32(slot))
+        return self._settle(_deactivate_jit(decode_state, np.int32(slot)))
 
     # ---------------------------------------------------------------- export / import
 
@@ -278,9 +337,13 @@ class Engine:
         pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
         row = self._page_row(pages)
         dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
-        return _write_slot_jit(decode_state, jnp.asarray(np.pad(k, pad)).astype(self.kv_dtype),
-                               jnp.asarray(np.pad(v, pad)).astype(self.kv_dtype), dst, np.int32(slot), row,
-                               np.int32(num_cached), np.int32(last_token), *self._init_arrays(init))
+        if self.mesh is None:
+            kd, vd = (jnp.asarray(np.pad(x, pad)).astype(self.kv_dtype) for x in (k, v))
+        else:  # each device receives only its KV heads of the imported pages
+            kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
+                      for x in (k, v))
+        return self._settle(_write_slot_jit(decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
+                                            np.int32(last_token), *self._init_arrays(init)))
 
     # ---------------------------------------------------------------- multi-turn (rollout/extend.py)
 
@@ -317,8 +380,9 @@ class Engine:
         treedef = jax.tree.structure(params)
         # One row attends at most its own pages_per_seq pages.
         program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.uses_live_pages else 0)
-        return program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
-                       np.int32(num_cached), np.int32(last_token), np.int32(num_generated), np.int32(max_new))
+        return self._settle(program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
+                                    np.int32(num_cached), np.int32(last_token), np.int32(num_generated),
+                                    np.int32(max_new)))
 
     # ---------------------------------------------------------------- helpers
 
@@ -349,6 +413,7 @@ class _Spec(NamedTuple):
     steps_per_call: int
     kv_dtype: Any
     chunk: int  # rows per decode chunk; 0 = no compaction
+    state_shardings: Any = None  # DecodeState of NamedShardings (TP layout), None = one device
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -470,8 +535,9 @@ def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int)
         step = lambda s: _step(spec, model, s, live_bucket)  # noqa: E731
     if spec.steps_per_call == 1:
         state, out = step(state)
-        return state, jax.tree.map(lambda x: x[None], out)
-    return jax.lax.scan(lambda s, _: step(s), state, None, length=spec.steps_per_call)
+        return tpl.constrain(state, spec.state_shardings), jax.tree.map(lambda x: x[None], out)
+    state, out = jax.lax.scan(lambda s, _: step(s), state, None, length=spec.steps_per_call)
+    return tpl.constrain(state, spec.state_shardings), out
 
 
 class _Programs(NamedTuple):
@@ -488,9 +554,9 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
 
     return _Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
-        prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: _insert_impl(
+        prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: tpl.constrain(_insert_impl(
             spec.page_size, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
-            tokens[0, n - 1], slot, row, *init), donate_argnums=(1,)),
+            tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
                          static_argnums=(4,), donate_argnums=(1,)))
@@ -525,9 +591,14 @@ _write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:
-    """(engine, params) for a Transformer; params is the pytree every engine call takes."""
+    """(engine, params) for a Transformer; params is the pytree every engine call takes.
+
+    With ``mesh=`` (a Mesh with a 'tensor' axis, see rollout/tp.py) the params come back placed
+    in the engine's tensor-parallel layout on that mesh's devices.
+    """
     graphdef, params = nnx.split(model)
-    return Engine(graphdef, model.cfg, section, kv_dtype=getattr(model, "dtype", jnp.float32), **kwargs), params
+    engine = Engine(graphdef, model.cfg, section, kv_dtype=getattr(model, "dtype", jnp.float32), **kwargs)
+    return engine, (params if engine.mesh is None else engine.place_params(params))
 
 
 __all__ = ["Engine", "make_engine", "OutOfPages", "MAX_STOP_IDS"]

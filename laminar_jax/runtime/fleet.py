@@ -34,16 +34,38 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model):
-    """flat published weights -> the engine's param pytree, for servers built on `model`."""
+def params_from_flat(model, engine=None):
+    """flat published weights -> the engine's param pytree, for servers built on `model`.
+
+    With an engine over a mesh (placement.rollout_tp, or a server off the default device) the
+    weights land in that engine's layout, each device receiving only its shard of the host copy.
+    """
     from flax import nnx
 
     _, template = nnx.split(model)
-    return functools.partial(params_on_device, template=template)
+    if engine is None or engine.mesh is None:
+        return functools.partial(params_on_device, template=template)
+    from laminar_jax.learner.publish import unflatten_params
+
+    return lambda flat: engine.place_params(unflatten_params(flat, template))
 
 
-def server_factory(cfg, model, buffer, weights, timeline):
-    """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run."""
+def server_mesh(devices):
+    """The engine mesh of a server on ``devices`` (None: the default device, the single-device path)."""
+    import jax
+
+    from laminar_jax.rollout.tp import tp_mesh
+
+    if devices is None or (len(devices) == 1 and devices[0] == jax.devices()[0]):
+        return None
+    return tp_mesh(devices)
+
+
+def server_factory(cfg, model, buffer, weights, timeline, devices=None):
+    """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run.
+
+    devices: per server index, the jax devices its engine runs on (placement); None = the default device.
+    """
     from laminar_jax.rollout import make_engine
     from laminar_jax.rollout.server import RolloutServer
 
@@ -53,11 +75,12 @@ def server_factory(cfg, model, buffer, weights, timeline):
     def make(i: int, generation: int, version: int, params) -> RolloutWorker:
         section = server_section(cfg, i, generation)
         name = section.server_id
-        engine, _ = make_engine(model, section)
+        engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
+        params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg), timeline=timeline,
-                               episodes=episodes)
+                               buffer, policy, from_flat if engine.mesh is None else params_from_flat(model, engine),
+                               pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker
 
@@ -76,8 +99,8 @@ class ThreadFleet:
         self.generations = [0] * len(self.workers)
 
     @classmethod
-    def build(cls, cfg, model, buffer, weights, timeline, version: int, params) -> "ThreadFleet":
-        make = server_factory(cfg, model, buffer, weights, timeline)
+    def build(cls, cfg, model, buffer, weights, timeline, version: int, params, devices=None) -> "ThreadFleet":
+        make = server_factory(cfg, model, buffer, weights, timeline, devices)
         workers = [make(i, 0, version, params) for i in range(cfg.runtime.num_servers)]
         return cls(workers, make, cfg.scheduler.heartbeat_timeout_s)
 
@@ -96,8 +119,13 @@ class ThreadFleet:
             self._spawn(w)
 
     def warmup(self) -> None:
-        if self.workers:  # one engine's programs: the servers share them
-            self.workers[0].server.warmup()
+        # Engines on the same devices share compiled programs: warm one per device group.
+        seen = set()
+        for w in self.workers:
+            key = tuple(d.id for d in w.server.engine.devices)
+            if key not in seen:
+                seen.add(key)
+                w.server.warmup()
 
     def _live(self) -> list[RolloutWorker]:
         return [w for w in list(self.workers) if not w.killed.is_set()]

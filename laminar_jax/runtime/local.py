@@ -15,7 +15,7 @@ from typing import Optional
 from laminar_jax.config import Config
 from laminar_jax.runtime.buffer_service import BufferService
 from laminar_jax.runtime.driver import Driver
-from laminar_jax.runtime.fleet import ThreadFleet, params_from_flat
+from laminar_jax.runtime.fleet import ThreadFleet
 from laminar_jax.runtime.monitor import Monitor
 from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.weights import WeightsPlane
@@ -39,6 +39,7 @@ def _relay(cfg: Config, key: bytes) -> tuple:
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
     """Build every plane of a local run from the config; `.run()` trains and returns the summary."""
     from laminar_jax.learner.learner import Learner
+    from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.relay.auth import run_key
 
@@ -49,8 +50,10 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase) \
         if cfg.runtime.sft_warmup_steps and not resuming else []
 
+    cfg, layout, learner_mesh, server_devices = place_roles(cfg, run_dir, model, monitor.phase)
+
     def make_learner() -> Learner:
-        return Learner(cfg.learner, model, cfg.mesh)
+        return Learner(cfg.learner, model, learner_mesh)
 
     learner = make_learner()
     extra = learner.restore_latest()
@@ -63,10 +66,42 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
-    fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version,
-                              params_from_flat(model)(learner.policy_params()))
+    # Host copies: each server places them on its own devices (no full replica on the default device first).
+    host = unflatten_params(learner.policy_params(), nnx_params(model))
+    fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
-                  weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra))
+                  weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
+                  summary_extra=lambda _: {"placement": layout})
+
+
+def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:
+    """(cfg with the derived server count, the layout as JSON, the learner's mesh, each server's
+    devices) from the placement section and this process's devices; fails at start when a device
+    cannot hold its share. The layout is recorded in config.json and shown once."""
+    import jax
+    import numpy as np
+
+    from laminar_jax.config import save_config
+    from laminar_jax.learner.mesh import build_mesh
+    from laminar_jax.placement import check_fit, realise
+
+    devices = jax.devices()
+    cfg, layout = realise(cfg, devices)
+    leaves = jax.tree.leaves(nnx_params(model))
+    check_fit(cfg, layout, devices, model.cfg, sum(int(np.asarray(x).nbytes) for x in leaves),
+              np.dtype(getattr(model, "dtype", np.float32)).itemsize)
+    record = {**layout.to_json(), "rollout_tp": cfg.placement.rollout_tp, "colocate": cfg.placement.colocate}
+    save_config(cfg, run_dir, record)
+    phase(f"placement: learner on devices {record['learner']}, rollout servers on {record['servers']}"
+          f"{' (colocated)' if cfg.placement.colocate else ''}")
+    mesh = build_mesh(cfg.mesh, [devices[i] for i in layout.learner])
+    return cfg, record, mesh, [[devices[i] for i in s] for s in layout.servers]
+
+
+def nnx_params(model):
+    from flax import nnx
+
+    return nnx.split(model)[1]
 
 
 def run_local(cfg: Config) -> dict:

@@ -122,6 +122,22 @@ class RelayActor:
         self.server.stop()
 
 
+def actor_mesh(tp: int):
+    """A rollout actor's engine mesh: its first ``tp`` local devices (the GPUs Ray gave it); None
+    (the single-device path) at TP 1."""
+    import jax
+
+    if tp == 1:
+        return None
+    from laminar_jax.configlib import ConfigError
+    from laminar_jax.rollout.tp import tp_mesh
+
+    local = jax.local_devices()
+    if len(local) < tp:
+        raise ConfigError(f"placement.rollout_tp={tp}: this rollout actor sees {len(local)} device(s) ({local})")
+    return tp_mesh(local[:tp])
+
+
 class RolloutActor:
     """One rollout server: its `RolloutWorker` loop in a thread (started by `start()`, after the
     warm-up), plus the calls the fleet makes: stats (the heartbeat), export/import of live
@@ -147,8 +163,8 @@ class RolloutActor:
         store = WeightStore(store_url, keep_last=cfg.relay.keep_last) if store_url else None
         client = RelayClient(addresses, store=store, config=cfg.relay, holder=name, key=key)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
-        engine, _ = make_engine(model, section)
-        from_flat = params_from_flat(model)
+        engine, _ = make_engine(model, section, mesh=actor_mesh(cfg.placement.rollout_tp))
+        from_flat = params_from_flat(model, engine)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
         remote = RemoteBuffer(buffer, rpc_timeout_s, buffer_name)
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
@@ -162,7 +178,8 @@ class RolloutActor:
         self.worker.run(self._loop.stop)
 
     def ready(self) -> dict:
-        return {"name": self.name, "version": self.worker.server.version, "node": node_id()}
+        return {"name": self.name, "version": self.worker.server.version, "node": node_id(),
+                "devices": [str(d) for d in self.worker.server.engine.devices]}
 
     def warmup(self) -> None:
         """Compile the engine's programs; from here on, count what still compiles (0 when the

@@ -36,10 +36,14 @@ BUFFER_CONCURRENCY = 32  # threads of the buffer actor: the learner's wait + eve
 
 def role_options(role: str, cluster_gpus: float, gpus: int = 1) -> dict:
     """Ray actor options of a role. Rollout actors and learner processes take a CPU slot (and
-    `gpus` GPUs on GPU clusters); the buffer and relays are threads waiting on sockets and locks."""
+    `gpus` GPUs on GPU clusters: placement.rollout_tp for a rollout actor); the buffer and relays
+    are threads waiting on sockets and locks. On a cluster without GPUs a rollout actor of TP > 1
+    runs its engine over that many host-CPU devices (XLA's forced device count)."""
     opts = {"num_cpus": 1 if role in ("rollout", "learner") else 0}
     if role in ("rollout", "learner") and cluster_gpus >= 1 and gpus:
         opts["num_gpus"] = gpus
+    elif role == "rollout" and gpus > 1:
+        opts["runtime_env"] = {"env_vars": {"XLA_FLAGS": f"--xla_force_host_platform_device_count={gpus}"}}
     return opts
 
 
@@ -194,7 +198,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
         weights.attach(learner, initial=True)
         monitor.phase(f"starting {rt.num_servers} rollout actors")
         fleet = RayFleet(cfg, handle, {n: a for n, (_, a) in relays.items()}, weights.store_url, monitor.timeline,
-                         rpc, role_options("rollout", gpus), key, buffer_name)
+                         rpc, role_options("rollout", gpus, cfg.placement.rollout_tp), key, buffer_name)
         buffer.on_restart = fleet.buffer_restarted
     except BaseException:
         close_all([*reversed(built), monitor.close, *([ray.shutdown] if started else [])])
