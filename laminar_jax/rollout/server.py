@@ -23,6 +23,8 @@ and KV pages stay, decode skips it, and a TurnEnd comes out of take_turns(). Its
 environment elsewhere and calls continue_episode(uid, observation_ids) (engine.extend: the
 observation's KV goes into the same pages, decoding resumes) or end_episode(uid). A waiting
 sequence is live, so a weight swap waits for it too: one version per trajectory across turns.
+Episodes move like other live sequences (export_sequence / import_sequence), waiting or mid-turn:
+SequenceState.episode carries their books, and a waiting one is imported parked.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 from laminar_jax.rollout.engine import MAX_STOP_IDS, Engine
 from laminar_jax.rollout.paged import SlotInit
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
-                                         SequenceState, ServerStats, TurnEnd, VersionMismatchError)
+                                         SequenceState, ServerStats, TurnEnd, TurnSpec, VersionMismatchError)
 from laminar_jax.rollout.sampling import SamplingParams, default_sampling
 from laminar_jax.types import Trajectory
 
@@ -69,6 +71,7 @@ class _Live:
     turn: int = 0  # index of the current policy turn
     turn_start: int = 0  # index in tokens where it began
     waiting: bool = False  # parked on its environment
+    turn_end: int = 0  # policy tokens sampled when the current turn's budget runs out (the device's max_new)
 
 
 @dataclasses.dataclass
@@ -216,7 +219,7 @@ class RolloutServer:
                         np.asarray(sp.stop_token_ids, np.int32))
         self._state = self.engine.prefill_insert(self._params, self._state, slot, adm.prompt, init)
         self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
-                                  mask=[] if adm.request.turn is not None else None)
+                                  mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens)
 
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
@@ -325,6 +328,7 @@ class RolloutServer:
             live.mask.extend([0] * len(obs))
             live.turn += 1
             live.turn_start = len(live.tokens)
+            live.turn_end = n_gen + max_new
             live.waiting = False
             return True
 
@@ -392,9 +396,9 @@ class RolloutServer:
             if live is None:
                 raise KeyError(f"server {self.section.server_id}: slot {slot} holds no live sequence "
                                "(it may have just finished; its trajectory comes out of the next step())")
-            if live.mask is not None:
-                raise KeyError(f"server {self.section.server_id}: slot {slot} holds multi-turn episode "
-                               f"{live.request.uid!r}; episodes do not move between servers")
+            if live.mask is not None and any(t.uid == live.request.uid for t in self._turns):
+                raise KeyError(f"server {self.section.server_id}: episode {live.request.uid!r} ended a turn "
+                               "not yet taken (take_turns() first: its environment must get the turn)")
             self._state = self.engine.deactivate(self._state, slot)
             num_cached = len(live.prompt) + len(live.tokens) - 1
             k, v = self.engine.read_slot(self._state, slot, num_cached)
@@ -406,7 +410,8 @@ class RolloutServer:
                 ground_truth=r.ground_truth, version=live.version, prompt_ids=live.prompt.copy(),
                 generated_ids=np.asarray(live.tokens, np.int32), logprobs=np.asarray(live.logprobs, np.float32),
                 key_data=live.key_data.copy(), num_cached=num_cached, sampling=live.sampling,
-                page_size=self.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1)
+                page_size=self.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1,
+                episode=None if live.mask is None else _episode_books(live))
 
     def import_sequence(self, seq: SequenceState) -> int:
         """Continue an exported sequence here; returns its slot.
@@ -425,6 +430,8 @@ class RolloutServer:
             if not free:
                 raise NoFreeSlotError(f"server {self.section.server_id}: all {len(self._slots)} slots busy")
             slot = free[0]
+            if seq.episode is not None:
+                return self._import_episode(slot, seq)
             sp = seq.sampling
             n_gen = len(seq.generated_ids)
             if n_gen >= sp.max_new_tokens:
@@ -440,6 +447,37 @@ class RolloutServer:
                                       [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
                                       moves=seq.moves)
             return slot
+
+    def _import_episode(self, slot: int, seq: SequenceState) -> int:
+        """Continue a moved episode in `slot`: mid-turn it decodes on to its turn's end; waiting, it
+        is written then parked (KV pages kept, device inactive) for continue_episode / end_episode."""
+        ep, sp = seq.episode, seq.sampling
+        mask = [int(x) for x in ep["mask"]]
+        n_gen, n_obs = len(seq.logprobs), mask.count(0)
+        if len(mask) != len(seq.generated_ids) or n_gen != len(mask) - n_obs:
+            raise ValueError(f"episode {seq.uid!r}: policy mask of {len(mask)} entries ({n_obs} observation) "
+                             f"does not match {len(seq.generated_ids)} tokens and {n_gen} log-probs")
+        turn_end = n_gen if ep["waiting"] else int(ep["turn_end"])
+        if not ep["waiting"] and turn_end <= n_gen:
+            raise ValueError(f"episode {seq.uid!r}: turn ends at {turn_end} policy tokens, has {n_gen} already")
+        init = SlotInit(seq.key_data, sp.temperature, sp.top_k, sp.top_p, turn_end,
+                        np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
+        # Pages for the context and the rest of this turn: observation tokens count as prompt here.
+        self._state = self.engine.write_slot(self._state, slot, seq.k_pages, seq.v_pages, seq.num_cached,
+                                             seq.last_token, len(seq.prompt_ids) + n_obs, init)
+        if ep["waiting"]:
+            self._state = self.engine.deactivate(self._state, slot)
+            self.engine.park(slot)
+        spec = ep["turn_spec"]
+        turn = TurnSpec(int(spec["max_new_tokens"]), tuple(tuple(int(t) for t in q) for q in spec["stop_sequences"]),
+                        int(spec["max_response_tokens"]))
+        req = Request(uid=seq.uid, prompt_ids=seq.prompt_ids, prompt_uid=seq.prompt_uid, sample_index=seq.sample_index,
+                      sampling=sp, data_source=seq.data_source, ground_truth=seq.ground_truth, turn=turn)
+        self._slots[slot] = _Live(req, np.asarray(seq.prompt_ids, np.int32), sp, seq.key_data, seq.version,
+                                  [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
+                                  moves=seq.moves, mask=mask, turn=int(ep["turn"]), turn_start=int(ep["turn_start"]),
+                                  waiting=bool(ep["waiting"]), turn_end=turn_end)
+        return slot
 
     # ---------------------------------------------------------------- stats
 
@@ -458,3 +496,13 @@ class RolloutServer:
                 pending_version=None if self._pending is None else self._pending[0],
                 completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
                 truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"])
+
+
+def _episode_books(live: _Live) -> dict:
+    """A live episode's host books as JSON data (SequenceState.episode): what import needs to go on."""
+    t = live.request.turn
+    return {"turn_spec": {"max_new_tokens": int(t.max_new_tokens),
+                          "stop_sequences": [[int(x) for x in q] for q in t.stop_sequences],
+                          "max_response_tokens": int(t.max_response_tokens)},
+            "mask": [int(x) for x in live.mask], "turn": live.turn, "turn_start": live.turn_start,
+            "turn_end": live.turn_end, "waiting": live.waiting}

@@ -174,7 +174,7 @@ class RolloutActor:
         return {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
 
     def export_sequence(self, uid: str, version: int):
-        return self.worker.export_sequence(uid, version)
+        return self.worker.export_sequence(uid, version, portable=True)  # episodes keep their envs in-process
 
     def import_sequence(self, state) -> int:
         return self.worker.import_sequence(state)

@@ -215,23 +215,40 @@ class RolloutWorker:
                     "beat_age": time.monotonic() - self.last_beat, "draining": not self.admitting(),
                     "swaps": self.swaps, "dropped": self.dropped}
 
-    def export_sequence(self, uid: str, version: int):
+    def export_sequence(self, uid: str, version: int, portable: bool = False):
         """Take live sequence `uid` out (a SequenceState); None if it finished (also inside the step
-        still in flight), or if this server no longer runs `version` (the plan is stale)."""
+        still in flight), or if this server no longer runs `version` (the plan is stale).
+
+        A multi-turn episode (waiting on its environment or decoding) leaves with its environment
+        side as the state's in-process `handoff`; `portable=True` (the state will be pickled to
+        another process) keeps episodes here: an environment and its running step stay in-process.
+        """
         with self.lock:
             s = self.server
             slot = {u: i for i, u, _ in s.live_sequences()}.get(uid)
             if slot is None or s.version != version:
                 return None
+            driver = self.episodes.driver if self.episodes is not None else None
+            if portable and driver is not None and driver.owns(uid):
+                return None
             try:
-                return s.export_sequence(slot)
+                state = s.export_sequence(slot)
             except KeyError:
                 return None
+            if state.episode is not None and driver is not None:
+                state = dataclasses.replace(state, handoff=driver.release(uid))
+            return state
 
     def import_sequence(self, state) -> int:
         """Continue a moved sequence here; raises (VersionMismatchError, NoFreeSlotError, ...) if it cannot."""
         with self.lock:
-            return self.server.import_sequence(state)
+            if state.episode is not None and (self.episodes is None or state.handoff is None):
+                raise ValueError(f"episode {state.uid!r} arrived without its environment side (moved across "
+                                 "processes, or to a server that runs no episodes)")
+            slot = self.server.import_sequence(state)
+            if state.episode is not None:
+                self.episodes.driver.adopt(state.uid, state.handoff)
+            return slot
 
 
 def pull_timeout(cfg) -> float:
