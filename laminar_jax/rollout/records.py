@@ -38,11 +38,14 @@ class TurnSpec:
       stop_sequences: Token-id sequences that end a turn (e.g. the ids of "</tool_call>"), checked on
         the host after each token; single stop ids go to sampling.stop_token_ids and stop on the device.
       max_response_tokens: Budget of the whole response (policy + observation tokens); 0 = the server's room.
+      release_slot: While it waits on its environment the sequence gives its slot up (its KV pages
+        stay); on the observation it takes a free slot again, before new requests (False: it keeps its slot).
     """
 
     max_new_tokens: int
     stop_sequences: tuple = ()
     max_response_tokens: int = 0
+    release_slot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)

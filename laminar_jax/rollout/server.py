@@ -41,7 +41,7 @@ import jax
 import numpy as np
 
 from laminar_jax.rollout.engine import MAX_STOP_IDS, Engine
-from laminar_jax.rollout.paged import SlotInit
+from laminar_jax.rollout.paged import OutOfPages, SlotInit
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
                                          SequenceState, ServerStats, TurnEnd, TurnSpec, VersionMismatchError)
 from laminar_jax.rollout.sampling import SamplingParams, default_sampling
@@ -72,6 +72,9 @@ class _Live:
     turn_start: int = 0  # index in tokens where it began
     waiting: bool = False  # parked on its environment
     turn_end: int = 0  # policy tokens sampled when the current turn's budget runs out (the device's max_new)
+    parked_at: int = 0  # the output read (count) that parked it: its slot may go once the next is read
+    pages: Optional[list] = None  # KV pages held while it waits without a slot (TurnSpec.release_slot)
+    resume: Optional[tuple] = None  # (observation ids, next turn's budget) waiting for a free slot
 
 
 @dataclasses.dataclass
@@ -104,6 +107,9 @@ class RolloutServer:
         self._counts = collections.Counter()
         self._default = default_sampling(self.section, tuple(engine.model_cfg.eos_token_id))
         self._turns: list = []  # TurnEnds not yet taken by the owner
+        self._released: dict[str, _Live] = {}  # waiting episodes without a slot (TurnSpec.release_slot), by uid
+        self._resume: collections.deque = collections.deque()  # uids of released episodes with their observation
+        self._n_consumed = 0  # generate() outputs read so far
 
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
@@ -176,9 +182,11 @@ class RolloutServer:
         """One admission pass + one generate() dispatch; returns the trajectories that finished."""
         with self._lock:
             self._maybe_swap()
+            self._release_parked()
+            self._resume_released()  # before new requests: they hold pages already
             self._admit()
             prev, self._inflight = self._inflight, None
-            if self.num_live > self.num_waiting():
+            if any(x is not None and not x.waiting for x in self._slots):
                 self._state, self._inflight = self.engine.generate(self._params, self._state)
             if prev is not None:
                 self._consume(prev)
@@ -187,7 +195,8 @@ class RolloutServer:
 
     @property
     def num_live(self) -> int:
-        return sum(x is not None for x in self._slots)
+        """Live sequences: in slots, and episodes waiting without one (a weight swap waits for all)."""
+        return sum(x is not None for x in self._slots) + len(self._released)
 
     def idle(self) -> bool:
         """Nothing live, nothing queued, nothing in flight."""
@@ -224,6 +233,7 @@ class RolloutServer:
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
         out = jax.device_get(out)
+        self._n_consumed += 1
         if np.any(out.overflow):
             raise RuntimeError(f"server {self.section.server_id}: live KV pages exceeded the engine's "
                                "live-page bucket (engine length bookkeeping is wrong; outputs of this call are invalid)")
@@ -252,6 +262,10 @@ class RolloutServer:
         live = self._slots[slot]
         self._slots[slot] = None
         self.engine.free_resource(slot)
+        self._emit(live, reason)
+
+    def _emit(self, live: _Live, reason: str) -> None:
+        """The finished sequence's trajectory, out of the next step()."""
         self._counts["aborted" if reason == "aborted" else "completed"] += 1
         r = live.request
         extra = {"server_id": self.section.server_id, "moves": live.moves}
@@ -288,6 +302,7 @@ class RolloutServer:
     def _park(self, slot: int, reason: str) -> None:
         live = self._slots[slot]
         live.waiting = True
+        live.parked_at = self._n_consumed
         self.engine.park(slot)
         self._counts["turns"] += 1
         self._turns.append(TurnEnd(live.request.uid, live.turn, np.asarray(live.tokens[live.turn_start:], np.int32),
@@ -312,36 +327,95 @@ class RolloutServer:
         one more token does not fit the whole-trajectory budget.
         """
         with self._lock:
+            obs = [int(x) for x in np.asarray(observation_ids, np.int32).reshape(-1)]
+            released = self._released.get(uid)
+            if released is not None and released.resume is None:
+                room = self._room(released) - len(obs)
+                if not obs or room < 1:
+                    self._end_released(uid, "length")
+                    return False
+                released.resume = (obs, min(released.request.turn.max_new_tokens, room))
+                self._resume.append(uid)  # takes a free slot at the next step (waits for one)
+                return True
             self._drain()  # its pipelined overshoot (if any) is read and dropped while it still waits
             slot = self._waiting_slot(uid)
             live = self._slots[slot]
-            obs = [int(x) for x in np.asarray(observation_ids, np.int32).reshape(-1)]
             room = self._room(live) - len(obs)
             if not obs or room < 1:
                 self._end(slot, "length")
                 return False
             max_new = min(live.request.turn.max_new_tokens, room)
-            n_gen = len(live.logprobs)
-            self._state = self.engine.extend(self._params, self._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
-                                             live.tokens[-1], n_gen, max_new)
-            live.tokens.extend(obs)
-            live.mask.extend([0] * len(obs))
-            live.turn += 1
-            live.turn_start = len(live.tokens)
-            live.turn_end = n_gen + max_new
-            live.waiting = False
+            self._extend(slot, live, obs, max_new)
             return True
+
+    def _extend(self, slot: int, live: _Live, obs: list, max_new: int) -> None:
+        """Feed the observation over the slot's cached context and start the next turn."""
+        n_gen = len(live.logprobs)
+        self._state = self.engine.extend(self._params, self._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
+                                         live.tokens[-1], n_gen, max_new)
+        live.tokens.extend(obs)
+        live.mask.extend([0] * len(obs))
+        live.turn += 1
+        live.turn_start = len(live.tokens)
+        live.turn_end = n_gen + max_new
+        live.waiting = False
+
+    def _release_parked(self) -> None:
+        """Waiting episodes that asked for it give their slots up (pages kept), once the device
+        output that may still hold a token of theirs (decoded past a host-side stop) has been read."""
+        for slot, live in enumerate(self._slots):
+            if (live is not None and live.waiting and live.request.turn.release_slot
+                    and self._n_consumed > live.parked_at and live.request.uid not in self._released):
+                self._state, live.pages = self.engine.detach(self._state, slot)
+                self._slots[slot] = None
+                self._released[live.request.uid] = live
+
+    def _resume_released(self) -> None:
+        """Released episodes whose observation came take free slots, first come first served."""
+        while self._resume:
+            free = [i for i, x in enumerate(self._slots) if x is None]
+            if not free:
+                return  # waits for a slot
+            uid = self._resume[0]
+            live, slot = self._released[uid], free[0]
+            obs, max_new = live.resume
+            sp, n_gen = live.sampling, len(live.logprobs)
+            init = SlotInit(live.key_data, sp.temperature, sp.top_k, sp.top_p, n_gen + max_new,
+                            np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
+            self._state = self.engine.attach(self._state, slot, live.pages, len(live.prompt) + len(live.tokens) - 1,
+                                             live.tokens[-1], init)
+            try:
+                self._extend(slot, live, obs, max_new)
+            except OutOfPages:
+                self._state, _ = self.engine.detach(self._state, slot)  # the pool is short: try again next step
+                return
+            self._resume.popleft()
+            del self._released[uid]
+            live.pages, live.resume = None, None
+            self._slots[slot] = live
+
+    def _end_released(self, uid: str, reason: str) -> None:
+        live = self._released.pop(uid)
+        if uid in self._resume:
+            self._resume.remove(uid)
+        self.engine.allocator.free(live.pages)
+        live.pages = None
+        self._emit(live, reason)
 
     def end_episode(self, uid: str, reason: str = "eos") -> None:
         """Finish a waiting episode: its trajectory comes out of the next step()."""
         with self._lock:
+            if uid in self._released:
+                self._end_released(uid, reason)
+                return
             self._end(self._waiting_slot(uid), reason)
 
     def _end(self, slot: int, reason: str) -> None:
         self._retire(slot, reason)
 
     def num_waiting(self) -> int:
-        return sum(x is not None and x.waiting for x in self._slots)
+        """Episodes waiting on their environment (or, released, for a slot)."""
+        return sum(x is not None and x.waiting for x in self._slots) + len(self._released)
 
     def _drain(self) -> None:
         """Read the in-flight output so host bookkeeping matches the device exactly."""
@@ -372,6 +446,8 @@ class RolloutServer:
                 if live is not None:
                     self._state = self.engine.deactivate(self._state, slot)
                     self._retire(slot, "aborted")
+            for uid in list(self._released):
+                self._end_released(uid, "aborted")
         if self.num_live == 0:
             self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
             self._params, self._version, self._pending = params, version, None
@@ -470,26 +546,28 @@ class RolloutServer:
             self.engine.park(slot)
         spec = ep["turn_spec"]
         turn = TurnSpec(int(spec["max_new_tokens"]), tuple(tuple(int(t) for t in q) for q in spec["stop_sequences"]),
-                        int(spec["max_response_tokens"]))
+                        int(spec["max_response_tokens"]), bool(spec.get("release_slot", False)))
         req = Request(uid=seq.uid, prompt_ids=seq.prompt_ids, prompt_uid=seq.prompt_uid, sample_index=seq.sample_index,
                       sampling=sp, data_source=seq.data_source, ground_truth=seq.ground_truth, turn=turn)
         self._slots[slot] = _Live(req, np.asarray(seq.prompt_ids, np.int32), sp, seq.key_data, seq.version,
                                   [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
                                   moves=seq.moves, mask=mask, turn=int(ep["turn"]), turn_start=int(ep["turn_start"]),
-                                  waiting=bool(ep["waiting"]), turn_end=turn_end)
+                                  waiting=bool(ep["waiting"]), turn_end=turn_end,
+                                  parked_at=self._n_consumed - 1)  # no output of ours in flight: may release now
         return slot
 
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> ServerStats:
         with self._lock:
-            per_version = collections.Counter(x.version for x in self._slots if x is not None)
+            per_version = collections.Counter(x.version for x in [*self._slots, *self._released.values()]
+                                              if x is not None)
             span = (self._rate[-1][0] - self._rate[0][0]) if len(self._rate) > 1 else 0.0
             # Tokens after the first entry over the span they were produced in.
             rate = (self._rate_sum - self._rate[0][1]) / span if span > 0 else 0.0
             alloc = self.engine.allocator
             return ServerStats(
-                server_id=self.section.server_id, version=self._version, slots_used=self.num_live,
+                server_id=self.section.server_id, version=self._version, slots_used=sum(x is not None for x in self._slots),
                 slots_total=len(self._slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,
                 live_per_version=dict(per_version), tokens_per_s=rate,
                 queue_length=self._queue.qsize() + (self._head is not None),
@@ -503,6 +581,6 @@ def _episode_books(live: _Live) -> dict:
     t = live.request.turn
     return {"turn_spec": {"max_new_tokens": int(t.max_new_tokens),
                           "stop_sequences": [[int(x) for x in q] for q in t.stop_sequences],
-                          "max_response_tokens": int(t.max_response_tokens)},
+                          "max_response_tokens": int(t.max_response_tokens), "release_slot": bool(t.release_slot)},
             "mask": [int(x) for x in live.mask], "turn": live.turn, "turn_start": live.turn_start,
             "turn_end": live.turn_end, "waiting": live.waiting}

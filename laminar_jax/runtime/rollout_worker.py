@@ -292,4 +292,5 @@ def episode_feed(cfg, tokenizer, record_of: Callable[[str], dict]):
     driver = EpisodeDriver(EnvPool(e.workers, e.timeout_s), tokenizer, default_env=e.default,
                            by_data_source=e.by_data_source, chat_template=e.chat_template, env_kwargs=e.env_kwargs)
     stop = tuple(tokenizer.encode(e.turn_stop))
-    return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens))
+    return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens,
+                                                   release_slot=e.release_slot_while_waiting))

@@ -99,3 +99,15 @@ def test_portable_export_keeps_episodes_in_process(workers):
         assert time.monotonic() < t_end
         if any(t.uid == "keep/0" for t in _step(src)):
             break
+
+
+def test_env_config_chooses_whether_waiting_episodes_keep_their_slots():
+    from laminar_jax.config import finalize, repo_config
+    from laminar_jax.runtime.rollout_worker import episode_feed
+
+    c = repo_config("agentic_demo", "short")
+    assert episode_feed(finalize(c), BuiltinTokenizer(), dict).turn.release_slot is False
+    c.env.release_slot_while_waiting = True
+    feed = episode_feed(finalize(c), BuiltinTokenizer(), dict)
+    assert feed.turn.release_slot is True
+    feed.driver.pool.close()
