@@ -413,6 +413,10 @@ class RolloutServer:
     def _end(self, slot: int, reason: str) -> None:
         self._retire(slot, reason)
 
+    def waiting_in_slots(self) -> int:
+        """Slots whose episode waits on its environment (released episodes hold none)."""
+        return sum(x is not None and x.waiting for x in self._slots)
+
     def num_waiting(self) -> int:
         """Episodes waiting on their environment (or, released, for a slot)."""
         return sum(x is not None and x.waiting for x in self._slots) + len(self._released)

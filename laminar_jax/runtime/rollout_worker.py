@@ -198,7 +198,7 @@ class RolloutWorker:
                 self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
                                      st.kv_pages_used, st.kv_pages_total)
                 if self.episodes is not None and hasattr(self.timeline, "sample_waiting"):
-                    self.timeline.sample_waiting(self.name, s.num_waiting(), self.episodes.driver.stats())
+                    self.timeline.sample_waiting(self.name, s.waiting_in_slots(), self.episodes.driver.stats())
             return bool(done) or s.num_live > 0 or (self.episodes is not None and self.episodes.busy())
 
     def run(self, stop: threading.Event) -> None:
