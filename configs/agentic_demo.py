@@ -1,36 +1,91 @@
 """Multi-turn episodes on CPU: the demo's tiny model, each prompt an episode against an environment.
 
+python launch/run.py --config=configs/agentic_demo.py            # the calculator demo, a few minutes on 2 cores
+python launch/run.py --config=configs/agentic_demo.py:latency    # the benchmark workload
+
+Default variant (''): arithmetic word problems with the `calculator` environment. The demo writes
+its problems (laminar_jax/env/word_problems.py) to a JSON-lines file in the temp directory, each
+row with a synthetic tool-use trace (tool call, tool message, answer) as its 'response': a brief
+supervised warm-start on those traces teaches the format, then RL sharpens the tool calls (reward
+1 when the answer's last number is right). The summary's `tool_call_curve` and `reward_curve` show
+the tool-call rate and the reward over time. 'calculator_short': the same, a handful of steps (tests).
+
 Variant 'latency' (the benchmark workload, also `launch/bench.py e2e --workload agentic`): the
 `latency` environment, 3 policy turns per episode, log-normal latency per step (median 3 s, the
-preset, or env_median_s); the reward is the share of non-empty turns. Variant 'short': the same
-with a 50 ms median, for tests; 'resume': 0.5 s, so that a kill lands mid-episode. The calculator workload (word problems, tool calls, a supervised
-warm-start on synthetic tool-use traces) is not built yet.
+preset); the reward is the share of non-empty turns. Variant 'short': the same with a 50 ms
+median, for tests; 'resume': 0.5 s, so that a kill lands mid-episode.
 """
+
+import os
+import tempfile
 
 from laminar_jax.config import repo_config
 
 LATENCY_MEDIAN_S = 3.0
+CALCULATOR_PROBLEMS = 4096
+VARIANTS = ("", "calculator_short", "latency", "short", "resume")
 
 
-def get_config(variant: str = ""):
-    c = repo_config("demo", "short")
+def calculator_file(seed: int = 0, n: int = CALCULATOR_PROBLEMS) -> str:
+    """The demo's problem file (written once; the builtin tokenizer's tool-message rendering)."""
+    from laminar_jax.env.word_problems import write_problem_file
+    from laminar_jax.model.tokenizer import load_tokenizer
+
+    path = os.path.join(tempfile.gettempdir(), "laminar_jax_agentic_demo", f"calculator-s{seed}-n{n}-v1.jsonl")
+    return write_problem_file(path, n, seed, load_tokenizer("builtin"))
+
+
+def _episodes(c) -> None:
     c.runtime.progress = False
-    c.runtime.sft_warmup_steps = 0
     c.env.enabled = True
-    c.env.default = "latency"
-    c.env.turn_max_new_tokens = 16
     c.env.turn_stop = "</tool_call>"
     c.env.workers = 16
     c.env.timeout_s = 60.0
+
+
+def _calculator(c, short: bool) -> None:
+    c.data.source = "file"
+    c.data.path = calculator_file(c.data.seed)
+    c.data.max_prompt_tokens = 80  # the longest question is ~70 characters + BOS
+    c.rollout.max_prompt_len = 80
+    c.env.default = "calculator"
+    c.env.env_kwargs = {"calculator": {"max_turns": 3}}
+    c.env.turn_max_new_tokens = 96  # a tool call is ~80 characters
+    c.rollout.max_new_tokens = 96  # the first turn's budget
+    c.rollout.max_total_len = 256
+    c.rollout.num_pages = 16 * 16 + 1
+    c.rollout.temperature = 1.0
+    c.learner.seq_len_buckets = (128, 256)
+    c.learner.pack_length = 256
+    c.runtime.sft_warmup_steps = 150
+    c.runtime.sft_lr = 1e-2
+    c.runtime.total_steps = 4 if short else 40
+    c.runtime.prompts_per_step = 8
+    c.runtime.samples_per_prompt = 4 if short else 8
+
+
+def _latency(c, median_s: float, steps: int) -> None:
+    c.runtime.sft_warmup_steps = 0
+    c.env.default = "latency"
+    c.env.turn_max_new_tokens = 16
     c.rollout.max_new_tokens = 16  # the first turn's budget
     c.rollout.max_total_len = 128
     c.learner.seq_len_buckets = (64, 128)
     c.learner.pack_length = 128
-    median = {"": LATENCY_MEDIAN_S, "latency": LATENCY_MEDIAN_S, "short": 0.05, "resume": 0.5}
-    if variant not in median:
-        raise ValueError(f"configs/agentic_demo.py: unknown variant {variant!r} (known: '', 'latency', 'short', 'resume')")
-    c.env.env_kwargs = {"latency": {"turns": 3, "median_s": median[variant], "sigma": 0.5}}
-    c.runtime.total_steps = 3 if variant == "short" else 6
+    c.env.env_kwargs = {"latency": {"turns": 3, "median_s": median_s, "sigma": 0.5}}
+    c.runtime.total_steps = steps
     c.runtime.samples_per_prompt = 4
     c.runtime.prompts_per_step = 4
+
+
+def get_config(variant: str = ""):
+    if variant not in VARIANTS:
+        raise ValueError(f"configs/agentic_demo.py: unknown variant {variant!r} (known: {VARIANTS})")
+    c = repo_config("demo", "short")
+    _episodes(c)
+    if variant in ("", "calculator_short"):
+        _calculator(c, short=bool(variant))
+    else:
+        median = {"latency": LATENCY_MEDIAN_S, "short": 0.05, "resume": 0.5}[variant]
+        _latency(c, median, 3 if variant == "short" else 6)
     return c

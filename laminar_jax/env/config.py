@@ -23,6 +23,7 @@ class EnvSection:
       turn_stop: Text that ends a policy turn (the end of a tool call), matched as token ids on the host.
       max_response_tokens: Budget of a whole trajectory's response (policy + observation tokens); 0 = up to rollout.max_total_len.
       chat_template: Template rendering tool messages (None: the tokenizer's own; see env/tools.py for the plain fallback).
+      release_slot_while_waiting: A sequence waiting on its environment gives its slot to other requests (its KV pages stay) and takes a free slot again on the observation (False: it keeps its slot).
     """
 
     enabled: bool = False
@@ -35,6 +36,7 @@ class EnvSection:
     turn_stop: str = "</tool_call>"
     max_response_tokens: int = 0
     chat_template: Optional[str] = None
+    release_slot_while_waiting: bool = False
 
     def validate(self, prefix: str) -> None:
         expect(self.workers >= 1, f"{prefix}.workers", self.workers, ">= 1")

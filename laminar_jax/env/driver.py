@@ -164,6 +164,20 @@ class EpisodeDriver:
         """Episodes whose environment is still resetting (not yet submitted to the server)."""
         return sum(1 for ep in self._eps.values() if not ep.submitted)
 
+    def owns(self, uid: str) -> bool:
+        return uid in self._eps
+
+    def release(self, uid: str) -> Optional[_Episode]:
+        """Hand an episode over (its sequence moves to another server): its env, the step it may be
+        running and its figures go with it; adopt() on the destination's driver takes them on."""
+        return self._eps.pop(uid, None)
+
+    def adopt(self, uid: str, episode: _Episode) -> None:
+        """Take on a moved episode: its env's answer (or its finished trajectory) is handled here now."""
+        if not isinstance(episode, _Episode) or not episode.submitted:
+            raise ValueError(f"episode {uid!r}: adopt() takes what release() returned for a submitted episode")
+        self._eps[uid] = episode
+
     def forget(self, uid: str) -> None:
         """Drop an episode whose sequence left this server (killed server: the work is requeued)."""
         self._eps.pop(uid, None)

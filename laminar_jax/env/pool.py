@@ -61,8 +61,7 @@ class EnvPool:
         self._max_latencies = max_latencies
         self._calls = self._failures = self._timeouts = 0
         self._closed = False
-        self._watchdog = threading.Thread(target=self._watch, name="env-pool-watchdog", daemon=True)
-        self._watchdog.start()
+        self._watchdog: Optional[threading.Thread] = None  # runs while calls are queued or running
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> Future:
         with self._lock:
@@ -72,6 +71,9 @@ class EnvPool:
             self._queue.append(call)
             self._lock.notify_all()
             self._start_ready()
+            if self._watchdog is None:
+                self._watchdog = threading.Thread(target=self._watch, name="env-pool-watchdog", daemon=True)
+                self._watchdog.start()
         return call.future
 
     def _start_ready(self) -> None:
@@ -107,9 +109,11 @@ class EnvPool:
         call.future.set_result(result)
 
     def _watch(self) -> None:
+        """Resolve calls past their deadline; exits when nothing is queued or running (submit restarts it)."""
         while True:
             with self._lock:
-                if self._closed and not self._running:
+                if not self._running and not self._queue:
+                    self._watchdog = None
                     return
                 now = time.monotonic()
                 late = [c for c in self._running if c.deadline <= now]
@@ -135,4 +139,6 @@ class EnvPool:
             self._lock.notify_all()
         for c in queued:
             c.future.set_result(EnvCallResult(None, False, "pool closed", 0.0))
-        self._watchdog.join(timeout=wait_s)
+        watchdog = self._watchdog
+        if watchdog is not None:
+            watchdog.join(timeout=wait_s)

@@ -60,6 +60,13 @@ def has_open_call(text: str) -> bool:
     return text.rfind(TOOL_CALL_START) > text.rfind(TOOL_CALL_END)
 
 
+def calls_tool(response_ids, policy_mask, start_ids) -> bool:
+    """Whether the policy tokens of a trajectory hold `start_ids` (the ids of TOOL_CALL_START) in a row."""
+    ids, mask, k = list(response_ids), list(policy_mask), len(start_ids)
+    start = list(start_ids)
+    return k > 0 and any(ids[i:i + k] == start and all(mask[i:i + k]) for i in range(len(ids) - k + 1))
+
+
 def render_tool_message(content: str, tokenizer: Optional[Any] = None, chat_template: Optional[str] = None) -> str:
     """The text of a tool message followed by the next assistant turn's header.
 

@@ -353,6 +353,24 @@ class Engine:
             raise ValueError(f"slot {slot} holds no sequence to park")
         self._cached_hi.pop(slot, None)
 
+    def detach(self, decode_state: DecodeState, slot: int) -> tuple[DecodeState, list[int]]:
+        """A parked sequence gives its slot up and keeps its KV pages (returned; still allocated):
+        the slot is free for another sequence, attach() puts the pages in a slot again."""
+        if slot not in self.slot_pages:
+            raise ValueError(f"slot {slot} holds no sequence to detach")
+        self._cached_hi.pop(slot, None)
+        return _deactivate_jit(decode_state, np.int32(slot)), self.slot_pages.pop(slot)
+
+    def attach(self, decode_state: DecodeState, slot: int, pages: list[int], num_cached: int, last_token: int,
+               init: SlotInit) -> DecodeState:
+        """Give detached pages a free slot again, with the sequence's sampling state; the slot stays
+        inactive (extend() feeds the observation and activates it)."""
+        if slot in self.slot_pages:
+            raise ValueError(f"slot {slot} is occupied")
+        self.slot_pages[slot] = list(pages)
+        return _attach_jit(decode_state, np.int32(slot), self._page_row(pages), np.int32(num_cached),
+                           np.int32(last_token), *self._init_arrays(init))
+
     def extend(self, params: Any, decode_state: DecodeState, slot: int, observation_ids, num_cached: int,
                last_token: int, num_generated: int, max_new: int) -> DecodeState:
         """Feed a parked slot's observation over its cached context (see rollout/extend.py), reactivate it.
@@ -368,9 +386,11 @@ class Engine:
         if slot not in self.slot_pages:
             raise ValueError(f"slot {slot} holds no sequence to extend")
         ids, m = ext.padded_ids(observation_ids)
-        need = pages_needed(num_cached + m + max_new - 1, self.page_size)
+        # KV written from here: m fed now (last_token + m - 1 observation ids), the last observation
+        # id fed by the next generate(), then max_new - 1 sampled tokens: num_cached + m + max_new in all.
+        need = pages_needed(num_cached + m + max_new, self.page_size)
         if need > self.pages_per_seq:
-            raise ValueError(f"extend: {num_cached + m + max_new - 1} tokens need {need} pages, more than "
+            raise ValueError(f"extend: {num_cached + m + max_new} tokens need {need} pages, more than "
                              f"rollout.pages_per_seq={self.pages_per_seq}")
         have = self.slot_pages[slot]
         if need > len(have):
@@ -588,6 +608,8 @@ _insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
 _deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
 _read_pages_jit = jax.jit(_read_pages_impl)
 _write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
+_attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
+                      donate_argnums=(0,))
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:

@@ -38,11 +38,14 @@ class TurnSpec:
       stop_sequences: Token-id sequences that end a turn (e.g. the ids of "</tool_call>"), checked on
         the host after each token; single stop ids go to sampling.stop_token_ids and stop on the device.
       max_response_tokens: Budget of the whole response (policy + observation tokens); 0 = the server's room.
+      release_slot: While it waits on its environment the sequence gives its slot up (its KV pages
+        stay); on the observation it takes a free slot again, before new requests (False: it keeps its slot).
     """
 
     max_new_tokens: int
     stop_sequences: tuple = ()
     max_response_tokens: int = 0
+    release_slot: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +159,10 @@ class SequenceState:
       k_pages: f[L, n, page, Hkv, D] keys of the first num_cached tokens (n = ceil(num_cached / page)).
       v_pages: f[L, n, page, Hkv, D] values, likewise.
       moves: How many times the sequence has been moved.
+      episode: None, or a multi-turn episode's books (JSON data, see RolloutServer.export_sequence):
+        its TurnSpec, policy mask, turn index and start, the current turn's end, whether it waits.
+      handoff: In-process only, never serialised: what the owner attaches to carry the episode's
+        environment side along (runtime/rollout_worker.py); None after to_bytes/from_bytes.
     """
 
     uid: str
@@ -174,6 +181,8 @@ class SequenceState:
     k_pages: np.ndarray
     v_pages: np.ndarray
     moves: int = 0
+    episode: Optional[dict] = None
+    handoff: Any = dataclasses.field(default=None, compare=False, repr=False)
 
     @property
     def last_token(self) -> int:
@@ -182,7 +191,7 @@ class SequenceState:
     def to_bytes(self) -> bytes:
         """MAGIC + u64 header length + JSON header + raw array bytes (C order). No pickle."""
         header: dict[str, Any] = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                                  if f.name not in _ARRAYS and f.name != "sampling"}
+                                  if f.name not in _ARRAYS and f.name not in ("sampling", "handoff")}
         header["sampling"] = self.sampling.to_json()
         blobs, offset, specs = [], 0, {}
         for name in _ARRAYS:

@@ -23,6 +23,8 @@ and KV pages stay, decode skips it, and a TurnEnd comes out of take_turns(). Its
 environment elsewhere and calls continue_episode(uid, observation_ids) (engine.extend: the
 observation's KV goes into the same pages, decoding resumes) or end_episode(uid). A waiting
 sequence is live, so a weight swap waits for it too: one version per trajectory across turns.
+Episodes move like other live sequences (export_sequence / import_sequence), waiting or mid-turn:
+SequenceState.episode carries their books, and a waiting one is imported parked.
 """
 
 from __future__ import annotations
@@ -39,9 +41,9 @@ import jax
 import numpy as np
 
 from laminar_jax.rollout.engine import MAX_STOP_IDS, Engine
-from laminar_jax.rollout.paged import SlotInit
+from laminar_jax.rollout.paged import OutOfPages, SlotInit
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
-                                         SequenceState, ServerStats, TurnEnd, VersionMismatchError)
+                                         SequenceState, ServerStats, TurnEnd, TurnSpec, VersionMismatchError)
 from laminar_jax.rollout.sampling import SamplingParams, default_sampling
 from laminar_jax.types import Trajectory
 
@@ -69,6 +71,10 @@ class _Live:
     turn: int = 0  # index of the current policy turn
     turn_start: int = 0  # index in tokens where it began
     waiting: bool = False  # parked on its environment
+    turn_end: int = 0  # policy tokens sampled when the current turn's budget runs out (the device's max_new)
+    parked_at: int = 0  # the output read (count) that parked it: its slot may go once the next is read
+    pages: Optional[list] = None  # KV pages held while it waits without a slot (TurnSpec.release_slot)
+    resume: Optional[tuple] = None  # (observation ids, next turn's budget) waiting for a free slot
 
 
 @dataclasses.dataclass
@@ -101,6 +107,9 @@ class RolloutServer:
         self._counts = collections.Counter()
         self._default = default_sampling(self.section, tuple(engine.model_cfg.eos_token_id))
         self._turns: list = []  # TurnEnds not yet taken by the owner
+        self._released: dict[str, _Live] = {}  # waiting episodes without a slot (TurnSpec.release_slot), by uid
+        self._resume: collections.deque = collections.deque()  # uids of released episodes with their observation
+        self._n_consumed = 0  # generate() outputs read so far
 
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
@@ -173,9 +182,11 @@ class RolloutServer:
         """One admission pass + one generate() dispatch; returns the trajectories that finished."""
         with self._lock:
             self._maybe_swap()
+            self._release_parked()
+            self._resume_released()  # before new requests: they hold pages already
             self._admit()
             prev, self._inflight = self._inflight, None
-            if self.num_live > self.num_waiting():
+            if any(x is not None and not x.waiting for x in self._slots):
                 self._state, self._inflight = self.engine.generate(self._params, self._state)
             if prev is not None:
                 self._consume(prev)
@@ -184,7 +195,8 @@ class RolloutServer:
 
     @property
     def num_live(self) -> int:
-        return sum(x is not None for x in self._slots)
+        """Live sequences: in slots, and episodes waiting without one (a weight swap waits for all)."""
+        return sum(x is not None for x in self._slots) + len(self._released)
 
     def idle(self) -> bool:
         """Nothing live, nothing queued, nothing in flight."""
@@ -216,11 +228,12 @@ class RolloutServer:
                         np.asarray(sp.stop_token_ids, np.int32))
         self._state = self.engine.prefill_insert(self._params, self._state, slot, adm.prompt, init)
         self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
-                                  mask=[] if adm.request.turn is not None else None)
+                                  mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens)
 
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
         out = jax.device_get(out)
+        self._n_consumed += 1
         if np.any(out.overflow):
             raise RuntimeError(f"server {self.section.server_id}: live KV pages exceeded the engine's "
                                "live-page bucket (engine length bookkeeping is wrong; outputs of this call are invalid)")
@@ -249,6 +262,10 @@ class RolloutServer:
         live = self._slots[slot]
         self._slots[slot] = None
         self.engine.free_resource(slot)
+        self._emit(live, reason)
+
+    def _emit(self, live: _Live, reason: str) -> None:
+        """The finished sequence's trajectory, out of the next step()."""
         self._counts["aborted" if reason == "aborted" else "completed"] += 1
         r = live.request
         extra = {"server_id": self.section.server_id, "moves": live.moves}
@@ -285,6 +302,7 @@ class RolloutServer:
     def _park(self, slot: int, reason: str) -> None:
         live = self._slots[slot]
         live.waiting = True
+        live.parked_at = self._n_consumed
         self.engine.park(slot)
         self._counts["turns"] += 1
         self._turns.append(TurnEnd(live.request.uid, live.turn, np.asarray(live.tokens[live.turn_start:], np.int32),
@@ -309,35 +327,99 @@ class RolloutServer:
         one more token does not fit the whole-trajectory budget.
         """
         with self._lock:
+            obs = [int(x) for x in np.asarray(observation_ids, np.int32).reshape(-1)]
+            released = self._released.get(uid)
+            if released is not None and released.resume is None:
+                room = self._room(released) - len(obs)
+                if not obs or room < 1:
+                    self._end_released(uid, "length")
+                    return False
+                released.resume = (obs, min(released.request.turn.max_new_tokens, room))
+                self._resume.append(uid)  # takes a free slot at the next step (waits for one)
+                return True
             self._drain()  # its pipelined overshoot (if any) is read and dropped while it still waits
             slot = self._waiting_slot(uid)
             live = self._slots[slot]
-            obs = [int(x) for x in np.asarray(observation_ids, np.int32).reshape(-1)]
             room = self._room(live) - len(obs)
             if not obs or room < 1:
                 self._end(slot, "length")
                 return False
             max_new = min(live.request.turn.max_new_tokens, room)
-            n_gen = len(live.logprobs)
-            self._state = self.engine.extend(self._params, self._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
-                                             live.tokens[-1], n_gen, max_new)
-            live.tokens.extend(obs)
-            live.mask.extend([0] * len(obs))
-            live.turn += 1
-            live.turn_start = len(live.tokens)
-            live.waiting = False
+            self._extend(slot, live, obs, max_new)
             return True
+
+    def _extend(self, slot: int, live: _Live, obs: list, max_new: int) -> None:
+        """Feed the observation over the slot's cached context and start the next turn."""
+        n_gen = len(live.logprobs)
+        self._state = self.engine.extend(self._params, self._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
+                                         live.tokens[-1], n_gen, max_new)
+        live.tokens.extend(obs)
+        live.mask.extend([0] * len(obs))
+        live.turn += 1
+        live.turn_start = len(live.tokens)
+        live.turn_end = n_gen + max_new
+        live.waiting = False
+
+    def _release_parked(self) -> None:
+        """Waiting episodes that asked for it give their slots up (pages kept), once the device
+        output that may still hold a token of theirs (decoded past a host-side stop) has been read."""
+        for slot, live in enumerate(self._slots):
+            if (live is not None and live.waiting and live.request.turn.release_slot
+                    and self._n_consumed > live.parked_at and live.request.uid not in self._released):
+                self._state, live.pages = self.engine.detach(self._state, slot)
+                self._slots[slot] = None
+                self._released[live.request.uid] = live
+
+    def _resume_released(self) -> None:
+        """Released episodes whose observation came take free slots, first come first served."""
+        while self._resume:
+            free = [i for i, x in enumerate(self._slots) if x is None]
+            if not free:
+                return  # waits for a slot
+            uid = self._resume[0]
+            live, slot = self._released[uid], free[0]
+            obs, max_new = live.resume
+            sp, n_gen = live.sampling, len(live.logprobs)
+            init = SlotInit(live.key_data, sp.temperature, sp.top_k, sp.top_p, n_gen + max_new,
+                            np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
+            self._state = self.engine.attach(self._state, slot, live.pages, len(live.prompt) + len(live.tokens) - 1,
+                                             live.tokens[-1], init)
+            try:
+                self._extend(slot, live, obs, max_new)
+            except OutOfPages:
+                self._state, _ = self.engine.detach(self._state, slot)  # the pool is short: try again next step
+                return
+            self._resume.popleft()
+            del self._released[uid]
+            live.pages, live.resume = None, None
+            self._slots[slot] = live
+
+    def _end_released(self, uid: str, reason: str) -> None:
+        live = self._released.pop(uid)
+        if uid in self._resume:
+            self._resume.remove(uid)
+        self.engine.allocator.free(live.pages)
+        live.pages = None
+        self._emit(live, reason)
 
     def end_episode(self, uid: str, reason: str = "eos") -> None:
         """Finish a waiting episode: its trajectory comes out of the next step()."""
         with self._lock:
+            if uid in self._released:
+                self._end_released(uid, reason)
+                return
             self._end(self._waiting_slot(uid), reason)
 
     def _end(self, slot: int, reason: str) -> None:
         self._retire(slot, reason)
 
-    def num_waiting(self) -> int:
+    def waiting_in_slots(self) -> int:
+        """Slots whose episode waits on its environment (released episodes hold none)."""
         return sum(x is not None and x.waiting for x in self._slots)
+
+    def num_waiting(self) -> int:
+        """Episodes waiting on their environment (or, released, for a slot)."""
+        return sum(x is not None and x.waiting for x in self._slots) + len(self._released)
 
     def _drain(self) -> None:
         """Read the in-flight output so host bookkeeping matches the device exactly."""
@@ -368,6 +450,8 @@ class RolloutServer:
                 if live is not None:
                     self._state = self.engine.deactivate(self._state, slot)
                     self._retire(slot, "aborted")
+            for uid in list(self._released):
+                self._end_released(uid, "aborted")
         if self.num_live == 0:
             self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
             self._params, self._version, self._pending = params, version, None
@@ -392,9 +476,9 @@ class RolloutServer:
             if live is None:
                 raise KeyError(f"server {self.section.server_id}: slot {slot} holds no live sequence "
                                "(it may have just finished; its trajectory comes out of the next step())")
-            if live.mask is not None:
-                raise KeyError(f"server {self.section.server_id}: slot {slot} holds multi-turn episode "
-                               f"{live.request.uid!r}; episodes do not move between servers")
+            if live.mask is not None and any(t.uid == live.request.uid for t in self._turns):
+                raise KeyError(f"server {self.section.server_id}: episode {live.request.uid!r} ended a turn "
+                               "not yet taken (take_turns() first: its environment must get the turn)")
             self._state = self.engine.deactivate(self._state, slot)
             num_cached = len(live.prompt) + len(live.tokens) - 1
             k, v = self.engine.read_slot(self._state, slot, num_cached)
@@ -406,7 +490,8 @@ class RolloutServer:
                 ground_truth=r.ground_truth, version=live.version, prompt_ids=live.prompt.copy(),
                 generated_ids=np.asarray(live.tokens, np.int32), logprobs=np.asarray(live.logprobs, np.float32),
                 key_data=live.key_data.copy(), num_cached=num_cached, sampling=live.sampling,
-                page_size=self.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1)
+                page_size=self.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1,
+                episode=None if live.mask is None else _episode_books(live))
 
     def import_sequence(self, seq: SequenceState) -> int:
         """Continue an exported sequence here; returns its slot.
@@ -425,6 +510,8 @@ class RolloutServer:
             if not free:
                 raise NoFreeSlotError(f"server {self.section.server_id}: all {len(self._slots)} slots busy")
             slot = free[0]
+            if seq.episode is not None:
+                return self._import_episode(slot, seq)
             sp = seq.sampling
             n_gen = len(seq.generated_ids)
             if n_gen >= sp.max_new_tokens:
@@ -441,20 +528,63 @@ class RolloutServer:
                                       moves=seq.moves)
             return slot
 
+    def _import_episode(self, slot: int, seq: SequenceState) -> int:
+        """Continue a moved episode in `slot`: mid-turn it decodes on to its turn's end; waiting, it
+        is written then parked (KV pages kept, device inactive) for continue_episode / end_episode."""
+        ep, sp = seq.episode, seq.sampling
+        mask = [int(x) for x in ep["mask"]]
+        n_gen, n_obs = len(seq.logprobs), mask.count(0)
+        if len(mask) != len(seq.generated_ids) or n_gen != len(mask) - n_obs:
+            raise ValueError(f"episode {seq.uid!r}: policy mask of {len(mask)} entries ({n_obs} observation) "
+                             f"does not match {len(seq.generated_ids)} tokens and {n_gen} log-probs")
+        turn_end = n_gen if ep["waiting"] else int(ep["turn_end"])
+        if not ep["waiting"] and turn_end <= n_gen:
+            raise ValueError(f"episode {seq.uid!r}: turn ends at {turn_end} policy tokens, has {n_gen} already")
+        init = SlotInit(seq.key_data, sp.temperature, sp.top_k, sp.top_p, turn_end,
+                        np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
+        # Pages for the context and the rest of this turn: observation tokens count as prompt here.
+        self._state = self.engine.write_slot(self._state, slot, seq.k_pages, seq.v_pages, seq.num_cached,
+                                             seq.last_token, len(seq.prompt_ids) + n_obs, init)
+        if ep["waiting"]:
+            self._state = self.engine.deactivate(self._state, slot)
+            self.engine.park(slot)
+        spec = ep["turn_spec"]
+        turn = TurnSpec(int(spec["max_new_tokens"]), tuple(tuple(int(t) for t in q) for q in spec["stop_sequences"]),
+                        int(spec["max_response_tokens"]), bool(spec.get("release_slot", False)))
+        req = Request(uid=seq.uid, prompt_ids=seq.prompt_ids, prompt_uid=seq.prompt_uid, sample_index=seq.sample_index,
+                      sampling=sp, data_source=seq.data_source, ground_truth=seq.ground_truth, turn=turn)
+        self._slots[slot] = _Live(req, np.asarray(seq.prompt_ids, np.int32), sp, seq.key_data, seq.version,
+                                  [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
+                                  moves=seq.moves, mask=mask, turn=int(ep["turn"]), turn_start=int(ep["turn_start"]),
+                                  waiting=bool(ep["waiting"]), turn_end=turn_end,
+                                  parked_at=self._n_consumed - 1)  # no output of ours in flight: may release now
+        return slot
+
     # ---------------------------------------------------------------- stats
 
     def stats(self) -> ServerStats:
         with self._lock:
-            per_version = collections.Counter(x.version for x in self._slots if x is not None)
+            per_version = collections.Counter(x.version for x in [*self._slots, *self._released.values()]
+                                              if x is not None)
             span = (self._rate[-1][0] - self._rate[0][0]) if len(self._rate) > 1 else 0.0
             # Tokens after the first entry over the span they were produced in.
             rate = (self._rate_sum - self._rate[0][1]) / span if span > 0 else 0.0
             alloc = self.engine.allocator
             return ServerStats(
-                server_id=self.section.server_id, version=self._version, slots_used=self.num_live,
+                server_id=self.section.server_id, version=self._version, slots_used=sum(x is not None for x in self._slots),
                 slots_total=len(self._slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,
                 live_per_version=dict(per_version), tokens_per_s=rate,
                 queue_length=self._queue.qsize() + (self._head is not None),
                 pending_version=None if self._pending is None else self._pending[0],
                 completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
                 truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"])
+
+
+def _episode_books(live: _Live) -> dict:
+    """A live episode's host books as JSON data (SequenceState.episode): what import needs to go on."""
+    t = live.request.turn
+    return {"turn_spec": {"max_new_tokens": int(t.max_new_tokens),
+                          "stop_sequences": [[int(x) for x in q] for q in t.stop_sequences],
+                          "max_response_tokens": int(t.max_response_tokens), "release_slot": bool(t.release_slot)},
+            "mask": [int(x) for x in live.mask], "turn": live.turn, "turn_start": live.turn_start,
+            "turn_end": live.turn_end, "waiting": live.waiting}

@@ -22,7 +22,7 @@ from laminar_jax.runtime.timeline import Timeline
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
 TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
             "entropy", "clipfrac", "dual_clipfrac", "approx_kl_old", "kl", "kl_loss", "lr", "grad_norm", "vf_loss",
-            "vf_clipfrac", "rank_token_imbalance")
+            "vf_clipfrac", "rank_token_imbalance", "tool_call_rate")
 
 
 @dataclasses.dataclass
@@ -77,6 +77,17 @@ def _flat_config(cfg) -> Optional[dict]:
         return None
 
 
+def _tool_call_ids(cfg) -> tuple:
+    """Token ids of TOOL_CALL_START with the run's tokenizer (empty without episodes)."""
+    env = getattr(cfg, "env", None)
+    if env is None or not env.enabled:
+        return ()
+    from laminar_jax.env.tools import TOOL_CALL_START
+    from laminar_jax.model import load_tokenizer
+
+    return tuple(load_tokenizer(cfg.model.tokenizer).encode(TOOL_CALL_START))
+
+
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
     return None if x is None else round(float(x), nd)
 
@@ -98,6 +109,7 @@ class Monitor:
         self._metrics = open(os.path.join(run_dir, "metrics.jsonl"), "a", encoding="utf-8")
         self.console = Console(cfg.runtime.progress, t0)
         self._sft_logged = False
+        self._tool_start = _tool_call_ids(cfg)
 
     def phase(self, what: str) -> None:
         self.console.phase(what)
@@ -120,6 +132,11 @@ class Monitor:
         turns = [episode_turns(t) for t in trajs if t.policy_mask is not None]
         if turns:
             rec["turns_per_trajectory"] = float(np.mean(turns))
+        if self._tool_start:  # share of this step's trajectories that called a tool at least once
+            from laminar_jax.env.tools import calls_tool
+
+            calls = [calls_tool(t.response_ids, t.response_policy_mask(), self._tool_start) for t in trajs]
+            rec["tool_call_rate"] = float(np.mean(calls)) if calls else 0.0
         rec["versions"] = [s.version for s in stats.servers]
         self.steps.append(rec)
         step = int(metrics["version"])
@@ -222,12 +239,18 @@ class Monitor:
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
             **self.env_summary(),
             **self.eval_summary(),
+            **self.tool_call_curve(),
             "repack_moves": stats.repack_moves,
             "failures": list(stats.failures),
             "stopped_early": stopped_early,
             "timeline_png": timeline_png,
             "run_dir": self.run_dir,
         }
+
+    def tool_call_curve(self) -> dict:
+        """Multi-turn runs: per step, (RL seconds, share of the step's trajectories with a tool call)."""
+        curve = [(round(s["t"], 2), round(s["tool_call_rate"], 4)) for s in self.steps if "tool_call_rate" in s]
+        return {"tool_call_curve": curve} if curve else {}
 
     def env_summary(self) -> dict:
         """Multi-turn figures (empty without episodes): turns, env latency and failures, waiting share."""

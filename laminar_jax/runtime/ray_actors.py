@@ -151,7 +151,7 @@ class RolloutActor:
         from laminar_jax.rollout import make_engine
         from laminar_jax.rollout.server import RolloutServer
         from laminar_jax.runtime.fleet import params_from_flat, server_section
-        from laminar_jax.runtime.rollout_worker import RolloutWorker, pull_timeout
+        from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, pull_timeout
         from laminar_jax.scheduler.modes import get_policy
 
         section = server_section(cfg, index, generation)
@@ -168,8 +168,13 @@ class RolloutActor:
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
         remote = RemoteBuffer(buffer, rpc_timeout_s, buffer_name)
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
+        from laminar_jax.model import load_tokenizer
+
+        # Multi-turn episodes (env.enabled): this actor's own EnvPool and environments, in its process.
+        episodes = episode_feed(cfg, load_tokenizer(cfg.model.tokenizer), remote.episode_record)
         self.worker = RolloutWorker(index, name, RolloutServer(engine, from_flat(flat), version=version), client,
-                                    remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05)
+                                    remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05,
+                                    episodes=episodes)
         remote.register(index, name, version)
         self._loop = Worker(f"{name}-worker", self._run, stop_on_failure=False)
         self.compiles = 0
@@ -200,10 +205,16 @@ class RolloutActor:
 
     def stats(self) -> dict:
         """Heartbeat + the scheduler's view (RolloutWorker.snapshot) + the loop's traceback if it died."""
-        return {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
+        out = {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
+        episodes = self.worker.episodes
+        if episodes is not None:  # the env figures the driver's timeline and summary show
+            with self.worker.lock:
+                out["env"] = {"waiting": self.worker.server.waiting_in_slots(),
+                              "stats": episodes.driver.stats()._asdict()}
+        return out
 
     def export_sequence(self, uid: str, version: int):
-        return self.worker.export_sequence(uid, version)
+        return self.worker.export_sequence(uid, version, portable=True)  # episodes keep their envs in-process
 
     def import_sequence(self, state) -> int:
         return self.worker.import_sequence(state)

@@ -156,6 +156,10 @@ class RayFleet:
         s = st["stats"]
         self.timeline.sample(time.time(), s["server_id"], s["slots_used"], s["slots_total"], s["version"],
                              s["kv_pages_used"], s["kv_pages_total"])
+        if st.get("env") is not None:  # multi-turn episodes: slots waiting on environments, env figures
+            from laminar_jax.env.driver import DriverStats
+
+            self.timeline.sample_waiting(s["server_id"], st["env"]["waiting"], DriverStats(**st["env"]["stats"]))
         return []
 
     def replace(self, i: int, record: dict, t_fail: float) -> None:

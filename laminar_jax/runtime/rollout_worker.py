@@ -199,7 +199,7 @@ class RolloutWorker:
                 self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
                                      st.kv_pages_used, st.kv_pages_total)
                 if self.episodes is not None and hasattr(self.timeline, "sample_waiting"):
-                    self.timeline.sample_waiting(self.name, s.num_waiting(), self.episodes.driver.stats())
+                    self.timeline.sample_waiting(self.name, s.waiting_in_slots(), self.episodes.driver.stats())
             return bool(done) or s.num_live > 0 or (self.episodes is not None and self.episodes.busy())
 
     def run(self, stop: threading.Event) -> None:
@@ -216,23 +216,40 @@ class RolloutWorker:
                     "beat_age": time.monotonic() - self.last_beat, "draining": not self.admitting(),
                     "swaps": self.swaps, "dropped": self.dropped}
 
-    def export_sequence(self, uid: str, version: int):
+    def export_sequence(self, uid: str, version: int, portable: bool = False):
         """Take live sequence `uid` out (a SequenceState); None if it finished (also inside the step
-        still in flight), or if this server no longer runs `version` (the plan is stale)."""
+        still in flight), or if this server no longer runs `version` (the plan is stale).
+
+        A multi-turn episode (waiting on its environment or decoding) leaves with its environment
+        side as the state's in-process `handoff`; `portable=True` (the state will be pickled to
+        another process) keeps episodes here: an environment and its running step stay in-process.
+        """
         with self.lock:
             s = self.server
             slot = {u: i for i, u, _ in s.live_sequences()}.get(uid)
             if slot is None or s.version != version:
                 return None
+            driver = self.episodes.driver if self.episodes is not None else None
+            if portable and driver is not None and driver.owns(uid):
+                return None
             try:
-                return s.export_sequence(slot)
+                state = s.export_sequence(slot)
             except KeyError:
                 return None
+            if state.episode is not None and driver is not None:
+                state = dataclasses.replace(state, handoff=driver.release(uid))
+            return state
 
     def import_sequence(self, state) -> int:
         """Continue a moved sequence here; raises (VersionMismatchError, NoFreeSlotError, ...) if it cannot."""
         with self.lock:
-            return self.server.import_sequence(state)
+            if state.episode is not None and (self.episodes is None or state.handoff is None):
+                raise ValueError(f"episode {state.uid!r} arrived without its environment side (moved across "
+                                 "processes, or to a server that runs no episodes)")
+            slot = self.server.import_sequence(state)
+            if state.episode is not None:
+                self.episodes.driver.adopt(state.uid, state.handoff)
+            return slot
 
 
 def pull_timeout(cfg) -> float:
@@ -276,4 +293,5 @@ def episode_feed(cfg, tokenizer, record_of: Callable[[str], dict]):
     driver = EpisodeDriver(EnvPool(e.workers, e.timeout_s), tokenizer, default_env=e.default,
                            by_data_source=e.by_data_source, chat_template=e.chat_template, env_kwargs=e.env_kwargs)
     stop = tuple(tokenizer.encode(e.turn_stop))
-    return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens))
+    return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens,
+                                                   release_slot=e.release_slot_while_waiting))

@@ -1,0 +1,94 @@
+"""Arithmetic word problems for the `calculator` environment, and synthetic tool-use traces.
+
+A problem is a short story whose answer needs a two-digit multiplication (too hard for a tiny
+model to do in its head, easy with the tool), e.g.
+
+    question:   "Sam has 17 cards and buys 23 packs of 6. How many cards?"
+    expression: "17+23*6"            answer: 155
+
+Its supervised trace is exactly what a successful episode looks like to the policy: a tool call,
+the tool message the episode driver appends (rendered by `render_tool_message`, so with the same
+tokenizer and template the trace and the live episode agree token for token), then the answer:
+
+    <tool_call>{"name":"calculator","arguments":{"expression":"17+23*6"}}</tool_call>tool: 155
+    assistant: Answer: 155
+
+`problem_rows` gives verl-layout rows (data_source 'calculator', extra_info.env 'calculator', the
+answer as ground_truth) with the trace in a 'response' column, the layout data.source='file' reads
+both as RL prompts and as supervised (prompt, response) pairs for the warm-start.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, NamedTuple, Optional
+
+import numpy as np
+
+from laminar_jax.env.calculator import evaluate, format_number
+from laminar_jax.env.tools import TOOL_CALL_END, TOOL_CALL_START, render_tool_message
+
+DATA_SOURCE = "calculator"
+# (question, expression) templates; a, b are two-digit, c one-digit.
+TEMPLATES = (
+    ("{a} boxes hold {b} pens each. How many pens?", "{a}*{b}"),
+    ("A hall has {a} rows of {b} seats and {c} are taken. How many are free?", "{a}*{b}-{c}"),
+    ("Sam has {a} cards and buys {b} packs of {c}. How many cards?", "{a}+{b}*{c}"),
+    ("{a} buses carry {b} people each and {c} more walk. How many people?", "{a}*{b}+{c}"),
+)
+
+
+class WordProblem(NamedTuple):
+    question: str
+    expression: str
+    answer: str  # the value as format_number writes it (what the calculator returns)
+
+
+def word_problem(rng: np.random.Generator) -> WordProblem:
+    question, expression = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
+    nums = {"a": int(rng.integers(11, 100)), "b": int(rng.integers(11, 100)), "c": int(rng.integers(2, 10))}
+    expr = expression.format(**nums)
+    return WordProblem(question.format(**nums), expr, format_number(evaluate(expr)))
+
+
+def tool_call_text(expression: str) -> str:
+    """The policy's tool call, compact JSON (fewer tokens for a character model)."""
+    body = json.dumps({"name": "calculator", "arguments": {"expression": expression}}, separators=(",", ":"))
+    return f"{TOOL_CALL_START}{body}{TOOL_CALL_END}"
+
+
+def tool_trace(problem: WordProblem, tokenizer: Optional[Any] = None, chat_template: Optional[str] = None) -> str:
+    """The whole response of a successful episode: tool call, tool message, answer."""
+    observation = render_tool_message(problem.answer, tokenizer, chat_template)
+    return f"{tool_call_text(problem.expression)}{observation}Answer: {problem.answer}"
+
+
+def problem_rows(n: int, seed: int, tokenizer: Optional[Any] = None,
+                 chat_template: Optional[str] = None) -> list[dict]:
+    """`n` verl-layout rows (deterministic in seed) with the supervised trace as 'response'."""
+    if n < 1:
+        raise ValueError(f"problem_rows: n={n} must be >= 1")
+    rng = np.random.default_rng([int(seed), 0xCA1C])
+    rows = []
+    for i in range(n):
+        p = word_problem(rng)
+        rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.question}],
+                     "reward_model": {"ground_truth": p.answer, "style": "rule"},
+                     "extra_info": {"env": "calculator", "index": i, "expression": p.expression},
+                     "response": tool_trace(p, tokenizer, chat_template)})
+    return rows
+
+
+def write_problem_file(path: str, n: int, seed: int, tokenizer: Optional[Any] = None,
+                       chat_template: Optional[str] = None) -> str:
+    """Write `problem_rows` as JSON lines at `path` unless a complete copy is there (atomic rename)."""
+    if os.path.exists(path):
+        return path
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    with open(tmp, "w") as f:
+        for row in problem_rows(n, seed, tokenizer, chat_template):
+            f.write(json.dumps(row) + "\n")
+    os.replace(tmp, path)
+    return path
