@@ -34,6 +34,7 @@ class RuntimeSection:
       learner_processes: Learner processes joined by jax.distributed into one mesh (kind='ray' only; 1 = the learner runs in the driver process). mesh spans every process's devices.
       learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
       compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
+      profile: Account for the process's CPU time in the RL window (decode, learner passes, publish, pulls, rewards, dispatch, Python and XLA threads, GIL wait; runtime/profile.py): the summary gets a 'profile' block. Local runtime only; the learner waits for each pass inside its phase.
       learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 
@@ -57,6 +58,7 @@ class RuntimeSection:
     learner_gpus_per_process: int = 1
     learner_resource: Optional[str] = None
     compilation_cache_dir: str = "~/.cache/laminar_jax/jax"
+    profile: bool = False
 
     def validate(self, prefix: str) -> None:
         for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):
@@ -70,5 +72,7 @@ class RuntimeSection:
                self.learner_processes, "1 unless runtime.kind='ray' (the local runtime has one learner process)")
         expect(self.learner_gpus_per_process >= 0, f"{prefix}.learner_gpus_per_process",
                self.learner_gpus_per_process, ">= 0")
+        expect(not self.profile or self.kind == "local", f"{prefix}.profile", self.profile,
+               "False unless runtime.kind='local' (the accounting reads this process's threads)")
         expect(self.learner_resource is None or self.learner_resource.strip() != "", f"{prefix}.learner_resource",
                self.learner_resource, "a Ray resource name or None")
