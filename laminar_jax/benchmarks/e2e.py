@@ -2,6 +2,7 @@
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
                            [--workload demo|agentic] [--env-median-s 3.0] [--profile]
+                           [--decode-steps K]
 
 Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
 rollout servers and generation slots, same wall-clock budget of RL per mode. Reports training
@@ -83,6 +84,8 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
     c.runtime.prompts_per_step = args.prompts_per_step
     c.runtime.run_dir = os.path.join(run_root, mode)
     c.runtime.profile = bool(getattr(args, "profile", False))
+    if getattr(args, "decode_steps", None):
+        c.rollout.decode_steps_per_call = args.decode_steps
     cfg = finalize(c)
     return LocalRun(cfg, cfg.runtime.run_dir).run()
 
@@ -99,6 +102,9 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="rollout.decode_steps_per_call (default: the workload config's)")
+    ap.add_argument("--warm-start", default=None, help="HF directory of a warm-started model to reuse (skips the warm-start)")
     ap.add_argument("--profile", action="store_true", help="CPU-time accounting of each mode (runtime.profile)")
     args = ap.parse_args(argv)
     budget = args.budget_s or (30.0 if args.quick else 120.0)
@@ -109,7 +115,7 @@ def main(argv: list[str]) -> dict:
     import jax
 
     t0 = time.time()
-    model_dir = warm_start(os.path.join(out, "warm_start"), sft_steps)
+    model_dir = args.warm_start or warm_start(os.path.join(out, "warm_start"), sft_steps)
     results = {}
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -154,7 +160,8 @@ def main(argv: list[str]) -> dict:
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
-        "plot": plot, "wall_s": round(time.time() - t0, 1),
+        "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "decode_steps_per_call": args.decode_steps,
     }
     if args.profile:
         result.update(profile_result(results, tps))

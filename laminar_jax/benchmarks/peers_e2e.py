@@ -180,8 +180,9 @@ def _ours_worker(spec: dict) -> dict:
     import jax
 
     from laminar_jax.benchmarks.e2e import _demo_config
-    from laminar_jax.config import finalize
+    from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
+    from laminar_jax.runtime.parts import resolve
     from laminar_jax.runtime.local import LocalRun
 
     g = GEOMETRY
@@ -198,6 +199,7 @@ def _ours_worker(spec: dict) -> dict:
     c.rollout.max_new_tokens = g["max_new_tokens"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
+    save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
     s = LocalRun(cfg, cfg.runtime.run_dir).run()
     final = os.path.join(spec["out"], "final")
     export_pretrained(cfg.runtime.run_dir, final)

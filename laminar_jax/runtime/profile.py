@@ -120,7 +120,7 @@ class _Acc:
 
 
 class Profiler:
-    def __init__(self, tick_s: float = 0.02):
+    def __init__(self, tick_s: float = 0.05):
         self.tick_s = tick_s
         self._lock = threading.Lock()
         self._phases: dict[str, _Acc] = {}
@@ -259,9 +259,11 @@ class Profiler:
         xla_idle = self._native.get("xla: no phase active", 0.0)
         rows.append(self._row("xla: no phase active", 0.0, xla_idle, wall, trained_tokens))
         # Phase-marked threads (servers, learner) outside their phases, and other Python threads.
-        marked_threads = sum(v for t, v in unmarked.items() if t not in used)
+        sampler = unmarked.get("thread:profile-sampler", 0.0)
+        marked_threads = sum(v for t, v in unmarked.items() if t not in used) - sampler
         rows.append(self._row("other Python (loops, idle polling, unmarked)", max(marked_threads - marked, 0.0), 0.0,
                               wall, trained_tokens))
+        rows.append(self._row("the profiler's sampler thread", sampler, 0.0, wall, trained_tokens))
         accounted = sum(r["cpu_s"] for r in rows) - children
         rows.append(self._row("unaccounted (exited threads, clock ticks)", process - accounted, 0.0, wall,
                               trained_tokens))
