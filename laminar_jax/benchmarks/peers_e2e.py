@@ -13,7 +13,8 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
-mode's policy). Every run is a fresh process; runs alternate between systems, --repeats times.
+mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 4: one jitted call
+decodes 4 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md). Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
 time over the training window), the batch reward at the budget (mean of the last 3 steps) and a
@@ -50,6 +51,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--trl-threads", default=None, help="torch thread counts to run TRL with, e.g. 1,2")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--decode-steps", type=int, default=4,
+                    help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -197,6 +200,7 @@ def _ours_worker(spec: dict) -> dict:
     c.runtime.prompts_per_step, c.runtime.samples_per_prompt = g["prompts_per_step"], g["samples_per_prompt"]
     c.learner.mini_batches = g["updates_per_step"]
     c.rollout.max_new_tokens = g["max_new_tokens"]
+    c.rollout.decode_steps_per_call = spec["decode_steps"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
     save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
@@ -320,6 +324,7 @@ def main(argv: list[str]) -> Optional[dict]:
         for system, threads in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
             label = system if threads is None else f"trl-{threads}t"
             spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "threads": threads, "label": label,
+                    "decode_steps": args.decode_steps,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)
             r.update(system=system, label=label, repeat=rep)
@@ -331,6 +336,7 @@ def main(argv: list[str]) -> Optional[dict]:
     summary = summarize(runs)
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
+              "decode_steps_per_call": args.decode_steps,
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(result))
