@@ -203,6 +203,10 @@ def profile_result(results: dict, tps: dict) -> dict:
         bound_tps = (os.cpu_count() or 2) / max(cpu_per_tok, 1e-12)
         out["laminar_vs_sync_core_bound"] = round(bound_tps / tps["sync"], 3)
         out["laminar_tps_core_bound"] = round(bound_tps, 1)
+        syn = results.get("sync", {}).get("profile")
+        if syn:  # trained tokens per CPU-second, laminar over sync: the part of the ratio that is not core share
+            out["laminar_vs_sync_per_cpu_s"] = round(syn["cpu_ms_per_1k_trained_tokens"]
+                                                     / max(lam["cpu_ms_per_1k_trained_tokens"], 1e-9), 3)
         print(f"\n{os.cpu_count()}-core bound: laminar at {lam['cpu_ms_per_1k_trained_tokens']:.0f} CPU-ms per 1k "
               f"trained tokens can reach at most {bound_tps:.0f} tok/s = {out['laminar_vs_sync_core_bound']:.2f}x sync "
               f"({tps['sync']:.0f} tok/s); measured {tps.get('laminar') or 0:.0f} tok/s")
