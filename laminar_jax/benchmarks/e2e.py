@@ -19,7 +19,10 @@ and the load average.
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
 printed, the JSON gets a `profile` block per mode and the 2-core bound on laminar/sync derived from
 it: laminar can at most keep both cores busy at the CPU cost per trained token it measured, so
-laminar_tps <= 2 / (laminar CPU-s per trained token), and the bound on the ratio is that over sync_tps.
+laminar_tps <= 2 / (laminar CPU-s per trained token), and the bound on the ratio is that over sync_tps
+(`laminar_vs_sync_core_bound`; under load sync gets fewer cores and the bound is inflated), and
+`laminar_vs_sync_per_cpu_s`, the ratio of trained tokens per CPU-second, which does not depend on
+the cores each mode got.
 """
 
 from __future__ import annotations
