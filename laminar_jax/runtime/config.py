@@ -44,6 +44,7 @@ class RuntimeSection:
       eval_correct_threshold: A response counts as correct (accuracy, pass@k) when its reward is >= this.
       loggers: Where scalars go besides metrics.jsonl: 'tensorboard' (tb/ in the run directory) and/or 'wandb' (Weights & Biases; pip install -e ".[wandb]"; WANDB_MODE=offline logs under the run directory).
       wandb_project: The Weights & Biases project of runs logged with loggers=['wandb', ...].
+      profile: Account for the process's CPU time in the RL window (decode, learner passes, publish, pulls, rewards, dispatch, Python and XLA threads, GIL wait; runtime/profile.py): the summary gets a 'profile' block. Local runtime only; the learner waits for each pass inside its phase.
       learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 
@@ -76,6 +77,7 @@ class RuntimeSection:
     eval_correct_threshold: float = 1.0
     loggers: tuple[str, ...] = ("tensorboard",)
     wandb_project: str = "laminar_jax"
+    profile: bool = False
 
     def validate(self, prefix: str) -> None:
         for name in ("num_servers", "prompts_per_step", "samples_per_prompt", "total_steps", "max_inflight_batches"):
@@ -92,6 +94,8 @@ class RuntimeSection:
         self._validate_eval(prefix)
         for name in self.loggers:
             expect(name in LOGGERS, f"{prefix}.loggers", self.loggers, f"a list of {list(LOGGERS)}")
+        expect(not self.profile or self.kind == "local", f"{prefix}.profile", self.profile,
+               "False unless runtime.kind='local' (the accounting reads this process's threads)")
         expect(self.learner_resource is None or self.learner_resource.strip() != "", f"{prefix}.learner_resource",
                self.learner_resource, "a Ray resource name or None")
 

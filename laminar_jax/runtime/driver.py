@@ -23,6 +23,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 from laminar_jax.eval.schedule import Evaluation
+from laminar_jax.runtime import profile
 from laminar_jax.runtime.loops import HealthLoop, RepackLoop
 from laminar_jax.runtime.monitor import RunStats
 from laminar_jax.runtime.rollout_worker import InjectedFault
@@ -84,6 +85,7 @@ class Driver:
         # Eval rounds on the rollout servers (None without runtime.eval_every / eval_before_train).
         self.evals = Evaluation.maybe(cfg, buffer, monitor.on_eval)
         self.t_rl = time.time()
+        self.profiler: Optional[profile.Profiler] = None  # runtime.profile: CPU-time accounting of the RL window
 
     # ----------------------------------------------------------------------------------- run
     def _warm_up(self) -> None:
@@ -108,6 +110,7 @@ class Driver:
         rt = self.cfg.runtime
         self.t_rl = time.time()
         stopped_early = False
+        self._start_profile()
         try:
             if self.evals is not None:
                 self.evals.begin(self.learner.version)
@@ -123,10 +126,21 @@ class Driver:
                 self._train_on(rows)
             self._end_evals(stopped_early)
         except BaseException:
+            self._stop_profile()
             self._shutdown(clean=False)
             raise
+        self._stop_profile()
         self._shutdown(clean=True)
         return self.summary(stopped_early)
+
+    def _start_profile(self) -> None:
+        if self.cfg.runtime.profile:
+            profile.instrument_learner(self.learner)  # after warm-up: it lowers the learner's jitted passes
+            self.profiler = profile.Profiler().start()
+
+    def _stop_profile(self) -> None:
+        if self.profiler is not None and profile.active() is self.profiler:
+            self.profiler.stop()
 
     def _next_batch(self) -> list[dict]:
         """Block (bounded) for the next batch, re-checking every worker's health while waiting."""
@@ -193,7 +207,8 @@ class Driver:
             if self._crash_learner:
                 self._crash_learner = False
                 raise InjectedFault("injected learner crash")
-            return self.learner.step(trajs)
+            with profile.phase("learner.host"):
+                return self.learner.step(trajs)
         except self.learner_failures as e:
             t_fail = time.time()
             log.warning("learner died (%r); restarting from its checkpoint", e)
@@ -243,6 +258,9 @@ class Driver:
         # run that died after that checkpoint had trained and this one trained again.
         s["restore"] = getattr(self.learner, "restore_report", None)
         s["redone_steps"] = getattr(self.weights, "redone_steps", 0)
+        if self.profiler is not None:
+            s["profile"] = self.profiler.report(sum(r["tokens"] for r in self.monitor.steps),
+                                                int(self.buffer_stats.get("generated_tokens", 0)))
         if self.summary_extra is not None:
             s.update(self.summary_extra(self))
         return s

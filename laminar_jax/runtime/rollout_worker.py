@@ -16,6 +16,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from laminar_jax.runtime import profile
 from laminar_jax.runtime.dispatch import WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
@@ -182,25 +183,35 @@ class RolloutWorker:
             if self.crash_next:
                 raise InjectedFault(f"injected crash of rollout server {self.name}")
             s = self.server
-            self._poll_newest()
-            self._maybe_swap()
-            self._admit()
-            done = s.step()
+            with profile.phase("poll"):
+                self._poll_newest()
+            with profile.phase("pull"):
+                self._maybe_swap()
+            with profile.phase("dispatch"):
+                self._admit()
+            with profile.phase("decode"):
+                done = s.step()
             if self.episodes is not None:
                 done = self.episodes.step(s, done)
             if self.killed.is_set():
                 return False  # declared dead meanwhile: its work was requeued, drop these results
-            for traj in done:
-                if not self.buffer.complete(self.name, traj):
-                    self.dropped += 1
-            self.board.update(s.version, s.num_live)
-            if self.timeline is not None:
-                st = s.stats()
-                self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
-                                     st.kv_pages_used, st.kv_pages_total)
-                if self.episodes is not None and hasattr(self.timeline, "sample_waiting"):
-                    self.timeline.sample_waiting(self.name, s.waiting_in_slots(), self.episodes.driver.stats())
+            with profile.phase("dispatch"):
+                self._hand_on(done)
             return bool(done) or s.num_live > 0 or (self.episodes is not None and self.episodes.busy())
+
+    def _hand_on(self, done: list) -> None:
+        """Results to the buffer (which scores them), this server's entry on the board, the timeline."""
+        s = self.server
+        for traj in done:
+            if not self.buffer.complete(self.name, traj):
+                self.dropped += 1
+        self.board.update(s.version, s.num_live)
+        if self.timeline is not None:
+            st = s.stats()
+            self.timeline.sample(time.time(), self.name, st.slots_used, st.slots_total, s.version,
+                                 st.kv_pages_used, st.kv_pages_total)
+            if self.episodes is not None and hasattr(self.timeline, "sample_waiting"):
+                self.timeline.sample_waiting(self.name, s.waiting_in_slots(), self.episodes.driver.stats())
 
     def run(self, stop: threading.Event) -> None:
         while not stop.is_set() and not self.killed.is_set():

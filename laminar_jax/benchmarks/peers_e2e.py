@@ -1,0 +1,347 @@
+"""Peers end to end: TRL's GRPOTrainer against this project's `sync` and `laminar` modes.
+
+    python launch/bench.py peers --e2e [--quick] [--budget-s 90] [--repeats 2] [--trl-threads 1,2]
+
+Same HF checkpoint for every system: the demo's tiny model after its supervised warm-start,
+written as a self-contained HF directory (weights, config.json, the character tokenizer.json with
+the built-in tokenizer's ids, generation_config.json). Same skewed task (synthetic_skew) and
+reward, same geometry (8 prompts x 8 samples per step; 4 optimizer updates of 16 samples each),
+same optimizer settings (AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay, grad clip 1.0,
+constant schedule; PPO clip 0.2 / 0.28, no KL, per-sequence token-mean loss, group-normalised
+advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock budget of training
+(TRL: from its first step; ours: the RL clock, after compiling).
+
+TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
+torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
+mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 4: one jitted call
+decodes 4 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md). Every run is a fresh process; runs alternate between systems, --repeats times.
+Each run reports training tokens per second (prompt + response tokens of the trajectories the
+optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
+time over the training window), the batch reward at the budget (mean of the last 3 steps) and a
+held-out reward: the final weights, exported as an HF directory, complete 64 prompts that no
+system trained on, greedily, through one evaluator (this project's engine) and are scored by the
+task's reward. Medians and spread, the load average of every run and the versions are printed;
+the last line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Optional
+
+import numpy as np
+
+SYSTEMS = ("trl", "sync", "laminar")
+GEOMETRY = {"prompts_per_step": 8, "samples_per_prompt": 8, "updates_per_step": 4, "max_new_tokens": 144}
+HELDOUT_SEED, HELDOUT_N, TRAIN_SEED = 9_999, 64, 0
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench peers --e2e")
+    ap.add_argument("--e2e", action="store_true")
+    ap.add_argument("--quick", action="store_true", help="short budget, one repeat, one TRL thread count")
+    ap.add_argument("--budget-s", type=float, default=None, help="training seconds per run, every system")
+    ap.add_argument("--repeats", type=int, default=None)
+    ap.add_argument("--sft-steps", type=int, default=None)
+    ap.add_argument("--trl-threads", default=None, help="torch thread counts to run TRL with, e.g. 1,2")
+    ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--decode-steps", type=int, default=4,
+                    help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
+    ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--spec", help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    a.budget_s = a.budget_s or (20.0 if a.quick else 90.0)
+    a.repeats = a.repeats or (1 if a.quick else 2)
+    a.sft_steps = a.sft_steps if a.sft_steps is not None else (100 if a.quick else 300)
+    a.trl_threads = [int(x) for x in (a.trl_threads or ("1" if a.quick else "1,2")).split(",") if x.strip()]
+    a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    for s in a.systems:
+        if s not in SYSTEMS:
+            raise SystemExit(f"--systems: unknown system {s!r} (known: {', '.join(SYSTEMS)})")
+    if any(t < 1 for t in a.trl_threads):
+        raise SystemExit(f"--trl-threads: thread counts must be >= 1, got {a.trl_threads}")
+    return a
+
+
+# ---------------------------------------------------------------- the shared pieces
+
+def prepare_checkpoint(out_dir: str, sft_steps: int) -> str:
+    """The warm-started demo model as a self-contained HF directory (what both systems load)."""
+    from laminar_jax.benchmarks.e2e import _demo_config, warm_start
+    from laminar_jax.config import finalize
+    from laminar_jax.model.export import write_generation_config, write_tokenizer_files
+    from laminar_jax.model.hf import from_pretrained
+
+    warm_start(out_dir, sft_steps)
+    section = finalize(_demo_config()).model
+    write_tokenizer_files(section, out_dir)
+    write_generation_config(from_pretrained(out_dir), section, out_dir)
+    return out_dir
+
+
+def problems(seed: int, n: int) -> list[tuple[str, str]]:
+    """(prompt text, target) of the task (the RL stream of the data plane for `seed`)."""
+    from laminar_jax.data.synthetic_skew import SkewTask, sample_problem
+
+    return [(p.prompt, p.target) for p in (sample_problem(SkewTask(), seed, i) for i in range(n))]
+
+
+def heldout_reward(hf_dir: str) -> float:
+    """Mean task reward of greedy completions of HELDOUT_N prompts no run trains on (one evaluator for all)."""
+    from laminar_jax.data.synthetic_skew import skew_reward
+    from laminar_jax.model.tokenizer import BuiltinTokenizer
+    from laminar_jax.rollout import LLM, SamplingParams
+
+    tok = BuiltinTokenizer()
+    probs = problems(HELDOUT_SEED, HELDOUT_N)
+    llm = LLM(hf_dir, kv_memory_gb=0.25, max_num_seqs=16, max_model_len=192, max_prompt_len=32)
+    outs = llm.generate([[tok.bos_id] + tok.encode(p) for p, _ in probs],
+                        SamplingParams(temperature=0.0, max_new_tokens=GEOMETRY["max_new_tokens"],
+                                       stop_token_ids=(tok.eos_id,)))
+    return float(np.mean([skew_reward(tok.decode(o.token_ids), t) for o, (_, t) in zip(outs, probs)]))
+
+
+def reward_at_end(rewards: list[float]) -> Optional[float]:
+    return round(float(np.mean(rewards[-3:])), 4) if rewards else None
+
+
+# ---------------------------------------------------------------- workers (one process per run)
+
+def _trl_worker(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    import transformers
+    import trl
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+
+    from laminar_jax.data.synthetic_skew import skew_reward
+
+    g = GEOMETRY
+    data = Dataset.from_list([{"prompt": "<bos>" + p, "ground_truth": t} for p, t in problems(TRAIN_SEED, 4096)])
+
+    def reward(completions, ground_truth, **_):
+        return [skew_reward(c, t) for c, t in zip(completions, ground_truth)]
+
+    clock: dict[str, float] = {}
+
+    class Budget(TrainerCallback):
+        """Stops at the first step boundary past the budget (a whole generation batch trained)."""
+
+        def on_step_begin(self, args, state, control, **kw):
+            if "t0" not in clock:
+                clock.update(t0=time.perf_counter(), cpu0=time.process_time())
+
+        def on_step_end(self, args, state, control, **kw):
+            if (state.global_step % g["updates_per_step"] == 0
+                    and time.perf_counter() - clock["t0"] > spec["budget_s"]):
+                clock.update(t1=time.perf_counter(), cpu1=time.process_time())
+                control.should_training_stop = True
+
+    cfg = trl.GRPOConfig(
+        output_dir=spec["out"], use_cpu=True, bf16=False, seed=0, report_to=[], save_strategy="no", logging_steps=1,
+        per_device_train_batch_size=g["prompts_per_step"] * g["samples_per_prompt"] // g["updates_per_step"],
+        num_generations=g["samples_per_prompt"], steps_per_generation=g["updates_per_step"], num_iterations=1,
+        max_completion_length=g["max_new_tokens"], temperature=1.0, learning_rate=1e-3, lr_scheduler_type="constant",
+        warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", scale_rewards="group", max_steps=100_000,
+        dataloader_num_workers=0, disable_tqdm=True)
+    model = AutoModelForCausalLM.from_pretrained(spec["dir"], torch_dtype=torch.float32)
+    trainer = trl.GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=data,
+                              processing_class=AutoTokenizer.from_pretrained(spec["dir"]), callbacks=[Budget()])
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "reward" in h]
+    trained = float(logs[-1]["num_tokens"]) if logs else 0.0
+    final = os.path.join(spec["out"], "final")
+    trainer.save_model(final)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        _copy(os.path.join(spec["dir"], name), os.path.join(final, name))
+    wall, cpu = clock["t1"] - clock["t0"], clock["cpu1"] - clock["cpu0"]
+    return {"train_s": wall, "cpu_s": cpu, "trained_tokens": trained, "steps": trainer.state.global_step,
+            "reward_at_budget": reward_at_end([h["reward"] for h in logs]), "heldout_reward": heldout_reward(final),
+            "version": f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__} "
+                       f"({spec['threads']} thread{'s' if spec['threads'] > 1 else ''})"}
+
+
+def _copy(src: str, dst: str) -> None:
+    import shutil
+
+    if os.path.isfile(src):
+        shutil.copyfile(src, dst)
+
+
+def _ours_worker(spec: dict) -> dict:
+    import jax
+
+    from laminar_jax.benchmarks.e2e import _demo_config
+    from laminar_jax.config import finalize, save_config
+    from laminar_jax.runtime.export import export_pretrained
+    from laminar_jax.runtime.parts import resolve
+    from laminar_jax.runtime.local import LocalRun
+
+    g = GEOMETRY
+    c = _demo_config()
+    c.model.path = spec["dir"]
+    c.runtime.mode = spec["system"]
+    c.runtime.sft_warmup_steps = 0
+    c.runtime.total_steps = 100_000
+    c.runtime.max_wall_s = spec["budget_s"]
+    c.runtime.progress = False
+    c.runtime.timeline = False
+    c.runtime.prompts_per_step, c.runtime.samples_per_prompt = g["prompts_per_step"], g["samples_per_prompt"]
+    c.learner.mini_batches = g["updates_per_step"]
+    c.rollout.max_new_tokens = g["max_new_tokens"]
+    c.rollout.decode_steps_per_call = spec["decode_steps"]
+    c.runtime.run_dir = os.path.join(spec["out"], "run")
+    cfg = finalize(c)
+    save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
+    s = LocalRun(cfg, cfg.runtime.run_dir).run()
+    final = os.path.join(spec["out"], "final")
+    export_pretrained(cfg.runtime.run_dir, final)
+    # Process CPU over the training window: cores busy (first to last step) x the RL wall-clock.
+    cpu = (s["cpu_cores_busy"] or 0.0) * s["rl_wall_s"]
+    return {"train_s": s["rl_wall_s"], "cpu_s": cpu, "trained_tokens": s["train_tokens_per_s"] * s["rl_wall_s"],
+            "steps": s["steps_this_run"], "reward_at_budget": reward_at_end([r for _, r in s["reward_curve"]]),
+            "heldout_reward": heldout_reward(final), "version": f"laminar_jax (jax {jax.__version__})"}
+
+
+def _worker_main(args: argparse.Namespace) -> None:
+    with open(args.spec) as f:
+        spec = json.load(f)
+    out = _trl_worker(spec) if args.worker == "trl" else _ours_worker(spec)
+    print("PEERS_E2E_RESULT " + json.dumps(out), flush=True)
+
+
+def run_one(system: str, spec: dict, spec_dir: str, timeout_s: float) -> dict:
+    """One run in a fresh process: its figures, or {'ok': False, 'reason': ...}."""
+    path = os.path.join(spec_dir, f"spec_{spec['label']}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    if system == "trl":
+        env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+    cmd = [sys.executable, "-m", "laminar_jax.benchmarks.peers_e2e", "--worker", system, "--spec", path]
+    load = os.getloadavg()[0]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=repo)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"timed out after {timeout_s:.0f}s", "load_avg": load}
+    for line in proc.stdout.splitlines():
+        if line.startswith("PEERS_E2E_RESULT "):
+            r = json.loads(line[len("PEERS_E2E_RESULT "):])
+            return {"ok": True, **r, "train_tps": r["trained_tokens"] / max(r["train_s"], 1e-9),
+                    "tokens_per_cpu_s": r["trained_tokens"] / max(r["cpu_s"], 1e-9),
+                    "load_avg": round((load + os.getloadavg()[0]) / 2, 2)}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
+    return {"ok": False, "reason": f"exit {proc.returncode}: " + " | ".join(tail)[-500:], "load_avg": load}
+
+
+# ---------------------------------------------------------------- result assembly (pure)
+
+FIGURES = ("train_tps", "tokens_per_cpu_s", "reward_at_budget", "heldout_reward")
+
+
+def summarize(runs: list[dict]) -> dict:
+    """Per system label: median / min / max of each figure over successful runs, load averages,
+    version, failures; the ratios the goals name (laminar vs the best TRL thread count, vs sync)."""
+    rows: dict[str, Any] = {}
+    for r in runs:
+        row = rows.setdefault(r["label"], {"system": r["system"], "load_avg": [], "version": None, "failures": [],
+                                           **{f: [] for f in FIGURES}})
+        row["load_avg"].append(r["load_avg"])
+        if not r["ok"]:
+            row["failures"].append(r["reason"])
+            continue
+        row["version"] = r["version"]
+        for f in FIGURES:
+            if r.get(f) is not None:
+                row[f].append(float(r[f]))
+    for row in rows.values():
+        row["runs"] = len(row["train_tps"])
+        for f in FIGURES:
+            xs = row.pop(f)
+            row[f] = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs)} if xs else None
+    med = {k: {f: (v[f] or {}).get("median") for f in FIGURES} for k, v in rows.items()}
+    trl = [k for k, v in rows.items() if v["system"] == "trl" and med[k]["train_tps"]]
+    ratios = {}
+    if "laminar" in med and med["laminar"]["train_tps"]:
+        lam = med["laminar"]
+        if trl:
+            best_cpu = max(trl, key=lambda k: med[k]["tokens_per_cpu_s"])
+            best_tps = max(trl, key=lambda k: med[k]["train_tps"])
+            ratios["laminar_vs_trl_per_cpu_s"] = round(lam["tokens_per_cpu_s"] / med[best_cpu]["tokens_per_cpu_s"], 3)
+            ratios["laminar_vs_trl_tps"] = round(lam["train_tps"] / med[best_tps]["train_tps"], 3)
+            ratios["trl_best_per_cpu_s"], ratios["trl_best_tps"] = best_cpu, best_tps
+        if "sync" in med and med["sync"]["train_tps"]:
+            ratios["laminar_vs_sync_tps"] = round(lam["train_tps"] / med["sync"]["train_tps"], 3)
+            ratios["laminar_vs_sync_per_cpu_s"] = round(lam["tokens_per_cpu_s"] / med["sync"]["tokens_per_cpu_s"], 3)
+    return {"rows": rows, "ratios": ratios}
+
+
+def _fmt(fig: Optional[dict], nd: int = 0) -> str:
+    return "n/a" if not fig else f"{fig['median']:.{nd}f} [{fig['min']:.{nd}f}-{fig['max']:.{nd}f}]"
+
+
+def print_table(summary: dict, budget_s: float) -> None:
+    print(f"\npeers e2e: {budget_s:.0f} s of training per run; medians [min-max]")
+    print(f"{'system':<10}{'runs':>5} {'train tok/s':>22} {'tok per CPU-s':>22} {'reward at budget':>22} "
+          f"{'held-out reward':>22}  load avg / version")
+    for label, row in summary["rows"].items():
+        if not row["runs"]:
+            print(f"{label:<10}{0:>5}  failed: {row['failures'][0]}")
+            continue
+        print(f"{label:<10}{row['runs']:>5} {_fmt(row['train_tps']):>22} {_fmt(row['tokens_per_cpu_s']):>22} "
+              f"{_fmt(row['reward_at_budget'], 3):>22} {_fmt(row['heldout_reward'], 3):>22}  "
+              f"{row['load_avg']} {row['version']}")
+    for k, v in summary["ratios"].items():
+        print(f"{k}: {v}")
+
+
+def main(argv: list[str]) -> Optional[dict]:
+    args = parse_args(argv)
+    if args.worker:
+        _worker_main(args)
+        return None
+    out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
+    os.makedirs(out, exist_ok=True)
+    t0 = time.time()
+    ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
+    labels = [(s, None) for s in args.systems if s != "trl"]
+    if "trl" in args.systems:
+        labels = [("trl", t) for t in args.trl_threads] + labels
+    runs = []
+    for rep in range(args.repeats):
+        for system, threads in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
+            label = system if threads is None else f"trl-{threads}t"
+            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "threads": threads, "label": label,
+                    "decode_steps": args.decode_steps,
+                    "out": os.path.join(out, f"{label}_{rep}")}
+            r = run_one(system, spec, out, args.timeout_s)
+            r.update(system=system, label=label, repeat=rep)
+            print(f"  run {rep} {label:<8} " + (
+                f"{r['train_tps']:.0f} tok/s, {r['tokens_per_cpu_s']:.0f} tok/CPU-s, reward {r['reward_at_budget']}, "
+                f"held-out {r['heldout_reward']:.3f}, {r['steps']} steps" if r["ok"] else f"failed: {r['reason']}")
+                + f"  load {r['load_avg']:.1f}", flush=True)
+            runs.append(r)
+    summary = summarize(runs)
+    print_table(summary, args.budget_s)
+    result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
+              "decode_steps_per_call": args.decode_steps,
+              "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
+              "load_avg": [round(x, 2) for x in os.getloadavg()]}
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

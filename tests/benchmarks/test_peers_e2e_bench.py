@@ -1,0 +1,63 @@
+"""bench peers --e2e (TRL GRPOTrainer against our sync and laminar): arguments, result assembly, and
+the quick path's JSON shape (a real run; slow, skipped without trl)."""
+
+import importlib.util
+
+import pytest
+
+from laminar_jax.benchmarks import peers_e2e
+from laminar_jax.benchmarks.peers_e2e import parse_args, summarize
+
+
+def test_parse_args_quick_defaults_and_errors():
+    a = parse_args(["--e2e", "--quick"])
+    assert (a.budget_s, a.repeats, a.trl_threads, a.systems) == (20.0, 1, [1], ["trl", "sync", "laminar"])
+    full = parse_args(["--e2e"])
+    assert (full.budget_s, full.repeats, full.trl_threads) == (90.0, 2, [1, 2])
+    with pytest.raises(SystemExit, match="--systems"):
+        parse_args(["--e2e", "--systems", "trl,verl"])
+    with pytest.raises(SystemExit, match="--trl-threads"):
+        parse_args(["--e2e", "--trl-threads", "0"])
+
+
+def _run(label, tps, per_cpu, ok=True):
+    system = "trl" if label.startswith("trl") else label
+    if not ok:
+        return {"label": label, "system": system, "ok": False, "reason": "No module named 'trl'", "load_avg": 3.0}
+    return {"label": label, "system": system, "ok": True, "load_avg": 3.0, "version": label, "train_tps": tps,
+            "tokens_per_cpu_s": per_cpu, "reward_at_budget": 0.3, "heldout_reward": 0.31}
+
+
+def test_summarize_medians_and_ratios_against_the_best_trl_setting():
+    runs = [_run("trl-1t", 1000, 2000), _run("trl-2t", 1500, 1500), _run("sync", 1800, 2500),
+            _run("laminar", 2500, 3000), _run("laminar", 2700, 2900), _run("trl-1t", 1200, 2200)]
+    s = summarize(runs)
+    lam = s["rows"]["laminar"]
+    assert lam["runs"] == 2 and lam["train_tps"] == {"median": 2600.0, "min": 2500.0, "max": 2700.0}
+    r = s["ratios"]
+    assert r["trl_best_per_cpu_s"] == "trl-1t" and r["trl_best_tps"] == "trl-2t"
+    assert r["laminar_vs_trl_per_cpu_s"] == pytest.approx(2950 / 2100, abs=1e-3)
+    assert r["laminar_vs_trl_tps"] == pytest.approx(2600 / 1500, abs=1e-3)
+    assert r["laminar_vs_sync_tps"] == pytest.approx(2600 / 1800, abs=1e-3)
+
+
+def test_summarize_keeps_failures_without_figures():
+    s = summarize([_run("trl-1t", 0, 0, ok=False), _run("laminar", 2000, 2000)])
+    assert s["rows"]["trl-1t"]["runs"] == 0 and s["rows"]["trl-1t"]["train_tps"] is None
+    assert s["rows"]["trl-1t"]["failures"] == ["No module named 'trl'"]
+    assert "laminar_vs_trl_tps" not in s["ratios"]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="trl is not installed (the 'peers' extra)")
+def test_quick_path_json_shape(tmp_path, capsys):
+    out = peers_e2e.main(["--e2e", "--quick", "--budget-s", "4", "--sft-steps", "5", "--out", str(tmp_path)])
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("{") and '"bench": "peers_e2e"' in last
+    assert set(out["rows"]) == {"trl-1t", "sync", "laminar"}
+    for label, row in out["rows"].items():
+        assert row["runs"] == 1, (label, row["failures"])
+        assert row["train_tps"]["median"] > 0 and row["tokens_per_cpu_s"]["median"] > 0
+        assert 0.0 <= row["heldout_reward"]["median"] <= 1.0
+    assert {"laminar_vs_trl_per_cpu_s", "laminar_vs_trl_tps", "laminar_vs_sync_tps"} <= set(out)
+    assert len(out["load_avg"]) == 3

@@ -1,0 +1,124 @@
+"""CPU-time accounting (runtime/profile.py) on real threads: phases in the threads doing them, XLA
+threads' CPU split over the device phases active at each tick, the rows summing to process CPU."""
+
+import threading
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laminar_jax.runtime import profile
+
+
+def _python_busy(seconds: float) -> None:
+    t = time.thread_time()
+    x = 0
+    while time.thread_time() - t < seconds:
+        x += 1
+
+
+def test_phase_is_a_noop_without_a_profiler():
+    assert profile.active() is None
+    with profile.phase("decode"):
+        pass
+    assert profile.active() is None
+
+
+def test_only_one_profiler_at_a_time():
+    p = profile.Profiler().start()
+    try:
+        with pytest.raises(RuntimeError, match="already active"):
+            profile.Profiler().start()
+    finally:
+        p.stop()
+    assert profile.active() is None
+
+
+def test_rows_account_for_process_cpu_and_phases_for_their_threads():
+    f = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((512, 512), np.float32))
+    jax.block_until_ready(f(a))  # compiled before the window
+    p = profile.Profiler(tick_s=0.01).start()
+    try:
+        def dispatcher():
+            with profile.phase("dispatch"):
+                _python_busy(0.3)
+
+        t = threading.Thread(target=dispatcher, name="fake-dispatch-thread")
+        t.start()
+        with profile.phase("learner.host"):
+            _python_busy(0.1)
+            t_end = time.perf_counter() + 0.6
+            while time.perf_counter() < t_end:
+                with profile.phase("decode"):  # nested: charged exclusively
+                    jax.block_until_ready(f(a))
+        t.join()
+    finally:
+        p.stop()
+    rep = p.report(trained_tokens=1000)
+    phases = rep["phases"]
+    assert phases["dispatch"]["cpu_s"] == pytest.approx(0.3, abs=0.05)
+    assert phases["learner.host"]["cpu_s"] >= 0.09
+    assert phases["decode"]["calls"] >= 1 and phases["learner.host"]["calls"] == 1
+    rows = {r["row"]: r for r in rep["rows"]}
+    # The dispatch phase runs Python only: its CPU is there, none of XLA's.
+    assert rows["dispatch and buffer"]["python_s"] == pytest.approx(0.3, abs=0.05)
+    assert rows["dispatch and buffer"]["xla_s"] == 0.0
+    # Every row together is the process's CPU in the window (the residual row makes it exact).
+    total = sum(r["cpu_s"] for r in rep["rows"])
+    assert total == pytest.approx(rep["process_cpu_s"] + rep["children_cpu_s"], abs=0.02)
+    assert rows["unaccounted (exited threads, clock ticks)"]["cpu_s"] == pytest.approx(0.0, abs=0.1)
+    # XLA's threads ran the matmuls while decode was the only device phase active: no other phase
+    # gets any of their CPU (what lands after the last call, e.g. pool threads spinning, is 'no phase').
+    assert rows["decode and prefill"]["xla_s"] > 0
+    assert all(r["xla_s"] == 0 for name, r in rows.items() if name not in ("decode and prefill", "xla: no phase active"))
+    assert rep["cpu_ms_per_1k_trained_tokens"] == pytest.approx(1e3 * (rep["process_cpu_s"] + rep["children_cpu_s"]),
+                                                                rel=0.02, abs=2)
+    assert 0.0 <= rep["gil_wait_s"] <= phases["dispatch"]["wall_s"]
+
+
+def test_instrumented_learner_passes_wait_inside_their_phase():
+    class FakeLearner:
+        def __init__(self):
+            self._prepare = jax.jit(lambda x: x * 2)
+            self._train_step = jax.jit(lambda x: x + 1)
+
+    lr = FakeLearner()
+    profile.instrument_learner(lr)
+    p = profile.Profiler().start()
+    try:
+        assert int(lr._train_step(lr._prepare(jnp.int32(3)))) == 7
+    finally:
+        p.stop()
+    ph = p.report(trained_tokens=1)["phases"]
+    assert ph["learner.logprob"]["calls"] == 1 and ph["learner.train"]["calls"] == 1
+
+
+@pytest.mark.slow
+def test_local_run_with_profile_accounts_for_its_cpu(tmp_path):
+    from laminar_jax.config import finalize, repo_config
+    from laminar_jax.runtime.local import run_local
+
+    c = repo_config("demo", "short")
+    c.runtime.profile = True
+    c.runtime.timeline = False
+    c.runtime.run_dir = str(tmp_path / "run")
+    s = run_local(finalize(c))
+    p = s["profile"]
+    assert profile.active() is None  # the run removed its profiler
+    rows = {r["row"]: r for r in p["rows"]}
+    assert rows["decode and prefill"]["cpu_s"] > 0 and rows["learner fwd/bwd + optimizer"]["cpu_s"] > 0
+    assert p["phases"]["learner.train"]["calls"] == c.runtime.total_steps * c.learner.mini_batches
+    assert sum(r["cpu_s"] for r in p["rows"]) == pytest.approx(p["process_cpu_s"] + p["children_cpu_s"], abs=0.05)
+    assert p["trained_tokens"] > 0 and p["cpu_ms_per_1k_trained_tokens"] > 0
+
+
+def test_profile_needs_the_local_runtime():
+    from laminar_jax.config import ConfigError, finalize, repo_config
+
+    c = repo_config("demo", "short")
+    c.runtime.kind, c.runtime.profile = "ray", True
+    with pytest.raises(ConfigError, match="runtime.profile"):
+        finalize(c)
