@@ -41,6 +41,9 @@ def _episodes(c) -> None:
     c.env.turn_stop = "</tool_call>"
     c.env.workers = 16
     c.env.timeout_s = 60.0
+    # Eval rounds are single-turn (launch/eval.py and runtime.eval_every refuse episodes).
+    c.data.val_size = 0
+    c.runtime.eval_every = 0
 
 
 def _calculator(c, short: bool) -> None:
