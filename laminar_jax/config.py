@@ -83,7 +83,7 @@ class Config:
             key = "runtime.eval_every" if rt.eval_every else "runtime.eval_before_train"
             value = rt.eval_every or rt.eval_before_train
             expect(self.data.has_val(), key, value, "0/False unless held-out prompts are set (data.val_files, or "
-                   "data.val_size with data.source='synthetic_skew')")
+                   "data.val_size with a generated data.source: 'synthetic_skew' or 'reasoning_gym')")
             expect(not self.env.enabled, key, value, "0/False with env.enabled=True (evaluation of multi-turn "
                    "episodes is not supported)")
         if self.learner.pack_length:

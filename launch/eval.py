@@ -36,7 +36,7 @@ def main(argv):
         return 2
     if not cfg.data.has_val():
         print("launch/eval.py needs held-out prompts: set --config.data.val_files=<file or glob> (or "
-              "--config.data.val_size=N with data.source='synthetic_skew')", file=sys.stderr)
+              "--config.data.val_size=N with a generated data.source: 'synthetic_skew' or 'reasoning_gym')", file=sys.stderr)
         return 2
     from laminar_jax.eval.offline import checkpoint_kind, evaluate_checkpoint
 

@@ -7,6 +7,10 @@ from typing import Literal, Optional
 
 from laminar_jax.configlib import expect
 
+# Sources that generate their prompts from a seed: data.val_size draws held-out prompts from a
+# stream of their own. A file source names its held-out prompts in data.val_files instead.
+GENERATED_SOURCES = ("synthetic_skew", "reasoning_gym")
+
 
 @dataclasses.dataclass(frozen=True)
 class DataSection:
@@ -16,7 +20,7 @@ class DataSection:
       source: 'synthetic_skew' (built-in skewed-length task), 'file' (parquet/jsonl in verl's layout) or 'reasoning_gym'.
       path: File or glob of .parquet/.jsonl/.json files (source='file'); files are read in sorted order.
       val_files: Held-out prompts for evaluation (runtime.eval_every, launch/eval.py): a file or glob of .parquet/.jsonl/.json files in the same layout as data.path; None = none (or data.val_size).
-      val_size: synthetic_skew only, when val_files is None: this many held-out prompts drawn from a random stream of their own (not the training prompts'); 0 = none.
+      val_size: When val_files is None and data.source is generated (synthetic_skew, reasoning_gym): this many held-out prompts drawn from a stream of their own (synthetic_skew: its own random stream; reasoning_gym: the same dataset under another seed). Not used by file sources, which name theirs in val_files. 0 = none.
       name: Dataset name used in prompt uids; None derives it from the source (file stem, task name).
       reasoning_gym_dataset: reasoning-gym dataset name, e.g. 'basic_arithmetic' (source='reasoning_gym').
       dataset_size: Number of distinct prompts per epoch for procedural sources.
@@ -72,8 +76,6 @@ class DataSection:
         expect(self.val_files is None or self.val_files.strip() != "", f"{p}.val_files", self.val_files,
                "a file or glob of .parquet/.jsonl/.json files, or None")
         expect(self.val_size >= 0, f"{p}.val_size", self.val_size, ">= 0")
-        expect(self.val_size == 0 or self.val_files is not None or self.source == "synthetic_skew", f"{p}.val_size",
-               self.val_size, f"0 unless data.source='synthetic_skew' (got {self.source!r}; use data.val_files)")
         expect(bool(self.reasoning_gym_dataset), f"{p}.reasoning_gym_dataset", self.reasoning_gym_dataset, "a name")
         expect(self.dataset_size >= 1, f"{p}.dataset_size", self.dataset_size, ">= 1")
         expect(0 <= self.seed < 2**32, f"{p}.seed", self.seed, "in [0, 2**32)")
@@ -97,5 +99,5 @@ class DataSection:
         )
 
     def has_val(self) -> bool:
-        """Whether the section names held-out prompts (val_files, or val_size for synthetic_skew)."""
-        return self.val_files is not None or (self.val_size > 0 and self.source == "synthetic_skew")
+        """Whether the section names held-out prompts (val_files, or val_size for a generated source)."""
+        return self.val_files is not None or (self.val_size > 0 and self.source in GENERATED_SOURCES)

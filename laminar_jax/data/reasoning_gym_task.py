@@ -9,6 +9,16 @@ from typing import Any, Optional
 PREFIX = "reasoning_gym/"
 INSTRUCTION = "\n\nGive only the final answer inside <answer></answer> tags."
 
+# Held-out prompts (data.val_size) are the same dataset generated under another seed. A small
+# problem space may still repeat a training problem by chance; data.val_files avoids that.
+_VAL_SEED_OFFSET = 0x5A11
+
+
+def val_seed(seed: int) -> int:
+    """The seed of a reasoning-gym dataset's held-out prompts (never the training seed)."""
+    return (seed + _VAL_SEED_OFFSET) % 2**32
+
+
 _ANSWER_TAG = re.compile(r"<answer>(.*?)</answer>", re.DOTALL | re.IGNORECASE)
 
 

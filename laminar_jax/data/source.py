@@ -214,7 +214,7 @@ def build_prompt_source(section: DataSection, tokenizer) -> PromptSource:
 
 def build_val_prompts(section: DataSection, tokenizer, max_prompts: int = 0) -> list[Prompt]:
     """The held-out eval prompts, in file order (no shuffle, one epoch), at most `max_prompts`
-    (0 = all): data.val_files, or data.val_size synthetic_skew prompts from their own stream.
+    (0 = all): data.val_files, or data.val_size prompts of a generated source from their own stream.
     Templating, BOS and the over-long rule are the training prompts' (data.*)."""
     section.validate("data")
     if section.val_files is not None:
@@ -227,11 +227,18 @@ def build_val_prompts(section: DataSection, tokenizer, max_prompts: int = 0) -> 
         path = section.val_files
         name = "val/" + os.path.basename(os.path.splitext(path)[0] if path.endswith((".parquet", ".jsonl", ".json"))
                                          else path)
-    elif section.val_size > 0 and section.source == "synthetic_skew":
+    elif section.has_val() and section.source == "synthetic_skew":
         rows = SkewRows(skew_task(section), section.val_size, section.seed, stream=synthetic_skew.VAL_STREAM)
         name = f"val/synthetic_skew-s{section.seed}"
+    elif section.has_val() and section.source == "reasoning_gym":
+        from laminar_jax.data.reasoning_gym_task import ReasoningGymRows, val_seed
+
+        seed = val_seed(section.seed)
+        rows = ReasoningGymRows(section.reasoning_gym_dataset, section.val_size, seed)
+        name = f"val/reasoning_gym/{section.reasoning_gym_dataset}-s{seed}"
     else:
-        raise ValueError("no held-out prompts: set data.val_files (or data.val_size with data.source='synthetic_skew')")
+        raise ValueError("no held-out prompts: set data.val_files (or data.val_size with a generated data.source: "
+                         "'synthetic_skew' or 'reasoning_gym')")
     source = PromptSource(rows, tokenizer, dataset=name, shuffle=False, num_epochs=1,
                           max_prompt_tokens=section.max_prompt_tokens, overlong=section.overlong,
                           skip_bad_rows=section.skip_bad_rows, add_bos=section.add_bos, chat=chat_options(section))

@@ -76,3 +76,15 @@ def test_reasoning_gym_scored_by_its_own_scorer(name):
 def test_unknown_reasoning_gym_dataset_is_named():
     with pytest.raises(ValueError, match="no_such_task"):
         build_prompt_source(DataSection(source="reasoning_gym", reasoning_gym_dataset="no_such_task"), None)
+
+
+def test_reasoning_gym_held_out_prompts_come_from_another_seed():
+    from laminar_jax.data.source import build_val_prompts
+
+    section = DataSection(source="reasoning_gym", reasoning_gym_dataset="basic_arithmetic", dataset_size=20, seed=3,
+                          num_epochs=1, shuffle=False, val_size=8, max_prompt_tokens=2048)
+    train = {p.prompt_text for p in build_prompt_source(section, BuiltinTokenizer())}
+    val = build_val_prompts(section, BuiltinTokenizer())
+    assert len(val) == 8 and all(p.data_source == "reasoning_gym/basic_arithmetic" for p in val)
+    assert len({p.prompt_text for p in val} - train) >= 7  # a small problem space may repeat one by chance
+    assert DataSection(source="file", path="x.jsonl", val_size=8).has_val() is False  # files name theirs

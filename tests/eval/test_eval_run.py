@@ -232,7 +232,7 @@ def test_launch_eval_errors_name_the_problem(tmp_path):
     ({"runtime.eval_every": -1, "data.val_size": 4}, "runtime.eval_every"),
     ({"runtime.eval_k": 5, "data.val_size": 4}, "runtime.eval_k"),
     ({"runtime.eval_temperature": 0.0}, "runtime.eval_temperature"),
-    ({"data.val_size": 4, "data.source": "reasoning_gym"}, "data.val_size"),
+    ({"runtime.eval_every": 2, "data.val_size": 4, "data.source": "file", "data.path": "x.jsonl"}, "runtime.eval_every"),
     ({"data.val_files": " "}, "data.val_files"),
     ({"runtime.loggers": ("tensorboard", "mlflow")}, "runtime.loggers"),
     ({"runtime.eval_every": 2, "data.val_size": 4, "env.enabled": True}, "runtime.eval_every"),
