@@ -111,6 +111,11 @@ class RolloutServer:
         self._resume: collections.deque = collections.deque()  # uids of released episodes with their observation
         self._n_consumed = 0  # generate() outputs read so far
 
+    @property
+    def device_ids(self) -> tuple:
+        """Ids of the devices this server's engine runs on: servers on the same ones share compiled programs."""
+        return tuple(d.id for d in self.engine.devices)
+
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
         with self._lock:

@@ -122,7 +122,7 @@ class ThreadFleet:
         # Engines on the same devices share compiled programs: warm one per device group.
         seen = set()
         for w in self.workers:
-            key = tuple(d.id for d in w.server.engine.devices)
+            key = w.server.device_ids
             if key not in seen:
                 seen.add(key)
                 w.server.warmup()
