@@ -23,16 +23,18 @@ from laminar_jax.config import repo_config
 
 LATENCY_MEDIAN_S = 3.0
 CALCULATOR_PROBLEMS = 4096
+TOOL_SHARE = 0.5
 VARIANTS = ("", "calculator_short", "latency", "short", "resume")
 
 
-def calculator_file(seed: int = 0, n: int = CALCULATOR_PROBLEMS) -> str:
+def calculator_file(seed: int = 0, n: int = CALCULATOR_PROBLEMS, tool_share: float = TOOL_SHARE) -> str:
     """The demo's problem file (written once; the builtin tokenizer's tool-message rendering)."""
     from laminar_jax.env.word_problems import write_problem_file
     from laminar_jax.model.tokenizer import load_tokenizer
 
-    path = os.path.join(tempfile.gettempdir(), "laminar_jax_agentic_demo", f"calculator-s{seed}-n{n}-v1.jsonl")
-    return write_problem_file(path, n, seed, load_tokenizer("builtin"))
+    name = f"calculator-s{seed}-n{n}-t{tool_share:g}-v2.jsonl"
+    path = os.path.join(tempfile.gettempdir(), "laminar_jax_agentic_demo", name)
+    return write_problem_file(path, n, seed, load_tokenizer("builtin"), tool_share=tool_share)
 
 
 def _episodes(c) -> None:
@@ -49,19 +51,24 @@ def _episodes(c) -> None:
 def _calculator(c, short: bool) -> None:
     c.data.source = "file"
     c.data.path = calculator_file(c.data.seed)
-    c.data.max_prompt_tokens = 80  # the longest question is ~70 characters + BOS
+    c.data.max_prompt_tokens = 80  # the questions are 42 characters + BOS
     c.rollout.max_prompt_len = 80
     c.env.default = "calculator"
     c.env.env_kwargs = {"calculator": {"max_turns": 3}}
-    c.env.turn_max_new_tokens = 96  # a tool call is ~80 characters
+    c.env.turn_max_new_tokens = 96  # a tool call is 76 characters
     c.rollout.max_new_tokens = 96  # the first turn's budget
     c.rollout.max_total_len = 256
     c.rollout.num_pages = 16 * 16 + 1
     c.rollout.temperature = 1.0
     c.learner.seq_len_buckets = (128, 256)
     c.learner.pack_length = 256
-    c.runtime.sft_warmup_steps = 150
+    # The warm-start needs ~400 steps before the tiny model copies the operands into its call.
+    c.runtime.sft_warmup_steps = 20 if short else 500
     c.runtime.sft_lr = 1e-2
+    # RL on a sharp warm-started tiny model: at the single-turn demo's 1e-3 (or even 2e-4) Adam's
+    # per-parameter steps wreck the copying it learned and reward falls; 1e-4 keeps it and moves the
+    # choice tool / no tool.
+    c.learner.lr = 1e-4
     c.runtime.total_steps = 4 if short else 40
     c.runtime.prompts_per_step = 8
     c.runtime.samples_per_prompt = 4 if short else 8
