@@ -1,17 +1,27 @@
 """Arithmetic word problems for the `calculator` environment, and synthetic tool-use traces.
 
-A problem is a short story whose answer needs a two-digit multiplication (too hard for a tiny
-model to do in its head, easy with the tool), e.g.
+A problem is a short story with one operation (x or +) on two one-digit numbers, e.g.
 
-    question:   "Sam has 17 cards and buys 23 packs of 6. How many cards?"
-    expression: "17+23*6"            answer: 155
+    question:   "7 boxes hold 6 pens each. How many pens?"
+    expression: "7*6"            answer: 42
 
-Its supervised trace is exactly what a successful episode looks like to the policy: a tool call,
-the tool message the episode driver appends (rendered by `render_tool_message`, so with the same
-tokenizer and template the trace and the live episode agree token for token), then the answer:
+Every template has the same length and puts its numbers at the same characters, so the copy
+from question to tool call is at a fixed distance, the easiest copy for a tiny model. The demo's
+character model (2 layers, width 64) learns it in ~400 supervised steps; with two-digit numbers
+at varying places it had not started to after 500.
 
-    <tool_call>{"name":"calculator","arguments":{"expression":"17+23*6"}}</tool_call>tool: 155
-    assistant: Answer: 155
+A tool trace is exactly what a successful episode looks like to the policy, as the list
+[tool call, tool message, answer]: the tool message is the one the episode driver appends
+(rendered by `render_tool_message`, so with the same tokenizer and template the trace and the
+live episode agree token for token):
+
+    ['<tool_call>{"name":"calculator","arguments":{"expression":"7*6"}}</tool_call>',
+     'tool: 42\nassistant: ', 'Answer: 42']
+
+The supervised warm-start (data/sft.py) trains on the turns only, the tool message being context.
+A direct trace ['Answer: 42'] answers without the tool (mental arithmetic); `tool_share` sets how
+many rows get a tool trace, so the warm-started policy sometimes calls the tool and sometimes
+does not, and RL has a choice to learn.
 
 `problem_rows` gives verl-layout rows (data_source 'calculator', extra_info.env 'calculator', the
 answer as ground_truth) with the trace in a 'response' column, the layout data.source='file' reads
@@ -30,7 +40,8 @@ from laminar_jax.env.calculator import evaluate, format_number
 from laminar_jax.env.tools import TOOL_CALL_END, TOOL_CALL_START, render_tool_message
 
 DATA_SOURCE = "calculator"
-# (question, expression) templates: one operation on two numbers of 1-2 digits, in the question's order.
+# (question, expression): one operation on two one-digit numbers, in the question's order; every
+# question is 42 characters with its numbers at characters 0 and 14 (test_word_problems checks it).
 TEMPLATES = (
     ("{a} boxes hold {b} pens each. How many pens?", "{a}*{b}"),
     ("{a} cards, and {b} more cards. How many now?", "{a}+{b}"),
