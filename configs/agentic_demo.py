@@ -55,7 +55,7 @@ def _episodes(c) -> None:
 def _calculator(c, short: bool) -> None:
     c.data.source = "file"
     c.data.path = calculator_file(c.data.seed)
-    c.data.max_prompt_tokens = 80  # the questions are 42 characters + BOS
+    c.data.max_prompt_tokens = 80  # the questions are 40 characters + BOS
     c.rollout.max_prompt_len = 80
     c.env.default = "calculator"
     c.env.env_kwargs = {"calculator": {"max_turns": 3}}

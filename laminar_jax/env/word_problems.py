@@ -41,7 +41,7 @@ from laminar_jax.env.tools import TOOL_CALL_END, TOOL_CALL_START, render_tool_me
 
 DATA_SOURCE = "calculator"
 # (question, expression): one operation on two one-digit numbers, in the question's order; every
-# question is 42 characters with its numbers at characters 0 and 14 (test_word_problems checks it).
+# question is 40 characters with its numbers at characters 0 and 13 (test_word_problems checks it).
 TEMPLATES = (
     ("{a} boxes hold {b} pens each. How many pens?", "{a}*{b}"),
     ("{a} cards, and {b} more cards. How many now?", "{a}+{b}"),

@@ -31,6 +31,20 @@ def test_agentic_short_run_trains_on_multi_turn_episodes(tmp_path):
     assert os.path.exists(tmp_path / "run" / "timeline.png")
 
 
+def test_calculator_short_run_warm_starts_on_traces_then_trains_on_episodes(tmp_path):
+    """The calculator demo's quick variant: the warm-start on [turn, tool message, turn] traces and
+    the RL episodes against the calculator run end to end (a handful of steps: no learning asserted)."""
+    from laminar_jax.runtime.local import run_local
+
+    c = repo_config("agentic_demo", "calculator_short")
+    c.runtime.run_dir = str(tmp_path / "run")
+    s = run_local(finalize(c))
+    assert s["steps"] == c.runtime.total_steps and not s["stopped_early"]
+    assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0 and s["env_failures"] == 0
+    assert s["sft_loss"][1] < s["sft_loss"][0]
+    assert len(s["tool_call_curve"]) == len(s["reward_curve"]) == c.runtime.total_steps
+
+
 def _cmd(run_dir, steps):
     return [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={ROOT}/configs/agentic_demo.py:resume",
             f"--config.runtime.run_dir={run_dir}", f"--config.runtime.total_steps={steps}",
