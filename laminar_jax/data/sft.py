@@ -4,23 +4,47 @@ A file row is a prompt row (``prompt``: a string used verbatim, or chat messages
 the chat template, as for RL) with a ``response`` string: the supervised target. Prompt ids are
 built exactly as the RL prompts are (BOS, template, data.max_prompt_tokens policy), so the model
 is warm-started on the format RL will show it; the response gets EOS appended.
+
+A multi-turn trace (an episode's policy turns with the observations between them) is a list of
+strings, ``response: [turn, observation, turn, ...]``: each piece is encoded on its own, as an
+episode encodes them, and only the turns are trained on. An observation is context, as in RL,
+never a target (a tool's result is not something the policy should learn to predict). Such a
+row gives a triple (prompt_ids, response_ids, loss_mask) instead of a pair.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional, Union
 
 from laminar_jax.data.config import DataSection
 from laminar_jax.data.records import BadRowError, Prompt
 
-Pair = tuple[list[int], list[int]]
+Pair = tuple  # (prompt_ids, response_ids) or (prompt_ids, response_ids, loss_mask over response_ids)
 
 
-def _response(raw: Any, where: str) -> str:
+def _response(raw: Any, where: str) -> Union[str, list[str]]:
     resp = raw.get("response") if isinstance(raw, dict) else None
+    if isinstance(resp, list):
+        if len(resp) % 2 == 1 and all(isinstance(x, str) for x in resp) and any(resp[::2]):
+            return resp
+        raise BadRowError(where, "'response' as a list must hold strings [turn, observation, ..., turn] (an odd "
+                          f"number, a non-empty turn among them), got {resp!r:.200}")
     if not isinstance(resp, str) or not resp:
-        raise BadRowError(where, f"'response' must be a non-empty string (the supervised target), got {resp!r:.200}")
+        raise BadRowError(where, "'response' must be a non-empty string (the supervised target) or a list "
+                          f"[turn, observation, ..., turn], got {resp!r:.200}")
     return resp
+
+
+def _response_ids(resp: Union[str, list[str]], tokenizer) -> tuple[list[int], Optional[list[int]]]:
+    """Response ids + EOS, and for a multi-turn trace the loss mask (1 on turns and EOS, 0 on observations)."""
+    if isinstance(resp, str):
+        return list(tokenizer.encode(resp)) + [tokenizer.eos_id], None
+    ids, mask = [], []
+    for k, piece in enumerate(resp):
+        piece_ids = list(tokenizer.encode(piece))
+        ids += piece_ids
+        mask += [1 - k % 2] * len(piece_ids)
+    return ids + [tokenizer.eos_id], mask + [1]
 
 
 def _file_pairs(section: DataSection, tokenizer, max_total_len: int) -> tuple[list[Pair], dict]:
@@ -48,12 +72,13 @@ def _file_pairs(section: DataSection, tokenizer, max_total_len: int) -> tuple[li
                 raise ValueError(f"{out.where}: {out.message}")
             counts["bad_rows_skipped" if bad else "overlong_filtered"] += 1
             continue
-        ids = list(tokenizer.encode(resp)) + [tokenizer.eos_id]
+        ids, mask = _response_ids(resp, tokenizer)
         room = max_total_len - len(out.prompt_ids)
         if len(ids) > room:  # a trajectory never exceeds rollout.max_total_len; train on what fits
             ids, counts["response_truncated"] = ids[:max(room, 0)], counts["response_truncated"] + 1
-        if ids:
-            pairs.append((list(out.prompt_ids), ids))
+            mask = None if mask is None else mask[:len(ids)]
+        if ids and (mask is None or any(mask)):
+            pairs.append((list(out.prompt_ids), ids) if mask is None else (list(out.prompt_ids), ids, mask))
     return pairs, counts
 
 

@@ -1,17 +1,27 @@
 """Arithmetic word problems for the `calculator` environment, and synthetic tool-use traces.
 
-A problem is a short story whose answer needs a two-digit multiplication (too hard for a tiny
-model to do in its head, easy with the tool), e.g.
+A problem is a short story with one operation (x or +) on two one-digit numbers, e.g.
 
-    question:   "Sam has 17 cards and buys 23 packs of 6. How many cards?"
-    expression: "17+23*6"            answer: 155
+    question:   "7 boxes hold 6 pens each. How many pens?"
+    expression: "7*6"            answer: 42
 
-Its supervised trace is exactly what a successful episode looks like to the policy: a tool call,
-the tool message the episode driver appends (rendered by `render_tool_message`, so with the same
-tokenizer and template the trace and the live episode agree token for token), then the answer:
+Every template has the same length and puts its numbers at the same characters, so the copy
+from question to tool call is at a fixed distance, the easiest copy for a tiny model. The demo's
+character model (2 layers, width 64) learns it in ~400 supervised steps; with two-digit numbers
+at varying places it had not started to after 500.
 
-    <tool_call>{"name":"calculator","arguments":{"expression":"17+23*6"}}</tool_call>tool: 155
-    assistant: Answer: 155
+A tool trace is exactly what a successful episode looks like to the policy, as the list
+[tool call, tool message, answer]: the tool message is the one the episode driver appends
+(rendered by `render_tool_message`, so with the same tokenizer and template the trace and the
+live episode agree token for token):
+
+    ['<tool_call>{"name":"calculator","arguments":{"expression":"7*6"}}</tool_call>',
+     'tool: 42\nassistant: ', 'Answer: 42']
+
+The supervised warm-start (data/sft.py) trains on the turns only, the tool message being context.
+A direct trace ['Answer: 42'] answers without the tool (mental arithmetic); `tool_share` sets how
+many rows get a tool trace, so the warm-started policy sometimes calls the tool and sometimes
+does not, and RL has a choice to learn.
 
 `problem_rows` gives verl-layout rows (data_source 'calculator', extra_info.env 'calculator', the
 answer as ground_truth) with the trace in a 'response' column, the layout data.source='file' reads
@@ -30,12 +40,11 @@ from laminar_jax.env.calculator import evaluate, format_number
 from laminar_jax.env.tools import TOOL_CALL_END, TOOL_CALL_START, render_tool_message
 
 DATA_SOURCE = "calculator"
-# (question, expression) templates; a, b are two-digit, c one-digit.
+# (question, expression): one operation on two one-digit numbers, in the question's order; every
+# question is 40 characters with its numbers at characters 0 and 13 (test_word_problems checks it).
 TEMPLATES = (
     ("{a} boxes hold {b} pens each. How many pens?", "{a}*{b}"),
-    ("A hall has {a} rows of {b} seats and {c} are taken. How many are free?", "{a}*{b}-{c}"),
-    ("Sam has {a} cards and buys {b} packs of {c}. How many cards?", "{a}+{b}*{c}"),
-    ("{a} buses carry {b} people each and {c} more walk. How many people?", "{a}*{b}+{c}"),
+    ("{a} cards, and {b} more cards. How many now?", "{a}+{b}"),
 )
 
 
@@ -47,9 +56,9 @@ class WordProblem(NamedTuple):
 
 def word_problem(rng: np.random.Generator) -> WordProblem:
     question, expression = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
-    nums = {"a": int(rng.integers(11, 100)), "b": int(rng.integers(11, 100)), "c": int(rng.integers(2, 10))}
-    expr = expression.format(**nums)
-    return WordProblem(question.format(**nums), expr, format_number(evaluate(expr)))
+    a, b = (int(x) for x in rng.integers(2, 10, size=2))
+    expr = expression.format(a=a, b=b)
+    return WordProblem(question.format(a=a, b=b), expr, format_number(evaluate(expr)))
 
 
 def tool_call_text(expression: str) -> str:
@@ -58,37 +67,51 @@ def tool_call_text(expression: str) -> str:
     return f"{TOOL_CALL_START}{body}{TOOL_CALL_END}"
 
 
-def tool_trace(problem: WordProblem, tokenizer: Optional[Any] = None, chat_template: Optional[str] = None) -> str:
-    """The whole response of a successful episode: tool call, tool message, answer."""
+def tool_trace(problem: WordProblem, tokenizer: Optional[Any] = None,
+               chat_template: Optional[str] = None) -> list[str]:
+    """A successful episode as [policy turn, observation, policy turn]: tool call, tool message, answer.
+
+    The supervised warm-start trains on the two turns only (data/sft.py): the tool message is
+    context, as in RL.
+    """
     observation = render_tool_message(problem.answer, tokenizer, chat_template)
-    return f"{tool_call_text(problem.expression)}{observation}Answer: {problem.answer}"
+    return [tool_call_text(problem.expression), observation, f"Answer: {problem.answer}"]
 
 
-def problem_rows(n: int, seed: int, tokenizer: Optional[Any] = None,
-                 chat_template: Optional[str] = None) -> list[dict]:
-    """`n` verl-layout rows (deterministic in seed) with the supervised trace as 'response'."""
+def direct_trace(problem: WordProblem) -> list[str]:
+    """An answer without the tool (mental arithmetic): one policy turn."""
+    return [f"Answer: {problem.answer}"]
+
+
+def problem_rows(n: int, seed: int, tokenizer: Optional[Any] = None, chat_template: Optional[str] = None,
+                 tool_share: float = 1.0) -> list[dict]:
+    """`n` verl-layout rows (deterministic in seed) with a supervised trace as 'response': a share
+    `tool_share` of them (drawn at random) a tool trace, the others a direct answer."""
     if n < 1:
         raise ValueError(f"problem_rows: n={n} must be >= 1")
+    if not 0.0 <= tool_share <= 1.0:
+        raise ValueError(f"problem_rows: tool_share={tool_share} must be in [0, 1]")
     rng = np.random.default_rng([int(seed), 0xCA1C])
     rows = []
     for i in range(n):
         p = word_problem(rng)
+        trace = tool_trace(p, tokenizer, chat_template) if rng.random() < tool_share else direct_trace(p)
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.question}],
                      "reward_model": {"ground_truth": p.answer, "style": "rule"},
                      "extra_info": {"env": "calculator", "index": i, "expression": p.expression},
-                     "response": tool_trace(p, tokenizer, chat_template)})
+                     "response": trace})
     return rows
 
 
 def write_problem_file(path: str, n: int, seed: int, tokenizer: Optional[Any] = None,
-                       chat_template: Optional[str] = None) -> str:
+                       chat_template: Optional[str] = None, tool_share: float = 1.0) -> str:
     """Write `problem_rows` as JSON lines at `path` unless a complete copy is there (atomic rename)."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        for row in problem_rows(n, seed, tokenizer, chat_template):
+        for row in problem_rows(n, seed, tokenizer, chat_template, tool_share):
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
     return path

@@ -17,26 +17,30 @@ from flax import nnx
 from laminar_jax.model import Transformer, token_logprobs
 
 
-def pack_examples(pairs: Sequence[tuple[list[int], list[int]]], seq_len: int):
-    """(prompt_ids, response_ids) pairs -> tokens i32[N, L], loss mask f32[N, L] on response targets."""
+def pack_examples(pairs: Sequence[tuple], seq_len: int):
+    """(prompt_ids, response_ids[, response_mask]) -> tokens i32[N, L], loss mask f32[N, L] on response targets.
+
+    A third element (data/sft.py, multi-turn traces) masks response tokens out of the loss (observations).
+    """
     n = len(pairs)
     tokens = np.zeros((n, seq_len), np.int32)
     mask = np.zeros((n, seq_len), np.float32)
-    for i, (p, r) in enumerate(pairs):
+    for i, (p, r, *m) in enumerate(pairs):
         ids = (list(p) + list(r))[:seq_len]
         tokens[i, :len(ids)] = ids
         # Target t+1 is predicted at position t; only response tokens are trained on.
         start, end = len(p) - 1, min(len(ids), seq_len) - 1
-        mask[i, max(start, 0):max(end, 0)] = 1.0
+        lo, hi = max(start, 0), max(end, 0)
+        mask[i, lo:hi] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:hi - start]
     return tokens, mask
 
 
-def sft_warmup(model: Transformer, pairs: Sequence[tuple[list[int], list[int]]], steps: int, lr: float,
+def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float,
                batch_size: int = 32, seed: int = 0) -> list[float]:
     """Train `model` in place with cross-entropy on the response tokens; returns the loss curve."""
     if steps <= 0 or not pairs:
         return []
-    seq_len = max(len(p) + len(r) for p, r in pairs)
+    seq_len = max(len(p) + len(r) for p, r, *_ in pairs)
     seq_len = 1 << (seq_len - 1).bit_length()
     tokens, mask = pack_examples(pairs, seq_len)
     seg = (tokens != 0).astype(np.int32)

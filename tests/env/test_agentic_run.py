@@ -31,6 +31,20 @@ def test_agentic_short_run_trains_on_multi_turn_episodes(tmp_path):
     assert os.path.exists(tmp_path / "run" / "timeline.png")
 
 
+def test_calculator_short_run_warm_starts_on_traces_then_trains_on_episodes(tmp_path):
+    """The calculator demo's quick variant: the warm-start on [turn, tool message, turn] traces and
+    the RL episodes against the calculator run end to end (a handful of steps: no learning asserted)."""
+    from laminar_jax.runtime.local import run_local
+
+    c = repo_config("agentic_demo", "calculator_short")
+    c.runtime.run_dir = str(tmp_path / "run")
+    s = run_local(finalize(c))
+    assert s["steps"] == c.runtime.total_steps and not s["stopped_early"]
+    assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0 and s["env_failures"] == 0
+    assert s["sft_loss"][1] < s["sft_loss"][0]
+    assert len(s["tool_call_curve"]) == len(s["reward_curve"]) == c.runtime.total_steps
+
+
 def _cmd(run_dir, steps):
     return [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={ROOT}/configs/agentic_demo.py:resume",
             f"--config.runtime.run_dir={run_dir}", f"--config.runtime.total_steps={steps}",
@@ -61,3 +75,26 @@ def test_stop_mid_episode_then_resume_loses_and_repeats_nothing(tmp_path):
     assert second["steps"] == 6 and second["steps_this_run"] == 6 - first["steps"]
     assert second["lost_prompts"] == 0 and second["duplicated_prompts"] == 0
     assert second["consumed_prompts"] == 6 * 4
+
+
+def _mean(xs):
+    return sum(xs) / len(xs)
+
+
+@pytest.mark.slow
+def test_calculator_demo_learns_to_call_the_tool(tmp_path):
+    """The default demo (a few minutes on 2 cores): after the warm-start the policy calls the tool on
+    about half the problems; RL raises the tool-call rate and the reward (the correct-answer rate,
+    rewards being 0 or 1). Measured: tool calls 0.54 -> 0.96 and reward 0.61 -> 0.79 (first 8 steps
+    -> last 8); the margins asserted are about half of that."""
+    from laminar_jax.runtime.local import run_local
+
+    c = repo_config("agentic_demo")
+    c.runtime.run_dir = str(tmp_path / "run")
+    s = run_local(finalize(c))
+    assert s["steps"] == c.runtime.total_steps and s["env_failures"] == 0
+    calls = [v for _, v in s["tool_call_curve"]]
+    reward = [v for _, v in s["reward_curve"]]
+    assert len(calls) == len(reward) == c.runtime.total_steps
+    assert _mean(calls[-8:]) >= _mean(calls[:8]) + 0.2, calls
+    assert _mean(reward[-8:]) >= _mean(reward[:8]) + 0.08, reward
