@@ -7,12 +7,24 @@ import pytest
 from laminar_jax.sim import cpu_check
 from laminar_jax.sim.calibrate import fit
 
-FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "e2e_cpu_quick.jsonl")
+FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
+FIXTURE = os.path.join(FIXTURES, "e2e_cpu_quick.jsonl")  # quiet machine (load < 5, mostly the run itself)
+LOADED = os.path.join(FIXTURES, "e2e_cpu_quick_loaded.jsonl")  # shared with other jobs (load 2.5 -> 11.5)
+
+
+@pytest.fixture(scope="module", params=["quiet", "loaded"])
+def result(request):
+    return cpu_check.check(FIXTURE if request.param == "quiet" else LOADED)
 
 
 @pytest.fixture(scope="module")
-def result():
+def quiet():
     return cpu_check.check(FIXTURE)
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return cpu_check.check(LOADED)
 
 
 def test_calibrate_reads_the_capture():
@@ -26,7 +38,7 @@ def test_sync_is_reproduced_by_the_fit(result):
 
 
 @pytest.mark.parametrize("mode", ["one_step", "stream"])
-def test_baselines_predicted_within_25_percent(result, mode):
+def test_baselines_predicted_within_25_percent(result, mode):  # on either capture
     row = result["modes"][mode]
     assert not row["fitted_on"]
     assert abs(row["ratio"] - 1) <= cpu_check.TOLERANCE, row
@@ -47,10 +59,15 @@ def test_learner_busy_predicted(result, mode):
     assert abs(row["predicted_learner_busy"] - row["measured_learner_busy"]) <= 0.15, row
 
 
-@pytest.mark.xfail(strict=True, reason="the model over-predicts CPU laminar by ~28%: see docs/SIMULATION.md, "
-                                       "'Held against a real run'")
-def test_laminar_predicted_within_25_percent(result):
-    assert abs(result["modes"]["laminar"]["ratio"] - 1) <= cpu_check.TOLERANCE, result["modes"]["laminar"]
+def test_laminar_predicted_within_25_percent(quiet):
+    assert abs(quiet["modes"]["laminar"]["ratio"] - 1) <= cpu_check.TOLERANCE, quiet["modes"]["laminar"]
+    assert quiet["ok"]
+
+
+@pytest.mark.xfail(strict=True, reason="on a machine shared with other jobs the model over-predicts CPU laminar "
+                                       "by ~28%: see docs/SIMULATION.md, 'Held against a real run'")
+def test_laminar_predicted_within_25_percent_under_load(loaded):
+    assert abs(loaded["modes"]["laminar"]["ratio"] - 1) <= cpu_check.TOLERANCE, loaded["modes"]["laminar"]
 
 
 def test_capture_keeps_each_modes_figures_and_load(tmp_path, monkeypatch):

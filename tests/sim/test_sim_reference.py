@@ -49,7 +49,7 @@ def _cpu_run(mode: str):
     from laminar_jax.sim import cpu_check
     from laminar_jax.sim.cost import CostParams
 
-    rec = cpu_check.load_capture(os.path.join(os.path.dirname(__file__), "fixtures", "e2e_cpu_quick.jsonl"))
+    rec = cpu_check.load_capture(os.path.join(os.path.dirname(__file__), "fixtures", "e2e_cpu_quick_loaded.jsonl"))
     params = dataclasses.replace(CostParams(), **cpu_check.CPU_FIXED, **CPU_PARAMS)
     return cpu_check._simulate(rec, mode, params, cpu_check.workload_for(rec))
 
