@@ -1,7 +1,8 @@
 """End-to-end benchmark: the same workload in every mode, side by side, in one run.
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
-                           [--workload demo|agentic] [--env-median-s 3.0] [--profile]
+                           [--workload demo|agentic] [--env-median-s 3.0] [--release-slots] [--profile]
+                           [--set section.key=value ...]
                            [--decode-steps K]
 
 Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
@@ -13,7 +14,8 @@ slot utilization, and reward against wall-clock (plotted).
 (configs/agentic_demo.py: 3 turns, log-normal latency per step, median 3 s unless
 --env-median-s), so generation waits on the environment, not on compute; the JSON adds the
 environment figures per mode (turns, env latency p50/p99, failures, share of slot-time waiting)
-and the load average.
+and the load average. --release-slots: waiting episodes give their slot up
+(env.release_slot_while_waiting), so more episodes than slots can be in flight.
 
 --profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
@@ -67,8 +69,34 @@ def _workload_config(args):
 
         c = repo_config("agentic_demo", "latency")
         c.env.env_kwargs = {"latency": dict(c.env.env_kwargs["latency"], median_s=args.env_median_s)}
+        c.env.release_slot_while_waiting = bool(getattr(args, "release_slots", False))
         return c
     return _demo_config()
+
+
+def _override(text: str) -> tuple:
+    """--set section.key=value -> (key, value); the value is a Python literal, else a string."""
+    import ast
+
+    key, sep, raw = text.partition("=")
+    if not sep or "." not in key:
+        raise argparse.ArgumentTypeError(f"--set: expected section.key=value, got {text!r}")
+    try:
+        return key, ast.literal_eval(raw)
+    except (ValueError, SyntaxError):
+        return key, raw
+
+
+def _set(c, key: str, value) -> None:
+    section, name = key.rsplit(".", 1)
+    node = c
+    for part in section.split("."):
+        if part not in node:
+            raise SystemExit(f"--set {key}: the config has no section {section!r}")
+        node = node[part]
+    if name not in node:
+        raise SystemExit(f"--set {key}: section {section!r} has no key {name!r}")
+    node[name] = value
 
 
 def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) -> dict:
@@ -91,6 +119,8 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
     c.runtime.profile = bool(getattr(args, "profile", False))
     if getattr(args, "decode_steps", None):
         c.rollout.decode_steps_per_call = args.decode_steps
+    for key, value in getattr(args, "set", None) or ():
+        _set(c, key, value)
     cfg = finalize(c)
     return LocalRun(cfg, cfg.runtime.run_dir).run()
 
@@ -107,6 +137,10 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
+    ap.add_argument("--release-slots", action="store_true",
+                    help="agentic: env.release_slot_while_waiting (a waiting episode gives its slot to other work)")
+    ap.add_argument("--set", type=_override, action="append", metavar="SECTION.KEY=VALUE",
+                    help="a config override applied in every mode after the bench's own (repeatable)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="rollout.decode_steps_per_call (default: the workload config's)")
     ap.add_argument("--warm-start", default=None, help="HF directory of a warm-started model to reuse (skips the warm-start)")
@@ -150,6 +184,7 @@ def main(argv: list[str]) -> dict:
 
     result = {
         "bench": "e2e", "device": jax.devices()[0].device_kind, "budget_s": budget,
+        "overrides": {k: v for k, v in args.set or ()},
         **{f"{m}_tps": tps.get(m) for m in MODES},
         "laminar_vs_sync": ratio("laminar", "sync"), "laminar_vs_one_step": ratio("laminar", "one_step"),
         "laminar_vs_stream": ratio("laminar", "stream"), "repack_gain": ratio("laminar", "laminar_norepack"),
@@ -171,7 +206,8 @@ def main(argv: list[str]) -> dict:
     if args.profile:
         result.update(profile_result(results, tps))
     if args.workload == "agentic":
-        result.update(workload="agentic", env_median_s=args.env_median_s, load_avg=[round(x, 2) for x in os.getloadavg()],
+        result.update(workload="agentic", env_median_s=args.env_median_s, release_slots=args.release_slots,
+                      load_avg=[round(x, 2) for x in os.getloadavg()],
                       **{k: {m: r.get(k) for m, r in results.items()}
                          for k in ("turns_per_trajectory", "env_latency_p50_s", "env_latency_p99_s", "env_failures",
                                    "env_wait_share")})

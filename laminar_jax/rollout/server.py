@@ -203,6 +203,15 @@ class RolloutServer:
         """Live sequences: in slots, and episodes waiting without one (a weight swap waits for all)."""
         return sum(x is not None for x in self._slots) + len(self._released)
 
+    def has_work(self) -> bool:
+        """Whether a step() now has anything to do: a step in flight to read, a queued request, a
+        released episode to resume, or a sequence in a slot that is not waiting on its environment.
+        False while every live sequence waits on its environment, so the owner's loop can sleep
+        instead of spinning (four spinning servers took a core from the learner and the envs)."""
+        with self._lock:
+            return (self._inflight is not None or self._head is not None or not self._queue.empty()
+                    or bool(self._resume) or any(x is not None and not x.waiting for x in self._slots))
+
     def idle(self) -> bool:
         """Nothing live, nothing queued, nothing in flight."""
         return (self.num_live == 0 and self._head is None and self._queue.empty() and self._inflight is None)

@@ -177,7 +177,7 @@ class RolloutWorker:
                 s.submit(make_request(item), timeout=self.pull_timeout_s)
 
     def iterate(self) -> bool:
-        """One iteration; returns True when the server did work."""
+        """One iteration; returns True when the server has more to do right away (else the loop naps)."""
         with self.lock:
             self.last_beat = time.monotonic()
             if self.crash_next:
@@ -197,7 +197,9 @@ class RolloutWorker:
                 return False  # declared dead meanwhile: its work was requeued, drop these results
             with profile.phase("dispatch"):
                 self._hand_on(done)
-            return bool(done) or s.num_live > 0 or (self.episodes is not None and self.episodes.busy())
+            # Live episodes that all wait on their environments are not work: the loop sleeps a
+            # few ms between polls of their replies instead of spinning on the GIL.
+            return bool(done) or s.has_work()
 
     def _hand_on(self, done: list) -> None:
         """Results to the buffer (which scores them), this server's entry on the board, the timeline."""
@@ -283,9 +285,6 @@ class EpisodeFeed:
 
     def starting(self) -> int:
         return self.driver.starting()
-
-    def busy(self) -> bool:
-        return self.driver.stats().waiting_now > 0 or self.driver.starting() > 0
 
     def step(self, server, done: list) -> list:
         self.driver.poll(server)

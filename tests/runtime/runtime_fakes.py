@@ -34,6 +34,9 @@ class FakeServer:
     def num_live(self) -> int:
         return len(self.live)
 
+    def has_work(self) -> bool:
+        return bool(self.live)
+
     @property
     def device_ids(self) -> tuple:
         return (self.section.server_id,)  # each fake its own "device": every one is warmed
