@@ -16,7 +16,8 @@ correct-answer rate; `tool_call_curve` is the share of trajectories that called 
 
 Variant 'latency' (the benchmark workload, also `launch/bench.py e2e --workload agentic`): the
 `latency` environment, 3 policy turns per episode, log-normal latency per step (median 3 s, the
-preset); the reward is the share of non-empty turns. Variant 'short': the same with a 50 ms
+preset); the reward is the share of non-empty turns; waiting episodes give their slot up, servers
+admit while 2 versions behind, 3 batches in flight (_env_bound). Variant 'short': the same with a 50 ms
 median, for tests; 'resume': 0.5 s, so that a kill lands mid-episode.
 """
 
@@ -102,4 +103,20 @@ def get_config(variant: str = ""):
     else:
         median = {"latency": LATENCY_MEDIAN_S, "short": 0.05, "resume": 0.5}[variant]
         _latency(c, median, 3 if variant == "short" else 6)
+    if variant == "latency":
+        _env_bound(c)
     return c
+
+
+def _env_bound(c) -> None:
+    """Settings for episodes that wait seconds on their environment (the benchmark workload)."""
+    # A waiting episode holds no slot, so the slot count does not cap the episodes in flight.
+    c.env.release_slot_while_waiting = True
+    # An episode lasts ~10-25 s and the learner publishes every ~9 s: at admit_lag 1 a server
+    # stops admitting two publishes after its swap and drains episodes of up to ~25 s before the
+    # next. The back-pressure below bounds staleness anyway.
+    c.scheduler.admit_lag = 2
+    # Throughput is episodes in flight over episode time (Little's law), and the learner idles:
+    # 3 batches in flight instead of 2 took laminar/sync from 1.93x to 2.67x at mean staleness
+    # 2.7 instead of 1.9 (docs/BENCHMARKS.md, agentic workload).
+    c.runtime.max_inflight_batches = 3

@@ -1,7 +1,7 @@
 """End-to-end benchmark: the same workload in every mode, side by side, in one run.
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
-                           [--workload demo|agentic] [--env-median-s 3.0] [--release-slots] [--profile]
+                           [--workload demo|agentic] [--env-median-s 3.0] [--profile]
                            [--set section.key=value ...]
                            [--decode-steps K]
 
@@ -14,8 +14,10 @@ slot utilization, and reward against wall-clock (plotted).
 (configs/agentic_demo.py: 3 turns, log-normal latency per step, median 3 s unless
 --env-median-s), so generation waits on the environment, not on compute; the JSON adds the
 environment figures per mode (turns, env latency p50/p99, failures, share of slot-time waiting)
-and the load average. --release-slots: waiting episodes give their slot up
-(env.release_slot_while_waiting), so more episodes than slots can be in flight.
+and the load average. The workload releases the slot of a waiting episode, lets servers admit
+while 2 versions behind and keeps 3 batches in flight (configs/agentic_demo.py, _env_bound);
+e.g. --set env.release_slot_while_waiting=False keeps slots. --quick runs 90 s of RL per mode for this
+workload (a learner step waits ~10-20 s for its episodes).
 
 --profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
@@ -69,7 +71,6 @@ def _workload_config(args):
 
         c = repo_config("agentic_demo", "latency")
         c.env.env_kwargs = {"latency": dict(c.env.env_kwargs["latency"], median_s=args.env_median_s)}
-        c.env.release_slot_while_waiting = bool(getattr(args, "release_slots", False))
         return c
     return _demo_config()
 
@@ -137,8 +138,6 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
-    ap.add_argument("--release-slots", action="store_true",
-                    help="agentic: env.release_slot_while_waiting (a waiting episode gives its slot to other work)")
     ap.add_argument("--set", type=_override, action="append", metavar="SECTION.KEY=VALUE",
                     help="a config override applied in every mode after the bench's own (repeatable)")
     ap.add_argument("--decode-steps", type=int, default=None,
@@ -146,7 +145,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--warm-start", default=None, help="HF directory of a warm-started model to reuse (skips the warm-start)")
     ap.add_argument("--profile", action="store_true", help="CPU-time accounting of each mode (runtime.profile)")
     args = ap.parse_args(argv)
-    budget = args.budget_s or (30.0 if args.quick else 120.0)
+    budget = args.budget_s or ((90.0 if args.workload == "agentic" else 30.0) if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
     out = args.out or tempfile.mkdtemp(prefix="laminar_e2e_")
     os.makedirs(out, exist_ok=True)
@@ -206,7 +205,7 @@ def main(argv: list[str]) -> dict:
     if args.profile:
         result.update(profile_result(results, tps))
     if args.workload == "agentic":
-        result.update(workload="agentic", env_median_s=args.env_median_s, release_slots=args.release_slots,
+        result.update(workload="agentic", env_median_s=args.env_median_s,
                       load_avg=[round(x, 2) for x in os.getloadavg()],
                       **{k: {m: r.get(k) for m, r in results.items()}
                          for k in ("turns_per_trajectory", "env_latency_p50_s", "env_latency_p99_s", "env_failures",

@@ -109,27 +109,43 @@ def _worker_main(args: argparse.Namespace) -> None:
     print("PEERS_RESULT " + json.dumps(fn(spec)), flush=True)
 
 
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def worker_env() -> dict:
+    """The environment of a worker process: this checkout first on PYTHONPATH."""
+    return {**os.environ, "PYTHONPATH": _REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+
+def run_worker_process(cmd: list, env: dict, timeout_s: float, marker: str) -> dict:
+    """A bench worker in a fresh process. {'ok': True, 'result': its `marker` line's JSON, 'load_avg':
+    the mean of the load averages before and after} or {'ok': False, 'reason': ..., 'load_avg': ...}."""
+    load = os.getloadavg()[0]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=_REPO)
+    except subprocess.TimeoutExpired:
+        return {"ok": False, "reason": f"timed out after {timeout_s:.0f}s", "load_avg": load}
+    for line in proc.stdout.splitlines():
+        if line.startswith(marker):
+            return {"ok": True, "result": json.loads(line[len(marker):]),
+                    "load_avg": round((load + os.getloadavg()[0]) / 2, 2)}
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
+    return {"ok": False, "reason": f"exit {proc.returncode}: " + " | ".join(tail)[-500:], "load_avg": load}
+
+
 def _run_worker(system: str, spec_path: str, python: str, timeout_s: float) -> dict:
     """One run in a fresh process; {'ok': True, ...figures} or {'ok': False, 'reason': ...}."""
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = worker_env()
     if system == "vllm":
         # vLLM's CPU default reserves a core for its scheduler (1 torch thread on 2 cores); give it
         # every core, as our process has.
         env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
     cmd = [python, "-m", "laminar_jax.benchmarks.peers", "--worker", system, "--spec", spec_path]
-    load = os.getloadavg()[0]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=repo)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "reason": f"timed out after {timeout_s:.0f}s", "load_avg": load}
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEERS_RESULT "):
-            out = json.loads(line[len("PEERS_RESULT "):])
-            return {"ok": True, **out, "tokens_per_s": out["tokens"] / out["wall_s"],
-                    "load_avg": (load + os.getloadavg()[0]) / 2}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-    return {"ok": False, "reason": f"exit {proc.returncode}: " + " | ".join(tail)[-400:], "load_avg": load}
+    run = run_worker_process(cmd, env, timeout_s, "PEERS_RESULT ")
+    if not run["ok"]:
+        return run
+    out = run["result"]
+    return {"ok": True, **out, "tokens_per_s": out["tokens"] / out["wall_s"], "load_avg": run["load_avg"]}
 
 
 # ---------------------------------------------------------------- result assembly (pure)

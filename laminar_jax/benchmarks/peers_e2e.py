@@ -29,13 +29,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from typing import Any, Optional
 
 import numpy as np
+
+from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
 GEOMETRY = {"prompts_per_step": 8, "samples_per_prompt": 8, "updates_per_step": 4, "max_new_tokens": 144}
@@ -226,24 +227,16 @@ def run_one(system: str, spec: dict, spec_dir: str, timeout_s: float) -> dict:
     path = os.path.join(spec_dir, f"spec_{spec['label']}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    env = {**os.environ, "PYTHONPATH": repo + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = worker_env()
     if system == "trl":
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
     cmd = [sys.executable, "-m", "laminar_jax.benchmarks.peers_e2e", "--worker", system, "--spec", path]
-    load = os.getloadavg()[0]
-    try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, env=env, cwd=repo)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "reason": f"timed out after {timeout_s:.0f}s", "load_avg": load}
-    for line in proc.stdout.splitlines():
-        if line.startswith("PEERS_E2E_RESULT "):
-            r = json.loads(line[len("PEERS_E2E_RESULT "):])
-            return {"ok": True, **r, "train_tps": r["trained_tokens"] / max(r["train_s"], 1e-9),
-                    "tokens_per_cpu_s": r["trained_tokens"] / max(r["cpu_s"], 1e-9),
-                    "load_avg": round((load + os.getloadavg()[0]) / 2, 2)}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
-    return {"ok": False, "reason": f"exit {proc.returncode}: " + " | ".join(tail)[-500:], "load_avg": load}
+    run = run_worker_process(cmd, env, timeout_s, "PEERS_E2E_RESULT ")
+    if not run["ok"]:
+        return run
+    r = run["result"]
+    return {"ok": True, **r, "train_tps": r["trained_tokens"] / max(r["train_s"], 1e-9),
+            "tokens_per_cpu_s": r["trained_tokens"] / max(r["cpu_s"], 1e-9), "load_avg": run["load_avg"]}
 
 
 # ---------------------------------------------------------------- result assembly (pure)

@@ -17,7 +17,7 @@ def test_set_parses_literals_and_strings():
 
 
 def test_set_changes_the_workload_config_and_names_a_bad_key():
-    args = types.SimpleNamespace(workload="agentic", env_median_s=1.5, release_slots=True)
+    args = types.SimpleNamespace(workload="agentic", env_median_s=1.5)
     c = e2e._workload_config(args)
     assert c.env.release_slot_while_waiting and c.env.env_kwargs["latency"]["median_s"] == 1.5
     e2e._set(c, "scheduler.admit_lag", 3)
@@ -28,6 +28,11 @@ def test_set_changes_the_workload_config_and_names_a_bad_key():
         e2e._set(c, "schedulr.admit_lag", 3)
 
 
-def test_agentic_workload_keeps_its_slots_unless_asked():
+def test_agentic_workload_releases_slots_and_admits_two_versions_behind():
     c = e2e._workload_config(types.SimpleNamespace(workload="agentic", env_median_s=3.0))
+    assert c.env.release_slot_while_waiting and c.scheduler.admit_lag == 2 and c.runtime.max_inflight_batches == 3
+    e2e._set(c, "env.release_slot_while_waiting", False)  # the comparison the docs name
     assert not c.env.release_slot_while_waiting
+    # the test variants keep their slots: the mid-episode resume test runs episodes in slots
+    from laminar_jax.config import repo_config
+    assert not repo_config("agentic_demo", "short").env.release_slot_while_waiting
