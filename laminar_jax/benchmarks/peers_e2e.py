@@ -1,12 +1,12 @@
 """Peers end to end: TRL's GRPOTrainer against this project's `sync` and `laminar` modes.
 
-    python launch/bench.py peers --e2e [--quick] [--budget-s 90] [--repeats 2] [--trl-threads 1,2]
+    python launch/bench.py peers --e2e [--quick] [--budget-s 90] [--repeats 2] [--trl-threads 1,2] [--lr 1e-3]
 
 Same HF checkpoint for every system: the demo's tiny model after its supervised warm-start,
 written as a self-contained HF directory (weights, config.json, the character tokenizer.json with
 the built-in tokenizer's ids, generation_config.json). Same skewed task (synthetic_skew) and
 reward, same geometry (8 prompts x 8 samples per step; 4 optimizer updates of 16 samples each),
-same optimizer settings (AdamW lr 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay, grad clip 1.0,
+same optimizer settings (AdamW at --lr, default 1e-3, betas 0.9/0.999, eps 1e-8, no weight decay, grad clip 1.0,
 constant schedule; PPO clip 0.2 / 0.28, no KL, per-sequence token-mean loss, group-normalised
 advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock budget of training
 (TRL: from its first step; ours: the RL clock, after compiling).
@@ -54,6 +54,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--systems", default=",".join(SYSTEMS))
     ap.add_argument("--decode-steps", type=int, default=4,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
+    ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     ap.add_argument("--out", default=None)
     ap.add_argument("--worker", help=argparse.SUPPRESS)
@@ -67,6 +68,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     for s in a.systems:
         if s not in SYSTEMS:
             raise SystemExit(f"--systems: unknown system {s!r} (known: {', '.join(SYSTEMS)})")
+    if not a.lr > 0:
+        raise SystemExit(f"--lr: must be > 0, got {a.lr}")
     if any(t < 1 for t in a.trl_threads):
         raise SystemExit(f"--trl-threads: thread counts must be >= 1, got {a.trl_threads}")
     return a
@@ -152,8 +155,8 @@ def _trl_worker(spec: dict) -> dict:
         output_dir=spec["out"], use_cpu=True, bf16=False, seed=0, report_to=[], save_strategy="no", logging_steps=1,
         per_device_train_batch_size=g["prompts_per_step"] * g["samples_per_prompt"] // g["updates_per_step"],
         num_generations=g["samples_per_prompt"], steps_per_generation=g["updates_per_step"], num_iterations=1,
-        max_completion_length=g["max_new_tokens"], temperature=1.0, learning_rate=1e-3, lr_scheduler_type="constant",
-        warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
+        max_completion_length=g["max_new_tokens"], temperature=1.0, learning_rate=spec["lr"],
+        lr_scheduler_type="constant", warmup_steps=0, adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8, weight_decay=0.0, max_grad_norm=1.0,
         beta=0.0, epsilon=0.2, epsilon_high=0.28, loss_type="grpo", scale_rewards="group", max_steps=100_000,
         dataloader_num_workers=0, disable_tqdm=True)
     model = AutoModelForCausalLM.from_pretrained(spec["dir"], torch_dtype=torch.float32)
@@ -202,6 +205,7 @@ def _ours_worker(spec: dict) -> dict:
     c.learner.mini_batches = g["updates_per_step"]
     c.rollout.max_new_tokens = g["max_new_tokens"]
     c.rollout.decode_steps_per_call = spec["decode_steps"]
+    c.learner.lr = spec["lr"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
     save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
@@ -317,7 +321,7 @@ def main(argv: list[str]) -> Optional[dict]:
         for system, threads in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
             label = system if threads is None else f"trl-{threads}t"
             spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "threads": threads, "label": label,
-                    "decode_steps": args.decode_steps,
+                    "decode_steps": args.decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)
             r.update(system=system, label=label, repeat=rep)
@@ -329,7 +333,7 @@ def main(argv: list[str]) -> Optional[dict]:
     summary = summarize(runs)
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
-              "decode_steps_per_call": args.decode_steps,
+              "decode_steps_per_call": args.decode_steps, "lr": args.lr,
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(result))

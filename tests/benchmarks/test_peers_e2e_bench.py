@@ -18,6 +18,9 @@ def test_parse_args_quick_defaults_and_errors():
         parse_args(["--e2e", "--systems", "trl,verl"])
     with pytest.raises(SystemExit, match="--trl-threads"):
         parse_args(["--e2e", "--trl-threads", "0"])
+    assert full.lr == 1e-3 and parse_args(["--e2e", "--lr", "1e-4"]).lr == 1e-4
+    with pytest.raises(SystemExit, match="--lr"):
+        parse_args(["--e2e", "--lr", "0"])
 
 
 def _run(label, tps, per_cpu, ok=True):
