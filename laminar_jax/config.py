@@ -18,7 +18,7 @@ import ml_collections
 
 from laminar_jax.buffer.config import BufferSection
 from laminar_jax.configlib import ConfigError, expect, from_config_dict, to_config_dict, to_json, validate_tree
-from laminar_jax.data.config import DataSection
+from laminar_jax.data.config import GENERATED_HINT, DataSection
 from laminar_jax.env.config import EnvSection
 from laminar_jax.learner.config import LearnerSection, MeshSection
 from laminar_jax.model.config import ModelSection
@@ -83,7 +83,7 @@ class Config:
             key = "runtime.eval_every" if rt.eval_every else "runtime.eval_before_train"
             value = rt.eval_every or rt.eval_before_train
             expect(self.data.has_val(), key, value, "0/False unless held-out prompts are set (data.val_files, or "
-                   "data.val_size with a generated data.source: 'synthetic_skew' or 'reasoning_gym')")
+                   f"data.val_size with {GENERATED_HINT})")
             expect(not self.env.enabled, key, value, "0/False with env.enabled=True (evaluation of multi-turn "
                    "episodes is not supported)")
         if self.learner.pack_length:

@@ -27,6 +27,7 @@ _VERSION = flags.DEFINE_integer("version", None, "Weight version of a run direct
 def main(argv):
     del argv
     from laminar_jax.cli import configure_logging, finalize_flag
+    from laminar_jax.data.config import GENERATED_HINT
 
     configure_logging()
     usage = ("usage: python launch/eval.py --config=configs/<file>.py[:variant] --checkpoint=<run_dir or HF dir> "
@@ -36,7 +37,7 @@ def main(argv):
         return 2
     if not cfg.data.has_val():
         print("launch/eval.py needs held-out prompts: set --config.data.val_files=<file or glob> (or "
-              "--config.data.val_size=N with a generated data.source: 'synthetic_skew' or 'reasoning_gym')", file=sys.stderr)
+              f"--config.data.val_size=N with {GENERATED_HINT})", file=sys.stderr)
         return 2
     from laminar_jax.eval.offline import checkpoint_kind, evaluate_checkpoint
 

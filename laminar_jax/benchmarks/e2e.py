@@ -183,7 +183,7 @@ def main(argv: list[str]) -> dict:
 
     result = {
         "bench": "e2e", "device": jax.devices()[0].device_kind, "budget_s": budget,
-        "overrides": {k: v for k, v in args.set or ()},
+        "overrides": dict(args.set or ()),
         **{f"{m}_tps": tps.get(m) for m in MODES},
         "laminar_vs_sync": ratio("laminar", "sync"), "laminar_vs_one_step": ratio("laminar", "one_step"),
         "laminar_vs_stream": ratio("laminar", "stream"), "repack_gain": ratio("laminar", "laminar_norepack"),

@@ -10,6 +10,8 @@ from laminar_jax.configlib import expect
 # Sources that generate their prompts from a seed: data.val_size draws held-out prompts from a
 # stream of their own. A file source names its held-out prompts in data.val_files instead.
 GENERATED_SOURCES = ("synthetic_skew", "reasoning_gym")
+# The one wording of that rule in error messages (config check, data plane, launch/eval.py).
+GENERATED_HINT = "a generated data.source: " + " or ".join(repr(s) for s in GENERATED_SOURCES)
 
 
 @dataclasses.dataclass(frozen=True)

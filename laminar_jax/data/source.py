@@ -14,7 +14,7 @@ from typing import Any, Optional, Protocol, Union
 import grain
 
 from laminar_jax.data import synthetic_skew
-from laminar_jax.data.config import DataSection
+from laminar_jax.data.config import GENERATED_HINT, DataSection
 from laminar_jax.data.records import BadRowError, OverlongPromptError, Prompt, Rejected
 from laminar_jax.data.rows import ChatOptions, build_prompt
 
@@ -237,8 +237,7 @@ def build_val_prompts(section: DataSection, tokenizer, max_prompts: int = 0) -> 
         rows = ReasoningGymRows(section.reasoning_gym_dataset, section.val_size, seed)
         name = f"val/reasoning_gym/{section.reasoning_gym_dataset}-s{seed}"
     else:
-        raise ValueError("no held-out prompts: set data.val_files (or data.val_size with a generated data.source: "
-                         "'synthetic_skew' or 'reasoning_gym')")
+        raise ValueError(f"no held-out prompts: set data.val_files (or data.val_size with {GENERATED_HINT})")
     source = PromptSource(rows, tokenizer, dataset=name, shuffle=False, num_epochs=1,
                           max_prompt_tokens=section.max_prompt_tokens, overlong=section.overlong,
                           skip_bad_rows=section.skip_bad_rows, add_bos=section.add_bos, chat=chat_options(section))

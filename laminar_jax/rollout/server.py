@@ -209,12 +209,16 @@ class RolloutServer:
         False while every live sequence waits on its environment, so the owner's loop can sleep
         instead of spinning (four spinning servers took a core from the learner and the envs)."""
         with self._lock:
-            return (self._inflight is not None or self._head is not None or not self._queue.empty()
-                    or bool(self._resume) or any(x is not None and not x.waiting for x in self._slots))
+            return (self._queued_or_inflight() or bool(self._resume)
+                    or any(x is not None and not x.waiting for x in self._slots))
+
+    def _queued_or_inflight(self) -> bool:
+        """A step in flight, or a request queued or at the head of the queue."""
+        return self._inflight is not None or self._head is not None or not self._queue.empty()
 
     def idle(self) -> bool:
         """Nothing live, nothing queued, nothing in flight."""
-        return (self.num_live == 0 and self._head is None and self._queue.empty() and self._inflight is None)
+        return self.num_live == 0 and not self._queued_or_inflight()
 
     def _admit(self) -> None:
         if self._pending is not None:
