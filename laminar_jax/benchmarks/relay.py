@@ -297,6 +297,45 @@ def bench_auth(total_mb: int, link_rate: int, reps: int) -> dict:
     return out
 
 
+def _process_cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def bench_polls(polls: int, reps: int) -> dict:
+    """CPU per version poll (`RelayClient.latest_version`, what every rollout server does every
+    ~50 ms), on one kept authenticated connection against a fresh connection per poll (the client
+    closed after each poll, as before connections were kept). Client and relay threads are both in
+    this process, so process CPU counts both sides. Modes alternate per repeat."""
+    key = os.urandom(32)
+    cfg = RelaySection(io_timeout_s=60.0)
+    figures: dict[str, list[float]] = {"kept": [], "fresh": []}
+    with start_local_chain(1, cfg, key=key) as chain, Publisher(cfg, relay_addresses=chain.addresses, key=key) as pub:
+        pub.publish(1, {"w": np.zeros(1024, np.float32)})
+        pub.flush(60)
+        client = RelayClient(chain.addresses, config=cfg, key=key)
+        for rep in range(reps + 1):  # rep 0 warms both paths
+            for mode in (("kept", "fresh") if rep % 2 else ("fresh", "kept")):
+                client.close()
+                c0 = _process_cpu_s()
+                for _ in range(polls):
+                    if client.latest_version(timeout=10) != 1:
+                        raise RuntimeError(f"poll: expected version 1, errors {client.errors}")
+                    if mode == "fresh":
+                        client.close()
+                if rep:
+                    figures[mode].append((_process_cpu_s() - c0) / polls * 1e3)
+        client.close()
+    med = statistics.median
+    out = {"bench": "relay_polls", "polls_per_rep": polls, "reps": reps, "load_avg": list(os.getloadavg())}
+    for mode, xs in figures.items():
+        out[f"{mode}_cpu_ms_per_poll"] = med(xs)
+        out[f"{mode}_range"] = [min(xs), max(xs)]
+    kept = med(figures["kept"])  # os.times ticks at 10 ms: a short run can read 0
+    out["fresh_vs_kept"] = med(figures["fresh"]) / kept if kept > 0 else None
+    return out
+
+
 def _host_params(total_mb: int) -> dict:
     rng = np.random.default_rng(1)
     return {name: rng.random(shape, dtype=np.float32) for name, shape, _ in _param_shapes(total_mb)}
@@ -318,11 +357,24 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--workdir", default=None, help="scratch directory (default: a temp dir)")
     p.add_argument("--auth-overhead", action="store_true",
                    help="only the run key's cost: keyed vs keyless relays side by side (--chain-mb, --reps)")
+    p.add_argument("--poll-cost", action="store_true",
+                   help="only the CPU of a version poll: a kept connection vs a fresh one per poll (--reps)")
     return p.parse_args(argv)
 
 
 def main(argv: list[str]) -> dict:
     args = parse_args(argv)
+    if args.poll_cost:
+        print(f"load average before: {os.getloadavg()}", flush=True)
+        result = bench_polls(200 if args.quick else 1000, args.reps)
+        print(f"CPU-ms per version poll, medians of {args.reps}: kept connection "
+              f"{result['kept_cpu_ms_per_poll']:.3f} ({result['kept_range'][0]:.3f}..{result['kept_range'][1]:.3f}), "
+              f"fresh connection {result['fresh_cpu_ms_per_poll']:.3f} "
+              f"({result['fresh_range'][0]:.3f}..{result['fresh_range'][1]:.3f}); "
+              f"fresh / kept {result['fresh_vs_kept']}")
+        print(f"load average after: {os.getloadavg()}")
+        print(json.dumps(result))
+        return result
     if args.auth_overhead:
         print(f"load average before: {os.getloadavg()}", flush=True)
         result = bench_auth(args.chain_mb or 64, int(args.link_mb_s * MB), args.reps)

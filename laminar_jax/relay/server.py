@@ -50,7 +50,7 @@ from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc32_of, num_chunks
 from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
 from laminar_jax.relay.ratelimit import make_limiter
-from laminar_jax.relay.wire import AuthError, Peer, PeerClosed, WireError, error_frame, server_handshake
+from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame, server_handshake
 from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)
@@ -338,6 +338,7 @@ class RelayServer:
             if kind == "tcp":
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             sock.settimeout(self.cfg.io_timeout_s)
+            self.counters["connections"] += 1
             name = f"{kind} peer {addr[0]}:{addr[1]}" if kind == "tcp" else "unix peer"
             source = addr[0] if kind == "tcp" else "unix socket"
             self._conns.add(sock)
@@ -376,6 +377,8 @@ class RelayServer:
                     first = None
                 except PeerClosed:
                     return  # clean close between requests
+                except IdleTimeout:
+                    return  # a kept connection (a client's version polls) idle past io_timeout_s: not an error
                 handler = getattr(self, f"_op_{header['op']}", None)
                 if handler is None or (header["op"] == "map" and kind != "unix"):
                     peer.discard(plen, f"payload of unknown op {header['op']!r}")

@@ -60,6 +60,10 @@ def _seg_len(seg: Any) -> int:
     return memoryview(seg).nbytes
 
 
+class IdleTimeout(TimeoutError):
+    """A read timed out before its first byte arrived (between frames: the peer went quiet)."""
+
+
 class Peer:
     """A socket plus the name used in error messages."""
 
@@ -154,7 +158,8 @@ class Peer:
                                     f"({pos}/{n} bytes)")
                 pos += got
         except socket.timeout:
-            raise TimeoutError(f"{self.name}: timed out waiting for {what} ({pos}/{n} bytes)") from None
+            cls = IdleTimeout if pos == 0 else TimeoutError
+            raise cls(f"{self.name}: timed out waiting for {what} ({pos}/{n} bytes)") from None
         except WireError:
             raise
         except OSError as e:

@@ -167,6 +167,7 @@ class ThreadFleet:
     def replace(self, i: int, record: dict, t_fail: float) -> None:
         old = self.workers[i]
         version, flat = old.client.pull(newer_than=-1, timeout=old.pull_timeout_s)
+        old.client.close()  # its kept version-poll connections (the dead loop no longer polls)
         self.generations[i] += 1
         fresh = self.make(i, self.generations[i], version, old.params_from_flat(flat))
         self.workers[i] = fresh
@@ -178,7 +179,10 @@ class ThreadFleet:
         return [t.name for t in list(self._threads.values()) if not t.join(timeout)]
 
     def close(self) -> None:
-        pass  # threads end with stop(); the engines go with the process
+        # Threads end with stop(); the engines go with the process; the relay clients' kept
+        # version-poll connections are closed here, not left to the relays' idle timeout.
+        for w in self.workers:
+            w.client.close()
 
     def inject_crash(self, i: int) -> None:
         """Fault injection: server i raises at its next iteration."""

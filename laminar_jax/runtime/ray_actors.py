@@ -231,4 +231,6 @@ class RolloutActor:
 
     def stop(self, timeout: float = 30.0) -> bool:
         self._loop.stop.set()
-        return self._loop.join(timeout)
+        joined = self._loop.join(timeout)
+        self.worker.client.close()  # its kept version-poll connections
+        return joined
