@@ -25,6 +25,7 @@ def chaos_config(steps: int, run_dir: str):
     c.runtime.checkpoint_every = max(2, steps // 2)  # the learner crash lands between checkpoints: replay
     c.runtime.run_dir = run_dir
     c.runtime.wait_timeout_s = 120.0
+    c.relay.local_handoff = False  # the relay is one of the parts killed: servers pull through it
     return c
 
 

@@ -78,10 +78,12 @@ class PublisherStats:
 class Publisher:
     def __init__(self, config: RelaySection = RelaySection(), store: Any = None,
                  relay_addresses: Optional[Sequence[str]] = None, copy_numpy: bool = True,
-                 key: Optional[bytes] = None):
+                 key: Optional[bytes] = None, handoff: Any = None):
         """``store``: a WeightStore (default: built from config.store_url, if set).
         ``copy_numpy``: copy numpy leaves (the caller may mutate them after publish returns).
-        ``key``: the run's relay key (auth.run_key): authenticates the links and signs each version."""
+        ``key``: the run's relay key (auth.run_key): authenticates the links and signs each version.
+        ``handoff``: a relay.handoff.Handoff that gets each version's host copy once the store
+        has committed it (at once without a store), for rollout servers in this process."""
         from laminar_jax.relay.auth import check_key
         from laminar_jax.relay.store import WeightStore
 
@@ -89,7 +91,8 @@ class Publisher:
         self.cfg, self.copy_numpy, self._key = config, copy_numpy, check_key(key, "Publisher key")
         self.store = store if store is not None else (WeightStore.from_config(config) if config.store_url else None)
         addrs = tuple(config.relay_addresses if relay_addresses is None else relay_addresses)
-        if self.store is None and not addrs:
+        self.handoff = handoff
+        if self.store is None and not addrs and handoff is None:
             raise ValueError("Publisher: neither a store (relay.store_url) nor relay.relay_addresses configured")
         limiter = make_limiter(config.link_rate_bytes_per_s, config.link_burst_bytes)
         self._down = Downstream(config, addrs, limiter, "publisher", key=key) if addrs else None
@@ -234,10 +237,14 @@ class Publisher:
                     raise
         if stored is not None:
             stored.result()
+        elif self.handoff is not None:
+            self.handoff.offer(job.version, job.host)
 
     def _write_store(self, job: _Job, t: dict) -> None:
         self.store.write(job.version, job.host)
         t["store_visible"] = time.perf_counter() - job.t_publish
+        if self.handoff is not None:  # committed: servers in this process may take it now
+            self.handoff.offer(job.version, job.host)
         self._counts["stored"] += 1
         if self.cfg.gc_on_publish:
             self.store.gc()

@@ -165,7 +165,7 @@ class Driver:
         trajs = [from_row(r) for r in rows]  # their prompts were marked consumed by get_batch
         metrics = self._learner_step(trajs)
         self._replay.append(trajs)
-        # Servers learn of the new version from the relays (pulls wait for it); only then may
+        # Servers learn of the new version from the hand-off or the relays (pulls wait for it); only then may
         # dispatch run ahead: no prompt is admitted under a version the mode says is superseded.
         self.buffer_stats = self.buffer.set_learner_version(self.learner.version)
         self.monitor.on_publish(time.time(), self.learner.version)

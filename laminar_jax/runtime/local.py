@@ -1,7 +1,8 @@
 """The `local` runtime: every role in one process (one machine, one GPU, Colab, CI).
 
 The Driver runs the learner in the calling thread; the buffer service is called in-process; the
-rollout servers are a `ThreadFleet`; the relay is an in-process `RelayServer`. Every thread is a
+rollout servers are a `ThreadFleet`; weights reach them through an in-memory hand-off once the
+store has each version (relay.local_handoff), or an in-process `RelayServer`. Every thread is a
 supervised `Worker`: a rollout server's failure is isolated (replaced by the health loop), any
 other failure stops the run with its traceback.
 """
@@ -36,6 +37,21 @@ def _relay(cfg: Config, key: bytes) -> tuple:
     return address, relay.stop, kill
 
 
+def _weights_plane(cfg: Config, run_dir: str, key: bytes) -> WeightsPlane:
+    """With relay.local_handoff (every server is in this process): the store and an in-memory
+    hand-off, no relay. Otherwise the in-process relay, which servers pull through."""
+    if not cfg.relay.local_handoff:
+        address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), key)
+        return WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
+    from laminar_jax.relay.handoff import Handoff
+
+    def no_relay() -> str:
+        raise RuntimeError("relay fault injection: this local run has no relay (relay.local_handoff=True "
+                           "hands versions to the servers in memory); set relay.local_handoff=False")
+
+    return WeightsPlane(cfg, run_dir, [], lambda: None, no_relay, rpc_timeout(cfg), key, handoff=Handoff())
+
+
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
     """Build every plane of a local run from the config; `.run()` trains and returns the summary."""
     from laminar_jax.learner.learner import Learner
@@ -61,8 +77,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
         monitor.phase(f"resumed from the checkpoint at learner version {learner.version}")
     buffer = BufferService(cfg, learner.version, extra["runtime"] if extra else None)
     key = run_key(run_dir)
-    address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), key)
-    weights = WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
+    weights = _weights_plane(cfg, run_dir, key)
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
@@ -71,7 +86,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
                   weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
-                  summary_extra=lambda _: {"placement": layout})
+                  summary_extra=lambda d: {"placement": layout, "weights": d.weights.path()})
 
 
 def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:

@@ -11,10 +11,14 @@ from __future__ import annotations
 import os
 from typing import Callable, Sequence
 
+import numpy as np
+
 
 class WeightsPlane:
     def __init__(self, cfg, run_dir: str, relay_addresses: Sequence[str], stop_relays: Callable[[], None],
-                 kill_master: Callable[[], str], rpc_timeout_s: float, key: bytes):
+                 kill_master: Callable[[], str], rpc_timeout_s: float, key: bytes, handoff=None):
+        """handoff: a relay.handoff.Handoff when every rollout server runs in this process
+        (relay.local_handoff): servers take versions from it, and relay_addresses may be empty."""
         from laminar_jax.relay import WeightStore
 
         self.cfg, self.rcfg = cfg, cfg.relay
@@ -24,6 +28,7 @@ class WeightsPlane:
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s
         self.key = key  # the run's relay key (relay/auth.py): every relay message is authenticated with it
+        self.handoff = handoff
         self.publisher = None
         self.last_stats = None
         self.redone_steps = 0
@@ -32,8 +37,13 @@ class WeightsPlane:
         """A relay client for one rollout server (its own node's relay first, then the others)."""
         from laminar_jax.relay import RelayClient
 
-        return RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg, holder=holder,
-                           key=self.key)
+        client = RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg,
+                             holder=holder, key=self.key)
+        if self.handoff is None:
+            return client
+        from laminar_jax.relay.handoff import HandoffClient
+
+        return HandoffClient(self.handoff, client, holder)
 
     def attach(self, learner, initial: bool) -> None:
         """Give `learner` the publisher. `initial`: at start (or resume), make sure its current version
@@ -50,6 +60,9 @@ class WeightsPlane:
             self.store.retract_newer_than(learner.version)
         stored = self.store.latest() == learner.version
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
+            if self.handoff is not None:
+                raise ValueError("relay.local_handoff: a learner group publishes from its own process; "
+                                 "its versions cannot be handed off in this one")
             learner.attach_publisher(self.store_url, self.relay_addresses, self.key)
             if initial or not stored:
                 learner.publish_current(relays_only=stored)
@@ -58,7 +71,8 @@ class WeightsPlane:
         if self.publisher is None:
             from laminar_jax.relay import Publisher
 
-            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses, key=self.key)
+            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses, key=self.key,
+                                       handoff=self.handoff)
         if initial and not stored:
             self.publisher.publish(learner.version, learner.policy_params())
         elif initial:  # stored already (resume): put it on the relays too, where servers pull it from
@@ -66,8 +80,12 @@ class WeightsPlane:
         learner.publisher = self.publisher
 
     def _seed_relays(self, version: int, params) -> None:
-        from laminar_jax.relay import Publisher
+        from laminar_jax.relay import Publisher, tree_items
 
+        if self.handoff is not None:
+            self.handoff.offer(version, {name: np.asarray(leaf) for name, leaf in tree_items(params)})
+        if not self.relay_addresses:
+            return
         seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses, key=self.key)
         try:
             seed.publish(version, params)
@@ -82,8 +100,16 @@ class WeightsPlane:
         from laminar_jax.relay import Publisher
 
         st = self.publisher.stats() if isinstance(self.publisher, Publisher) else None
-        done = {v: t for v, t in (st.timings.items() if st is not None else ()) if "relay_visible" in t}
+        last = "relay_visible" if self.relay_addresses else "store_visible"  # a hand-off follows the store
+        done = {v: t for v, t in (st.timings.items() if st is not None else ()) if last in t}
         return {f"{k}_s": float(v) for k, v in done[max(done)].items()} if done else {}
+
+    def path(self) -> dict:
+        """How versions reached the servers, for the summary: the in-memory hand-off (and how many
+        versions it took) or the relays."""
+        if self.handoff is None:
+            return {"path": "relay", "relays": len(self.relay_addresses)}
+        return {"path": "handoff", "versions_handed_off": self.handoff.offered}
 
     def publisher_stats(self):
         try:
