@@ -16,7 +16,7 @@ import threading
 import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
@@ -84,6 +84,11 @@ class RelayClient:
         store = f" or store {self.store.url}" if self.store is not None else ""
         raise TimeoutError(f"pull(newer_than={newer_than}): no newer version within {timeout}s from relays "
                            f"{list(self.addresses)}{store}; errors: {self.errors}")
+
+    def pull_placed(self, newer_than: int, timeout: float, place: Callable[[dict], Any]) -> tuple[int, Any]:
+        """pull() of flat host arrays, then ``place`` (flat -> the caller's params, e.g. on its devices)."""
+        version, flat = self.pull(newer_than, timeout=timeout)
+        return version, place(flat)
 
     def latest_version(self, timeout: float = 5.0) -> Optional[int]:
         """Newest complete version at the first reachable relay, else the store's LATEST."""

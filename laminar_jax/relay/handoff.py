@@ -17,8 +17,7 @@ not hold (a version older than the newest is never asked for: servers only move 
 from __future__ import annotations
 
 import threading
-import time
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -32,6 +31,9 @@ class Handoff:
         self._version: Optional[int] = None
         self._flat: Optional[dict] = None
         self.offered = 0  # versions accepted (diagnostics)
+        self._place_lock = threading.Lock()
+        self._placed: dict[Any, tuple[int, Any]] = {}  # placement function -> (version, its result)
+        self.placements = 0  # place() calls made (diagnostics: one per version and function)
 
     def offer(self, version: int, flat: dict) -> None:
         """Hold ``flat`` ({name: host array}) as ``version`` if it is newer than what is held.
@@ -61,6 +63,22 @@ class Handoff:
             return self._version, self._flat
 
 
+    def placed(self, version: int, flat: dict, place: Callable[[dict], Any]) -> Any:
+        """place(flat) for ``version``, computed once per placement function and shared by every
+        caller passing the same function: servers on the same devices then run on one copy of the
+        weights (one host-to-device copy per version, and on an accelerator one copy in memory,
+        instead of one per server). Only the newest version's result is kept per function."""
+        with self._place_lock:  # a second server waits for the first one's copy, then reuses it
+            held = self._placed.get(place)
+            if held is not None and held[0] == version:
+                return held[1]
+            params = place(flat)
+            self.placements += 1
+            if held is None or held[0] < version:
+                self._placed[place] = (version, params)
+            return params
+
+
 class HandoffClient:
     """A rollout server's weight source in a run with a hand-off: the hand-off first, the store
     (``fallback``: a RelayClient with the store and no relays) for what it does not hold."""
@@ -78,16 +96,29 @@ class HandoffClient:
     def pull(self, newer_than: int = -1, timeout: float = 60.0) -> tuple[int, dict]:
         """(version, flat read-only host arrays) of the newest version > newer_than, waiting up to
         ``timeout`` s for the hand-off, then reading the store; TimeoutError names what it waited for."""
-        deadline = time.monotonic() + timeout
         got = self.handoff.wait_newer(newer_than, timeout)
         if got is not None:
             self.last_source = "handoff"
             return got
+        return self._from_store(newer_than, timeout)
+
+    def pull_placed(self, newer_than: int, timeout: float, place: Callable[[dict], Any]) -> tuple[int, Any]:
+        """pull(), then ``place`` (flat -> the server's params): from the hand-off, shared with the
+        other servers that place the same way (Handoff.placed); from the store, this caller's own."""
+        got = self.handoff.wait_newer(newer_than, timeout)
+        if got is not None:
+            self.last_source = "handoff"
+            return got[0], self.handoff.placed(got[0], got[1], place)
+        version, flat = self._from_store(newer_than, timeout)
+        return version, place(flat)
+
+    def _from_store(self, newer_than: int, waited: float) -> tuple[int, dict]:
+        """One look at the store after the hand-off had nothing newer for ``waited`` s."""
         try:
-            version, flat = self.fallback.pull(newer_than, timeout=max(0.0, deadline - time.monotonic()))
+            version, flat = self.fallback.pull(newer_than, timeout=0.0)
         except TimeoutError as e:
             raise TimeoutError(f"{self.holder or 'rollout server'}: no version newer than {newer_than} was handed "
-                               f"off within {timeout}s, nor in the store ({e})") from None
+                               f"off within {waited}s, nor in the store ({e})") from None
         self.last_source = self.fallback.last_source
         return version, flat
 

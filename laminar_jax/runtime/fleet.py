@@ -166,10 +166,10 @@ class ThreadFleet:
 
     def replace(self, i: int, record: dict, t_fail: float) -> None:
         old = self.workers[i]
-        version, flat = old.client.pull(newer_than=-1, timeout=old.pull_timeout_s)
+        version, params = old.client.pull_placed(-1, old.pull_timeout_s, old.params_from_flat)
         old.client.close()  # its kept version-poll connections (the dead loop no longer polls)
         self.generations[i] += 1
-        fresh = self.make(i, self.generations[i], version, old.params_from_flat(flat))
+        fresh = self.make(i, self.generations[i], version, params)
         self.workers[i] = fresh
         self._spawn(fresh)
         mark_replaced(record, fresh.name, version, t_fail)

@@ -154,8 +154,10 @@ class RolloutWorker:
         s = self.server
         if s.version >= self.board.newest or not swap_now(self.policy, s.num_live, self.board.live_counts()):
             return
-        version, flat = self.client.pull(newer_than=s.version, timeout=self.pull_timeout_s)
-        s.set_params(version, self.params_from_flat(flat))  # applied by the next step()
+        # Placed on this server's devices (with a hand-off, once per version for every server that
+        # places the same way: they share one copy).
+        version, params = self.client.pull_placed(s.version, self.pull_timeout_s, self.params_from_flat)
+        s.set_params(version, params)  # applied by the next step()
         self.swaps += 1
 
     def admitting(self) -> bool:

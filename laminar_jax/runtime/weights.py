@@ -109,7 +109,8 @@ class WeightsPlane:
         versions it took) or the relays."""
         if self.handoff is None:
             return {"path": "relay", "relays": len(self.relay_addresses)}
-        return {"path": "handoff", "versions_handed_off": self.handoff.offered}
+        return {"path": "handoff", "versions_handed_off": self.handoff.offered,
+                "placements": self.handoff.placements}
 
     def publisher_stats(self):
         try:

@@ -80,3 +80,30 @@ def test_client_reads_the_store_when_nothing_was_handed_off_and_names_what_it_wa
     v, _ = client.pull(5, timeout=1.0)
     assert v == 6 and client.last_source == "handoff"
     client.close()
+
+
+def test_servers_placing_the_same_way_share_one_placed_copy_per_version(tmp_path):
+    h = Handoff()
+    calls = []
+
+    def place(flat):  # e.g. params_on_device: one device copy
+        calls.append(flat["b"][0])
+        return {k: np.array(v) for k, v in flat.items()}
+
+    def other_place(flat):  # e.g. a server on another mesh
+        return dict(flat)
+
+    store = WeightStore(str(tmp_path / "weights"))
+    clients = [HandoffClient(h, RelayClient([], store=store), holder=f"server-{i}") for i in range(3)]
+    h.offer(1, _flat(1))
+    got = [c.pull_placed(0, 1.0, place) for c in clients]
+    assert [v for v, _ in got] == [1, 1, 1] and calls == [1]
+    assert got[0][1] is got[1][1] is got[2][1]  # one copy for all three
+    v, mine = clients[0].pull_placed(0, 1.0, other_place)
+    assert v == 1 and mine is not got[0][1] and h.placements == 2
+    h.offer(2, _flat(2))
+    assert clients[1].pull_placed(1, 1.0, place)[0] == 2 and calls == [1, 2]
+    # From the store (nothing newer handed off), each caller places its own.
+    store.write(3, _flat(3))
+    h2 = HandoffClient(Handoff(), RelayClient([], store=store))
+    assert h2.pull_placed(2, 0.1, place)[0] == 3 and calls == [1, 2, 3]

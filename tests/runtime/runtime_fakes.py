@@ -107,6 +107,10 @@ class FakePublisher:
     def pull(self, newer_than: int, timeout: float):
         return self.latest_version(timeout), {}
 
+    def pull_placed(self, newer_than: int, timeout: float, place):
+        version, flat = self.pull(newer_than, timeout)
+        return version, place(flat)
+
     def close(self, timeout: float = 1.0) -> None:
         pass
 

@@ -40,6 +40,8 @@ def test_demo_short_runs_and_accounts_for_every_prompt(mode, tmp_path):
     # Every server is in this process: versions go through the in-memory hand-off, no relay runs.
     assert s["weights"]["path"] == "handoff"
     assert s["weights"]["versions_handed_off"] >= 2  # the initial version and newer ones (some superseded)
+    # Servers on the same device share one placed copy per version (else one per server and version).
+    assert 1 <= s["weights"]["placements"] <= s["weights"]["versions_handed_off"]
     for f in ("config.json", "summary.json", "timeline.png"):
         assert os.path.exists(tmp_path / mode / f), f
     assert os.listdir(tmp_path / mode / "tb")
