@@ -10,7 +10,7 @@ trajectory is never stamped with a version the store could lose (the same rule r
 
 ``Handoff`` holds the newest offered version (read-only host arrays, shared, never copied);
 ``HandoffClient`` gives it the interface rollout workers use on a ``RelayClient``
-(``latest_version``, ``pull``, ``close``) and falls back to the store for what the hand-off does
+(``latest_version``, ``pull``, ``pull_placed``, ``close``) and falls back to the store for what the hand-off does
 not hold (a version older than the newest is never asked for: servers only move forward).
 """
 
@@ -61,7 +61,6 @@ class Handoff:
                                        max(0.0, timeout)):
                 return None
             return self._version, self._flat
-
 
     def placed(self, version: int, flat: dict, place: Callable[[dict], Any]) -> Any:
         """place(flat) for ``version``, computed once per placement function and shared by every
