@@ -84,8 +84,7 @@ class HandoffClient:
 
     def __init__(self, handoff: Handoff, fallback: Any, holder: str = ""):
         self.handoff, self.fallback, self.holder = handoff, fallback, holder
-        self.last_source: Optional[str] = None
-        self.errors: list[str] = []
+        self.last_source: Optional[str] = None  # "handoff", or where the store fallback read from
 
     def latest_version(self, timeout: float = 5.0) -> Optional[int]:
         """The newest version handed off, else the store's newest; no I/O while the hand-off holds one."""
@@ -104,11 +103,9 @@ class HandoffClient:
     def pull_placed(self, newer_than: int, timeout: float, place: Callable[[dict], Any]) -> tuple[int, Any]:
         """pull(), then ``place`` (flat -> the server's params): from the hand-off, shared with the
         other servers that place the same way (Handoff.placed); from the store, this caller's own."""
-        got = self.handoff.wait_newer(newer_than, timeout)
-        if got is not None:
-            self.last_source = "handoff"
-            return got[0], self.handoff.placed(got[0], got[1], place)
-        version, flat = self._from_store(newer_than, timeout)
+        version, flat = self.pull(newer_than, timeout)
+        if self.last_source == "handoff":
+            return version, self.handoff.placed(version, flat, place)
         return version, place(flat)
 
     def _from_store(self, newer_than: int, waited: float) -> tuple[int, dict]:

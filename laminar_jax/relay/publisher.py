@@ -237,14 +237,12 @@ class Publisher:
                     raise
         if stored is not None:
             stored.result()
-        elif self.handoff is not None:
+        if self.handoff is not None:  # committed (when there is a store): servers in this process may take it
             self.handoff.offer(job.version, job.host)
 
     def _write_store(self, job: _Job, t: dict) -> None:
         self.store.write(job.version, job.host)
         t["store_visible"] = time.perf_counter() - job.t_publish
-        if self.handoff is not None:  # committed: servers in this process may take it now
-            self.handoff.offer(job.version, job.host)
         self._counts["stored"] += 1
         if self.cfg.gc_on_publish:
             self.store.gc()

@@ -11,8 +11,6 @@ from __future__ import annotations
 import os
 from typing import Callable, Sequence
 
-import numpy as np
-
 
 class WeightsPlane:
     def __init__(self, cfg, run_dir: str, relay_addresses: Sequence[str], stop_relays: Callable[[], None],
@@ -75,15 +73,15 @@ class WeightsPlane:
                                        handoff=self.handoff)
         if initial and not stored:
             self.publisher.publish(learner.version, learner.policy_params())
-        elif initial:  # stored already (resume): put it on the relays too, where servers pull it from
-            self._seed_relays(learner.version, learner.policy_params())
+        elif initial:  # stored already (resume): put it where servers take it from (hand-off or relays)
+            self._seed(learner.version, learner.policy_params())
         learner.publisher = self.publisher
 
-    def _seed_relays(self, version: int, params) -> None:
+    def _seed(self, version: int, params) -> None:
         from laminar_jax.relay import Publisher, tree_items
 
         if self.handoff is not None:
-            self.handoff.offer(version, {name: np.asarray(leaf) for name, leaf in tree_items(params)})
+            self.handoff.offer(version, dict(tree_items(params)))
         if not self.relay_addresses:
             return
         seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses, key=self.key)
