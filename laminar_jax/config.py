@@ -79,6 +79,12 @@ class Config:
                    f">= 2 with learner.adv_estimator={self.learner.adv_estimator!r} (a group of one trajectory has "
                    "no baseline and gets advantage 0; use 'gae' with a critic for one sample per prompt)")
         rt = self.runtime
+        if self.rollout.decode_row_buckets and rt.mode == "laminar":
+            # Repack promises a moved sequence the tokens it would have had unmoved; with row buckets
+            # a row's bits can follow how many rows share its decode call.
+            expect(not self.scheduler.repack, "rollout.decode_row_buckets", self.rollout.decode_row_buckets,
+                   "() with scheduler.repack=True in laminar mode (moves must be output-identical; "
+                   "set scheduler.repack=False to use row buckets)")
         if rt.eval_every or rt.eval_before_train:
             key = "runtime.eval_every" if rt.eval_every else "runtime.eval_before_train"
             value = rt.eval_every or rt.eval_before_train

@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-SYSTEMS = ("laminar", "vllm")
+SYSTEMS = ("laminar", "laminar-fixed", "vllm")  # laminar-fixed: every decode step runs all slots
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -51,10 +51,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--vllm-python", default=os.environ.get("LAMINAR_VLLM_PYTHON", sys.executable),
                     help="Python interpreter with vllm installed (env LAMINAR_VLLM_PYTHON)")
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
+    ap.add_argument("--systems", default="laminar,vllm",
+                    help="comma list of " + ",".join(SYSTEMS) + " (laminar-fixed: our engine without decode row "
+                    "buckets, every step runs all slots)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     args.dtypes = [d.strip() for d in args.dtypes.split(",") if d.strip()]
+    args.systems = [x.strip() for x in args.systems.split(",") if x.strip()]
+    for x in args.systems:
+        if x not in SYSTEMS:
+            raise SystemExit(f"--systems: {x!r} is not one of {', '.join(SYSTEMS)}")
     for d in args.dtypes:
         if d not in ("float32", "bfloat16"):
             raise SystemExit(f"--dtypes: {d!r} is not one of float32, bfloat16")
@@ -66,12 +73,13 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 # ---------------------------------------------------------------- workers (one process per run)
 
-def _laminar_worker(spec: dict) -> dict:
+def _laminar_worker(spec: dict, fixed: bool = False) -> dict:
     from laminar_jax.rollout import LLM, SamplingParams
 
+    extra = {"decode_row_buckets": ()} if fixed else {}
     llm = LLM(spec["dir"], kv_memory_gb=spec["kv_memory_gb"], dtype=spec["dtype"],
               max_num_seqs=spec["concurrency"], max_model_len=spec["max_model_len"],
-              max_prompt_len=spec["max_prompt_len"], prefill_buckets=(16, 32), warmup=True)
+              max_prompt_len=spec["max_prompt_len"], prefill_buckets=(16, 32), warmup=True, **extra)
     sps = [SamplingParams(temperature=0.0, max_new_tokens=m, stop_token_ids=()) for m in spec["max_new"]]
     llm.generate(spec["prompts"][:spec["concurrency"]], [SamplingParams(temperature=0.0, max_new_tokens=2,
                                                                          stop_token_ids=())] * spec["concurrency"])
@@ -105,8 +113,8 @@ def _vllm_worker(spec: dict) -> dict:
 def _worker_main(args: argparse.Namespace) -> None:
     with open(args.spec) as f:
         spec = json.load(f)
-    fn = _laminar_worker if args.worker == "laminar" else _vllm_worker
-    print("PEERS_RESULT " + json.dumps(fn(spec)), flush=True)
+    result = _vllm_worker(spec) if args.worker == "vllm" else _laminar_worker(spec, args.worker == "laminar-fixed")
+    print("PEERS_RESULT " + json.dumps(result), flush=True)
 
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -172,14 +180,17 @@ def summarize(runs: list[dict]) -> dict:
     for dtype in {r["dtype"] for r in runs}:
         firsts = {s: next((r for r in runs if r["system"] == s and r["dtype"] == dtype and r["ok"]), None)
                   for s in SYSTEMS}
-        if all(firsts.values()):
-            a, b = firsts["laminar"]["outputs"], firsts["vllm"]["outputs"]
-            agree[dtype] = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+        for ours in ("laminar", "laminar-fixed"):
+            if firsts[ours] and firsts["vllm"]:
+                a, b = firsts[ours]["outputs"], firsts["vllm"]["outputs"]
+                agree[dtype if ours == "laminar" else f"{ours} {dtype}"] = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
     ratios = {}
     for dtype in {r["dtype"] for r in runs}:
-        ours, theirs = out.get(f"laminar_{dtype}", {}), out.get(f"vllm_{dtype}", {})
-        if ours.get("median") and theirs.get("median"):
-            ratios[dtype] = ours["median"] / theirs["median"]
+        theirs = out.get(f"vllm_{dtype}", {})
+        for ours in ("laminar", "laminar-fixed"):
+            mine = out.get(f"{ours}_{dtype}", {})
+            if mine.get("median") and theirs.get("median"):
+                ratios[dtype if ours == "laminar" else f"{ours} {dtype}"] = mine["median"] / theirs["median"]
     return {"rows": out, "greedy_identical_frac": agree, "ratio_vs_vllm": ratios}
 
 
@@ -187,13 +198,13 @@ def _print_table(summary: dict, meta: dict) -> None:
     print(f"peers bench: preset={meta['preset']} ({meta['params_m']:.1f}M) requests={meta['requests']} "
           f"concurrency={meta['concurrency']} response len median={meta['median_len']} p99={meta['p99_len']} "
           f"useful tokens={meta['useful_tokens']}")
-    print(f"{'system':<10}{'dtype':<10}{'tok/s median':>13}{'[min-max]':>20}{'runs':>6}  load avg / version")
+    print(f"{'system':<14}{'dtype':<10}{'tok/s median':>13}{'[min-max]':>20}{'runs':>6}  load avg / version")
     for row in summary["rows"].values():
         if row["median"] is None:
-            print(f"{row['system']:<10}{row['dtype']:<10}{'unavailable':>13}  reason: {row['failures'][0]}")
+            print(f"{row['system']:<14}{row['dtype']:<10}{'unavailable':>13}  reason: {row['failures'][0]}")
             continue
         spread = f"[{row['min']:.0f}-{row['max']:.0f}]"
-        print(f"{row['system']:<10}{row['dtype']:<10}{row['median']:>13.1f}{spread:>20}"
+        print(f"{row['system']:<14}{row['dtype']:<10}{row['median']:>13.1f}{spread:>20}"
               f"{row['runs']:>6}  {row['load_avg']} {row['version']}")
     for dtype, r in summary["ratio_vs_vllm"].items():
         print(f"ratio laminar/vllm {dtype}: {r:.2f}")
@@ -234,7 +245,7 @@ def main(argv: list[str]) -> Optional[dict]:
             with open(spec_path, "w") as f:
                 json.dump(spec, f)
             for rep in range(args.repeats):
-                order = SYSTEMS if rep % 2 == 0 else SYSTEMS[::-1]  # alternate who goes first
+                order = args.systems if rep % 2 == 0 else args.systems[::-1]  # alternate who goes first
                 for system in order:
                     python = args.vllm_python if system == "vllm" else sys.executable
                     r = _run_worker(system, spec_path, python, args.timeout_s)

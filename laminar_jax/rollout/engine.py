@@ -94,6 +94,7 @@ class Engine:
         self.live_buckets = (_live_buckets(rows_per_call * self.pages_per_seq, section.live_buckets)
                              if self.uses_live_pages else (0,))
         self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
+        self.row_buckets = tuple(section.decode_row_buckets)  # smaller batches for few live slots
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
@@ -106,7 +107,7 @@ class Engine:
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings)
-        self._params_cache: tuple = (None, None, None)  # (params, leaves, programs) of the last params seen
+        self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
         """Flattened params and the programs for their tree structure.
@@ -118,8 +119,14 @@ class Engine:
             leaves, treedef = jax.tree.flatten(params)
             if self.mesh is not None:  # a no-op for params already in this engine's layout (place_params)
                 leaves = tpl.place_leaves(leaves, self.param_shardings(params))
-            self._params_cache = (params, leaves, _programs(self._spec, treedef))
+            self._params_cache = (params, leaves, _programs(self._spec, treedef),
+                                  {b: _programs(self._spec._replace(chunk=b), treedef) for b in self.row_buckets})
         return self._params_cache[1], self._params_cache[2]
+
+    def _generate_program(self, rows_per_call: int) -> Callable:
+        """The generate program for a call of ``rows_per_call`` rows (the engine's own, or a row bucket's)."""
+        return self._params_cache[3][rows_per_call].generate if rows_per_call in self.row_buckets \
+            else self._params_cache[2].generate
 
     # ---------------------------------------------------------------- layout (rollout/tp.py)
 
@@ -240,27 +247,33 @@ class Engine:
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
-        leaves, progs = self._bind(params)
-        bucket = self.live_bucket()
+        leaves, _ = self._bind(params)
         rows, n_chunks = self._rows()
+        bucket = self.live_bucket()
         for slot in self._cached_hi:
             self._cached_hi[slot] += self.steps_per_call
-        return progs.generate(leaves, decode_state, rows, n_chunks, bucket)
+        # len(rows) names the program: row buckets are smaller than the engine's own call (validated).
+        return self._generate_program(len(rows))(leaves, decode_state, rows, n_chunks, bucket)
+
+    def _row_bucket(self) -> int:
+        """The smallest row bucket that holds every slot with a sequence; 0 = the engine's own call shape."""
+        return next((b for b in self.row_buckets if b >= len(self._cached_hi)), 0)
 
     def _rows(self) -> tuple[np.ndarray, np.int32]:
-        """(i32[num_rows] slots in chunk order, padded with num_slots; number of chunks to run).
+        """(i32[R] slots in chunk order, padded with num_slots; number of chunks to run).
 
-        Without compaction every slot is a row and there is one chunk. With it, the slots that
-        hold a sequence (some may have finished on the device since; they compute masked rows),
-        in slot order.
+        Without compaction every slot is a row and there is one chunk (R = num_slots). With it,
+        the slots that hold a sequence (some may have finished on the device since; they compute
+        masked rows), in slot order. When they fit a row bucket, R is that bucket and one chunk runs.
         """
-        rows = np.full((self._num_rows,), self.num_slots, np.int32)
-        if not self.chunk:
+        small = self._row_bucket()
+        rows = np.full((small or self._num_rows,), self.num_slots, np.int32)
+        if not (small or self.chunk):
             rows[:self.num_slots] = np.arange(self.num_slots)
             return rows, np.int32(1)
         live = sorted(self._cached_hi)
         rows[:len(live)] = live
-        return rows, np.int32(-(-len(live) // self.chunk))
+        return rows, np.int32(-(-len(live) // (small or self.chunk)))
 
     def live_bucket(self) -> int:
         """Static live-page count the next generate() compiles for (0 when the backend does not use it).
@@ -278,9 +291,10 @@ class Engine:
         k, ps = self.steps_per_call, self.page_size
         per_slot = [min(len(self.slot_pages[s]), (self._cached_hi[s] + k - 1) // ps + 1)
                     for s in sorted(self._cached_hi)]
-        if not self.chunk:
+        chunk = self._row_bucket() or self.chunk
+        if not chunk:
             return sum(per_slot)
-        return max((sum(per_slot[i:i + self.chunk]) for i in range(0, len(per_slot), self.chunk)), default=0)
+        return max((sum(per_slot[i:i + chunk]) for i in range(0, len(per_slot), chunk)), default=0)
 
     def warmup(self, params: Any) -> None:
         """Compile every prefill_insert bucket (what the server admits with) and every generate variant now.
@@ -297,11 +311,15 @@ class Engine:
             state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
-        leaves, progs = self._bind(params)
-        rows, n_chunks = np.full((self._num_rows,), self.num_slots, np.int32), np.int32(1)
+        leaves, _ = self._bind(params)
         n = self.section.warmup_live_buckets or len(self.live_buckets)
-        for bucket in self.live_buckets[:n]:
-            state, out = progs.generate(leaves, state, rows, n_chunks, bucket)
+        for rows_per_call in (self._num_rows, *self.row_buckets):
+            # A call of R rows attends at most R * pages_per_seq pages: the buckets up to the first that covers it.
+            cover = next(i for i, b in enumerate(self.live_buckets) if b >= min(rows_per_call * self.pages_per_seq,
+                                                                                  self.live_buckets[-1]))
+            rows = np.full((rows_per_call,), self.num_slots, np.int32)
+            for bucket in self.live_buckets[:min(n, cover + 1)]:
+                state, out = self._generate_program(rows_per_call)(leaves, state, rows, np.int32(1), bucket)
         jax.block_until_ready(out)
 
     def free_resource(self, slot: int) -> None:

@@ -8,6 +8,11 @@
 The engine (and its compiled programs) lives as long as the LLM object, so repeated generate()
 calls compile nothing new for shapes they have met. Requests stop at the EOS ids (config.json's
 and the tokenizer's) unless their SamplingParams name other stop ids.
+
+Like vLLM, decode batches follow the live sequences (``rollout.decode_row_buckets``): a long tail
+of few live requests runs as a batch of 4, 8 or 16 rows, not all max_num_seqs slots. A request's
+tokens can then depend on which others share its steps, in the last bits of fp32 (vLLM's default
+behaves the same); pass ``decode_row_buckets=()`` for outputs that never depend on company.
 """
 
 from __future__ import annotations
@@ -41,6 +46,17 @@ def kv_bytes_per_page(cfg: TransformerConfig, page_size: int, dtype: str) -> int
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
+def row_buckets(rows: int, smallest: int = 4) -> tuple[int, ...]:
+    """Powers of two from ``smallest`` below ``rows``: decode batches for a long tail of few live
+    sequences (below ~4 rows a step costs the weight read whatever the rows, so smaller buckets
+    would only add programs)."""
+    out, b = [], smallest
+    while b < rows:
+        out.append(b)
+        b *= 2
+    return tuple(out)
+
+
 def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_num_seqs: int,
                  max_model_len: Optional[int], max_prompt_len: Optional[int], page_size: int,
                  stop_token_ids: tuple[int, ...], **overrides) -> RolloutSection:
@@ -66,10 +82,11 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
                          f"kv_memory_gb or lower max_model_len")
     if len(stop_token_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(stop_token_ids)} EOS/stop ids; at most {MAX_STOP_IDS} supported")
+    chunk = 32 if max_num_seqs >= 64 else 0
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
-                             decode_chunk=32 if max_num_seqs >= 64 else 0)
+                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs))
     section = dataclasses.replace(section, **overrides)
     section.validate("LLM")
     return section
@@ -130,4 +147,4 @@ class LLM:
                 for p, c in zip(ids, done)]
 
 
-__all__ = ["LLM", "RequestOutput", "kv_bytes_per_page", "size_section"]
+__all__ = ["LLM", "RequestOutput", "kv_bytes_per_page", "row_buckets", "size_section"]

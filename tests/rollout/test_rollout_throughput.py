@@ -152,6 +152,50 @@ def test_compacted_decode_is_independent_of_company_and_num_slots():
     assert full.stats().kv_pages_used == 0 and full.stats().completed == len(reqs)
 
 
+def test_row_buckets_run_few_live_slots_as_a_smaller_batch_with_the_same_tokens():
+    """decode_row_buckets: calls with few live slots run a smaller batch (its own program), and
+    every sequence gets the tokens of the full-batch engine (sampled ones too: the draws are
+    per-slot keys), log-probs to float tolerance (row counts may pick other matmul kernels)."""
+    reqs = _mixed_requests()
+    ref_server = make_server()
+    for r in reqs:
+        ref_server.submit(r)
+    ref = run_until(ref_server, len(reqs))
+    server = make_server(dataclasses.replace(SECTION, decode_row_buckets=(1, 2)))
+    engine = server.engine
+    seen = []
+    real_rows = engine._rows
+
+    def rows_spy():
+        rows, n = real_rows()
+        seen.append(len(rows))
+        return rows, n
+    engine._rows = rows_spy
+    for r in reqs:
+        server.submit(r)
+    got = run_until(server, len(reqs))
+    for r in reqs:
+        np.testing.assert_array_equal(got[r.uid].response_ids, ref[r.uid].response_ids)
+        np.testing.assert_allclose(got[r.uid].behaviour_logprobs, ref[r.uid].behaviour_logprobs, atol=1e-5)
+        assert got[r.uid].finish_reason == ref[r.uid].finish_reason
+    assert {1, 2, engine.num_slots} <= set(seen)  # the tail ran 1- and 2-row batches, the start all slots
+    assert server.stats().kv_pages_used == 0 and server.stats().completed == len(reqs)
+
+
+def test_row_buckets_are_validated_and_refused_with_repack():
+    from laminar_jax.config import ConfigError, default_config, finalize
+
+    for bad in ((2, 1), (0,), (4,), (2, 2)):
+        with pytest.raises(ValueError, match="rollout.decode_row_buckets"):
+            dataclasses.replace(SECTION, decode_row_buckets=bad).validate()
+    cd = default_config()
+    cd.rollout.decode_row_buckets = (2,)
+    with pytest.raises(ConfigError, match="scheduler.repack"):
+        finalize(cd)
+    cd.scheduler.repack = False
+    assert finalize(cd).rollout.decode_row_buckets == (2,)
+
+
 def test_prefill_insert_equals_prefill_then_insert():
     from laminar_jax.rollout import SlotInit
 
