@@ -35,7 +35,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-SYSTEMS = ("laminar", "laminar-fixed", "vllm")  # laminar-fixed: every decode step runs all slots
+SYSTEMS = ("laminar", "laminar-fixed", "vllm")  # laminar-fixed: all slots every step, one prompt per prefill
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -53,7 +53,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--timeout-s", type=float, default=1800.0, help="per run")
     ap.add_argument("--systems", default="laminar,vllm",
                     help="comma list of " + ",".join(SYSTEMS) + " (laminar-fixed: our engine without decode row "
-                    "buckets, every step runs all slots)")
+                    "buckets and one prompt per prefill call: every step runs all slots)")
     ap.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     ap.add_argument("--spec", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -76,7 +76,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 def _laminar_worker(spec: dict, fixed: bool = False) -> dict:
     from laminar_jax.rollout import LLM, SamplingParams
 
-    extra = {"decode_row_buckets": ()} if fixed else {}
+    extra = {"decode_row_buckets": (), "prefill_rows": 1} if fixed else {}
     llm = LLM(spec["dir"], kv_memory_gb=spec["kv_memory_gb"], dtype=spec["dtype"],
               max_num_seqs=spec["concurrency"], max_model_len=spec["max_model_len"],
               max_prompt_len=spec["max_prompt_len"], prefill_buckets=(16, 32), warmup=True, **extra)
@@ -145,9 +145,13 @@ def _run_worker(system: str, spec_path: str, python: str, timeout_s: float) -> d
     """One run in a fresh process; {'ok': True, ...figures} or {'ok': False, 'reason': ...}."""
     env = worker_env()
     if system == "vllm":
-        # vLLM's CPU default reserves a core for its scheduler (1 torch thread on 2 cores); give it
-        # every core, as our process has.
-        env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+        # vLLM's CPU default reserves a core for its scheduler and binds its compute threads to the
+        # rest (one core of two: 191 vs 279 tok/s measured, fp32); give it every core, as our
+        # process has.
+        n = os.cpu_count() or 1
+        env.setdefault("OMP_NUM_THREADS", str(n))
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{n - 1}")
+        env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     cmd = [python, "-m", "laminar_jax.benchmarks.peers", "--worker", system, "--spec", spec_path]
     run = run_worker_process(cmd, env, timeout_s, "PEERS_RESULT ")
     if not run["ok"]:

@@ -50,6 +50,7 @@ from laminar_jax.rollout.attention import (
     DecodeMeta,
     live_page_list,
     prefill_dense,
+    prefill_dense_rows,
     scatter_pages,
     storage_dtype,
 )
@@ -246,6 +247,42 @@ class Engine:
         return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot), self._page_row(pages),
                                     *self._init_arrays(init))
 
+    def prefill_insert_rows(self, params: Any, decode_state: DecodeState, slots: list[int], prompts: list,
+                            inits: list[SlotInit]) -> DecodeState:
+        """prefill_insert() of several prompts in one call: one [B, T] forward, one weight read.
+
+        T is the largest prompt's bucket and B the number of prompts rounded up to a power of two
+        (padding rows write only the null page and no slot), so a few shapes serve every admission.
+        The KV equals the one-prompt path's to float rounding (products of other shapes), not bit for
+        bit. Raises OutOfPages (state and allocator untouched) when the pool cannot hold them all.
+        """
+        if len(set(slots)) != len(slots) or any(s in self.slot_pages for s in slots):
+            raise ValueError(f"slots {slots}: must be distinct and free")
+        if not (len(slots) == len(prompts) == len(inits) >= 1):
+            raise ValueError(f"got {len(slots)} slots, {len(prompts)} prompts, {len(inits)} inits")
+        ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        t = max(self.bucket_for(len(x)) for x in ids)
+        b = 1 << (len(ids) - 1).bit_length()
+        tokens, lengths = np.zeros((b, t), np.int32), np.ones((b,), np.int32)
+        rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
+        taken: list[list[int]] = []
+        try:
+            for i, (x, init) in enumerate(zip(ids, inits)):
+                taken.append(self.allocator.allocate(self.reserve_pages(len(x), init.max_new)))
+                tokens[i, :len(x)], lengths[i], slot_ids[i], rows[i] = x, len(x), slots[i], self._page_row(taken[-1])
+        except OutOfPages:
+            for pages in taken:
+                self.allocator.free(pages)
+            raise
+        for slot, pages, x in zip(slots, taken, ids):
+            self.slot_pages[slot] = pages
+            self._cached_hi[slot] = len(x) - 1
+        per_row = [self._init_arrays(init) for init in inits]
+        per_row += [per_row[0]] * (b - len(per_row))  # padding rows: any values (their slot is dropped)
+        init_cols = [np.stack(col) for col in zip(*per_row)]
+        leaves, progs = self._bind(params)
+        return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows, *init_cols)
+
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
         leaves, _ = self._bind(params)
@@ -312,6 +349,7 @@ class Engine:
             state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
+            state = self._warmup_prefill_rows(params, state, b, init)
         leaves, _ = self._bind(params)
         n = self.section.warmup_live_buckets or len(self.live_buckets)
         for rows_per_call in (self._num_rows, *self.row_buckets):
@@ -322,6 +360,23 @@ class Engine:
             for bucket in self.live_buckets[:min(n, cover + 1)]:
                 state, out = self._generate_program(rows_per_call)(leaves, state, rows, np.int32(1), bucket)
         jax.block_until_ready(out)
+
+    def _warmup_prefill_rows(self, params: Any, state: DecodeState, bucket: int, init: SlotInit) -> DecodeState:
+        """Compile prefill_insert_rows at every padded batch size up to section.prefill_rows, for one
+        prompt bucket (each size with the fewest prompts that round up to it; skipped if the engine
+        lacks the free slots or pages)."""
+        b = 2
+        while b // 2 < self.section.prefill_rows:
+            m = min(b // 2 + 1, self.section.prefill_rows)
+            free = [s for s in range(self.num_slots) if s not in self.slot_pages][:m]
+            if len(free) < m or self.allocator.num_free < m * self.reserve_pages(bucket, 1):
+                break
+            state = self.prefill_insert_rows(params, state, free, [np.zeros(bucket, np.int32)] * m, [init] * m)
+            for slot in free:
+                state = self.deactivate(state, slot)
+                self.free_resource(slot)
+            b *= 2
+        return state
 
     def free_resource(self, slot: int) -> None:
         """Return the slot's pages to the pool. The device must already have it inactive (finished, or deactivate())."""
@@ -469,18 +524,16 @@ def _prefill_impl(spec: _Spec, params, tokens, true_length):
 
 def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
               key, temperature, top_k, top_p, max_new, stop_ids, num_generated) -> DecodeState:
+    """One slot's state (slot a scalar), or several (slot i32[B], every other argument with a leading
+    B axis); a slot index >= num_slots (a padding row) writes nothing."""
+    def put(x, value):
+        return x.at[slot].set(value, mode="drop")
     return state._replace(
-        page_table=state.page_table.at[slot].set(page_row),
-        lengths=state.lengths.at[slot].set(num_cached),
-        last_token=state.last_token.at[slot].set(last_token),
-        num_generated=state.num_generated.at[slot].set(num_generated),
-        max_new=state.max_new.at[slot].set(max_new),
-        active=state.active.at[slot].set(True),
-        keys=state.keys.at[slot].set(key),
-        temperature=state.temperature.at[slot].set(temperature),
-        top_k=state.top_k.at[slot].set(top_k),
-        top_p=state.top_p.at[slot].set(top_p),
-        stop_ids=state.stop_ids.at[slot].set(stop_ids))
+        page_table=put(state.page_table, page_row), lengths=put(state.lengths, num_cached),
+        last_token=put(state.last_token, last_token), num_generated=put(state.num_generated, num_generated),
+        max_new=put(state.max_new, max_new), active=put(state.active, jnp.ones_like(num_cached, bool)),
+        keys=put(state.keys, key), temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
+        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids))
 
 
 def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
@@ -493,6 +546,32 @@ def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page
     vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
+
+
+def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
+    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward."""
+    model = nnx.merge(spec.graphdef, params)
+    b, t = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    backend = functools.partial(prefill_dense_rows, valid_len=lengths - 1)
+    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend)
+    return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
+
+
+def _insert_rows_impl(spec: _Spec, params, state, tokens, lengths, slots, page_rows, *init):
+    """_insert_impl for B prompts at once: page in each row's KV, activate its slot (padding rows:
+    slot >= num_slots, page row of zeros, so their KV goes to the null page and no slot changes)."""
+    k, v = _prefill_rows_impl(spec, params, tokens, lengths)
+    b, t = tokens.shape
+    pos = jnp.arange(t)[None, :]
+    logical = jnp.minimum(pos // spec.page_size, page_rows.shape[1] - 1)
+    page = jnp.where(pos < lengths[:, None] - 1, jnp.take_along_axis(page_rows, logical, axis=1), 0)  # i32[B, T]
+    off = jnp.broadcast_to(pos % spec.page_size, (b, t))
+    kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))
+    vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
+    state = state._replace(k_pages=kp, v_pages=vp)
+    last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
+    return _set_slot(state, slots, page_rows, lengths - 1, last, *init)
 
 
 def _deactivate_impl(state, slot):
@@ -586,6 +665,7 @@ class _Programs(NamedTuple):
     prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
     prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
     generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
+    prefill_insert_rows: Callable  # (leaves, state, tokens i32[B, T], lengths, slots, page rows, *init) -> state
 
 
 @functools.lru_cache(maxsize=32)
@@ -601,7 +681,10 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
             tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
-                         static_argnums=(4,), donate_argnums=(1,)))
+                         static_argnums=(4,), donate_argnums=(1,)),
+        prefill_insert_rows=jax.jit(lambda leaves, state, tokens, lengths, slots, rows, *init: tpl.constrain(
+            _insert_rows_impl(spec, unflatten(leaves), state, tokens, lengths, slots, rows, *init),
+            spec.state_shardings), donate_argnums=(1,)))
 
 
 def _live_buckets(max_entries: int, policy: str = "fine", smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:

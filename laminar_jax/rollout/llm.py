@@ -13,6 +13,7 @@ Like vLLM, decode batches follow the live sequences (``rollout.decode_row_bucket
 of few live requests runs as a batch of 4, 8 or 16 rows, not all max_num_seqs slots. A request's
 tokens can then depend on which others share its steps, in the last bits of fp32 (vLLM's default
 behaves the same); pass ``decode_row_buckets=()`` for outputs that never depend on company.
+Prompts admitted together are prefilled together, up to 8 per call (``rollout.prefill_rows``).
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
-                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs))
+                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs),
+                             prefill_rows=min(8, max_num_seqs))
     section = dataclasses.replace(section, **overrides)
     section.validate("LLM")
     return section

@@ -225,28 +225,43 @@ class RolloutServer:
             return  # drain the old version first (contract 1)
         if self.section.batching == "static" and self.num_live:
             return  # static baseline: the next batch starts when the whole batch has finished
-        free = [i for i, x in enumerate(self._slots) if x is None]
-        for slot in free:
+        starts: list[tuple[int, _Admission]] = []
+        pages_free = self.engine.allocator.num_free
+        for slot in (i for i, x in enumerate(self._slots) if x is None):
             adm = self._head
             if adm is None:
                 try:
                     adm = self._queue.get_nowait()
                 except queue.Empty:
-                    return
+                    break
             need = self.engine.reserve_pages(len(adm.prompt), adm.sampling.max_new_tokens)
-            if need > self.engine.allocator.num_free:
+            if need > pages_free:
                 self._head = adm  # wait (FIFO) for finished sequences to return pages
-                return
+                break
             self._head = None
-            self._start(slot, adm)
+            pages_free -= need
+            starts.append((slot, adm))
+        n = self.section.prefill_rows
+        if n > 1:  # calls pad to their longest prompt's bucket: group prompts of like length
+            starts.sort(key=lambda start: len(start[1].prompt))
+        for i in range(0, len(starts), n):
+            self._start(starts[i:i + n])
 
-    def _start(self, slot: int, adm: _Admission) -> None:
-        sp = adm.sampling
-        init = SlotInit(adm.key_data, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
-                        np.asarray(sp.stop_token_ids, np.int32))
-        self._state = self.engine.prefill_insert(self._params, self._state, slot, adm.prompt, init)
-        self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
-                                  mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens)
+    def _start(self, starts: list[tuple[int, _Admission]]) -> None:
+        """Prefill and insert admissions (one engine call: one prompt, or several with prefill_rows > 1)."""
+        inits = [SlotInit(adm.key_data, adm.sampling.temperature, adm.sampling.top_k, adm.sampling.top_p,
+                          adm.sampling.max_new_tokens, np.asarray(adm.sampling.stop_token_ids, np.int32))
+                 for _, adm in starts]
+        if len(starts) == 1:
+            self._state = self.engine.prefill_insert(self._params, self._state, starts[0][0], starts[0][1].prompt,
+                                                     inits[0])
+        else:
+            self._state = self.engine.prefill_insert_rows(self._params, self._state, [s for s, _ in starts],
+                                                          [adm.prompt for _, adm in starts], inits)
+        for slot, adm in starts:
+            sp = adm.sampling
+            self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
+                                      mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens)
 
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""

@@ -216,6 +216,64 @@ def test_prefill_insert_equals_prefill_then_insert():
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
 
 
+def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_of_pages():
+    from laminar_jax.rollout import OutOfPages, SlotInit
+
+    one, two = make_server(), make_server()
+    params = one._params
+    inits = [SlotInit(np.arange(2, dtype=np.uint32) + i, 0.7, 5, 0.9, 9, np.array([3], np.int32)) for i in range(3)]
+    prompts = [np.arange(3, 14), np.arange(5, 8), np.arange(20, 35)]  # 3 rows: padded to 4, the longest bucket
+    a = one.engine.init_decode_state()
+    for slot, p, init in zip((1, 3, 0), prompts, inits):
+        a = one.engine.prefill_insert(params, a, slot, p, init)
+    b = two.engine.prefill_insert_rows(params, two.engine.init_decode_state(), [1, 3, 0], prompts, inits)
+    assert one.engine.slot_pages == two.engine.slot_pages and one.engine._cached_hi == two.engine._cached_hi
+    a, b = jax.device_get(a), jax.device_get(b)
+    for f in a._fields:
+        if f in ("k_pages", "v_pages"):  # other product shapes: float rounding; page 0 is the null page
+            for x, y in zip(getattr(a, f), getattr(b, f)):
+                np.testing.assert_allclose(np.asarray(x)[1:], np.asarray(y)[1:], rtol=1e-5, atol=1e-6)
+        else:
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+    # A pool too small for all of them: OutOfPages, and the allocator and slots are as before.
+    eng = make_server().engine
+    eng.allocator.allocate(eng.allocator.num_free - 20)  # 20 pages left: two of the four rows fit
+    free = eng.allocator.num_free
+    big = [SlotInit(np.zeros(2, np.uint32), 1.0, 0, 1.0, 48, np.zeros(0, np.int32))] * 4
+    with pytest.raises(OutOfPages):
+        eng.prefill_insert_rows(params, eng.init_decode_state(), [0, 1, 2, 3], [np.arange(3, 19)] * 4, big)
+    assert eng.allocator.num_free == free and not eng.slot_pages and not eng._cached_hi
+    with pytest.raises(ValueError, match="distinct and free"):
+        eng.prefill_insert_rows(params, eng.init_decode_state(), [0, 0], prompts[:2], inits[:2])
+
+
+def test_server_prefilling_admissions_together_gives_the_same_tokens():
+    """rollout.prefill_rows: admissions of one step share prefill calls; every sequence gets the
+    tokens of one-prompt prefill (sampled and greedy), log-probs to float tolerance."""
+    reqs = _mixed_requests()
+    ref_server = make_server()
+    for r in reqs:
+        ref_server.submit(r)
+    ref = run_until(ref_server, len(reqs))
+    server = make_server(dataclasses.replace(SECTION, prefill_rows=3))
+    calls = []
+    real = server.engine.prefill_insert_rows
+
+    def spy(params, state, slots, prompts, inits):
+        calls.append(len(slots))
+        return real(params, state, slots, prompts, inits)
+    server.engine.prefill_insert_rows = spy
+    for r in reqs:
+        server.submit(r)
+    got = run_until(server, len(reqs))
+    for r in reqs:
+        np.testing.assert_array_equal(got[r.uid].response_ids, ref[r.uid].response_ids)
+        np.testing.assert_allclose(got[r.uid].behaviour_logprobs, ref[r.uid].behaviour_logprobs, atol=1e-5)
+    assert calls and calls[0] == 3  # the first step admits 4 prompts: one call of 3, then one alone
+    with pytest.raises(ValueError, match="rollout.prefill_rows"):
+        dataclasses.replace(SECTION, prefill_rows=0).validate()
+
+
 def test_seed_keys_equal_jax_random_key():
     from laminar_jax.rollout import Request
 
