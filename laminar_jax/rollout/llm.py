@@ -12,8 +12,9 @@ and the tokenizer's) unless their SamplingParams name other stop ids.
 Like vLLM, decode batches follow the live sequences (``rollout.decode_row_buckets``): a long tail
 of few live requests runs as a batch of 4, 8 or 16 rows, not all max_num_seqs slots. A request's
 tokens can then depend on which others share its steps, in the last bits of fp32 (vLLM's default
-behaves the same); pass ``decode_row_buckets=()`` for outputs that never depend on company.
-Prompts admitted together are prefilled together, up to 8 per call (``rollout.prefill_rows``).
+behaves the same). Prompts admitted together are prefilled together, up to 8 per call
+(``rollout.prefill_rows``), which also moves their KV by float rounding. Pass
+``decode_row_buckets=(), prefill_rows=1`` for outputs that never depend on company.
 """
 
 from __future__ import annotations
