@@ -8,7 +8,13 @@ pages each slot owns.
 
 Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate per
 live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
-export/import page copies.
+export/import page copies; with ``rollout.decode_row_buckets`` one generate per row bucket, with
+``rollout.prefill_rows`` > 1 one batched prefill per prompt bucket and padded batch size.
+
+Row buckets: a generate() call whose slots with a sequence fit a bucket runs just those rows
+(gathered like a compaction chunk, as straight-line code), so a long tail of a few sequences pays
+a small batch's step; its bits may depend on the bucket (see the config field), which is why
+repack refuses it.
 
 Batch compaction (``rollout.decode_chunk`` = c > 0): generate() takes the slots that hold a
 sequence (host bookkeeping, no device read), lays them out as chunks of c rows (padding rows
