@@ -152,15 +152,24 @@ def test_compacted_decode_is_independent_of_company_and_num_slots():
     assert full.stats().kv_pages_used == 0 and full.stats().completed == len(reqs)
 
 
-def test_row_buckets_run_few_live_slots_as_a_smaller_batch_with_the_same_tokens():
-    """decode_row_buckets: calls with few live slots run a smaller batch (its own program), and
-    every sequence gets the tokens of the full-batch engine (sampled ones too: the draws are
-    per-slot keys), log-probs to float tolerance (row counts may pick other matmul kernels)."""
-    reqs = _mixed_requests()
+def _assert_matches_default_server(server, reqs):
+    """Run reqs on ``server`` and on a default one: same tokens and finish reasons (sampled ones too:
+    the draws are per-slot keys), log-probs to float tolerance (other product shapes)."""
     ref_server = make_server()
     for r in reqs:
         ref_server.submit(r)
-    ref = run_until(ref_server, len(reqs))
+        server.submit(r)
+    ref, got = run_until(ref_server, len(reqs)), run_until(server, len(reqs))
+    for r in reqs:
+        np.testing.assert_array_equal(got[r.uid].response_ids, ref[r.uid].response_ids)
+        np.testing.assert_allclose(got[r.uid].behaviour_logprobs, ref[r.uid].behaviour_logprobs, atol=1e-5)
+        assert got[r.uid].finish_reason == ref[r.uid].finish_reason
+    assert server.stats().kv_pages_used == 0 and server.stats().completed == len(reqs)
+
+
+def test_row_buckets_run_few_live_slots_as_a_smaller_batch_with_the_same_tokens():
+    """decode_row_buckets: calls with few live slots run a smaller batch (its own program), with
+    the full-batch engine's tokens."""
     server = make_server(dataclasses.replace(SECTION, decode_row_buckets=(1, 2)))
     engine = server.engine
     seen = []
@@ -171,15 +180,8 @@ def test_row_buckets_run_few_live_slots_as_a_smaller_batch_with_the_same_tokens(
         seen.append(len(rows))
         return rows, n
     engine._rows = rows_spy
-    for r in reqs:
-        server.submit(r)
-    got = run_until(server, len(reqs))
-    for r in reqs:
-        np.testing.assert_array_equal(got[r.uid].response_ids, ref[r.uid].response_ids)
-        np.testing.assert_allclose(got[r.uid].behaviour_logprobs, ref[r.uid].behaviour_logprobs, atol=1e-5)
-        assert got[r.uid].finish_reason == ref[r.uid].finish_reason
+    _assert_matches_default_server(server, _mixed_requests())
     assert {1, 2, engine.num_slots} <= set(seen)  # the tail ran 1- and 2-row batches, the start all slots
-    assert server.stats().kv_pages_used == 0 and server.stats().completed == len(reqs)
 
 
 def test_row_buckets_are_validated_and_refused_with_repack():
@@ -248,13 +250,8 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
 
 
 def test_server_prefilling_admissions_together_gives_the_same_tokens():
-    """rollout.prefill_rows: admissions of one step share prefill calls; every sequence gets the
-    tokens of one-prompt prefill (sampled and greedy), log-probs to float tolerance."""
-    reqs = _mixed_requests()
-    ref_server = make_server()
-    for r in reqs:
-        ref_server.submit(r)
-    ref = run_until(ref_server, len(reqs))
+    """rollout.prefill_rows: admissions of one step share prefill calls, with the tokens of
+    one-prompt prefill."""
     server = make_server(dataclasses.replace(SECTION, prefill_rows=3))
     calls = []
     real = server.engine.prefill_insert_rows
@@ -263,12 +260,7 @@ def test_server_prefilling_admissions_together_gives_the_same_tokens():
         calls.append(len(slots))
         return real(params, state, slots, prompts, inits)
     server.engine.prefill_insert_rows = spy
-    for r in reqs:
-        server.submit(r)
-    got = run_until(server, len(reqs))
-    for r in reqs:
-        np.testing.assert_array_equal(got[r.uid].response_ids, ref[r.uid].response_ids)
-        np.testing.assert_allclose(got[r.uid].behaviour_logprobs, ref[r.uid].behaviour_logprobs, atol=1e-5)
+    _assert_matches_default_server(server, _mixed_requests())
     assert calls and calls[0] == 3  # the first step admits 4 prompts: one call of 3, then one alone
     with pytest.raises(ValueError, match="rollout.prefill_rows"):
         dataclasses.replace(SECTION, prefill_rows=0).validate()
