@@ -36,6 +36,7 @@ from typing import Any, Optional
 import numpy as np
 
 SYSTEMS = ("laminar", "laminar-fixed", "vllm")  # laminar-fixed: all slots every step, one prompt per prefill
+OURS = SYSTEMS[:2]
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -162,6 +163,11 @@ def _run_worker(system: str, spec_path: str, python: str, timeout_s: float) -> d
 
 # ---------------------------------------------------------------- result assembly (pure)
 
+def _versus_key(ours: str, dtype: str) -> str:
+    """Key of a ratio or agreement against vLLM: the dtype for our engine, '<system> <dtype>' otherwise."""
+    return dtype if ours == "laminar" else f"{ours} {dtype}"
+
+
 def summarize(runs: list[dict]) -> dict:
     """Per (system, dtype): median / min / max tok/s over successful runs, load averages, versions,
     failures; per dtype: greedy agreement between the systems' first successful runs."""
@@ -184,17 +190,17 @@ def summarize(runs: list[dict]) -> dict:
     for dtype in {r["dtype"] for r in runs}:
         firsts = {s: next((r for r in runs if r["system"] == s and r["dtype"] == dtype and r["ok"]), None)
                   for s in SYSTEMS}
-        for ours in ("laminar", "laminar-fixed"):
+        for ours in OURS:
             if firsts[ours] and firsts["vllm"]:
                 a, b = firsts[ours]["outputs"], firsts["vllm"]["outputs"]
-                agree[dtype if ours == "laminar" else f"{ours} {dtype}"] = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
+                agree[_versus_key(ours, dtype)] = sum(x == y for x, y in zip(a, b)) / max(len(a), 1)
     ratios = {}
     for dtype in {r["dtype"] for r in runs}:
         theirs = out.get(f"vllm_{dtype}", {})
-        for ours in ("laminar", "laminar-fixed"):
+        for ours in OURS:
             mine = out.get(f"{ours}_{dtype}", {})
             if mine.get("median") and theirs.get("median"):
-                ratios[dtype if ours == "laminar" else f"{ours} {dtype}"] = mine["median"] / theirs["median"]
+                ratios[_versus_key(ours, dtype)] = mine["median"] / theirs["median"]
     return {"rows": out, "greedy_identical_frac": agree, "ratio_vs_vllm": ratios}
 
 

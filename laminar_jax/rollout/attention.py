@@ -275,8 +275,8 @@ BACKENDS: dict[str, DecodeBackend] = {"live_pages": live_pages, "gather_dense": 
                                       "gather_gqa": gather_gqa, "pool_scan": pool_scan}
 
 
-def prefill_dense_rows(q, k, v, layer_cache, *, valid_len: jax.Array):
-    """Prefill of B padded prompts at once: row b attends causally over its first ``valid_len[b]`` tokens.
+def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):
+    """Prefill of B padded prompts (B >= 1): row b attends causally over its first ``valid_len[b]`` tokens.
 
     Returns the new k/v (f[B, T, Hkv, D] each) as the 'cache' so insert can page them in.
     """
@@ -285,15 +285,3 @@ def prefill_dense_rows(q, k, v, layer_cache, *, valid_len: jax.Array):
     pos = jnp.arange(t)
     mask = (pos[None, None, :] <= pos[None, :, None]) & (pos[None, None, :] < valid_len[:, None, None])
     return gqa_attention(q, k, v, mask), (k, v)
-
-
-def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):
-    """Prefill of one padded prompt (B = 1): causal attention over its first ``valid_len`` tokens.
-
-    Returns the new k/v (f[T, Hkv, D] each) as the 'cache' so insert() can page them in.
-    """
-    del layer_cache
-    t = q.shape[1]
-    pos = jnp.arange(t)
-    mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] < valid_len)  # bool[T, T]
-    return gqa_attention(q, k, v, mask[None]), (k[0], v[0])

@@ -56,7 +56,6 @@ from laminar_jax.rollout.attention import (
     DecodeMeta,
     live_page_list,
     prefill_dense,
-    prefill_dense_rows,
     scatter_pages,
     storage_dtype,
 )
@@ -529,14 +528,9 @@ class _Spec(NamedTuple):
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
-    model = nnx.merge(spec.graphdef, params)
-    t = tokens.shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    backend = functools.partial(prefill_dense, valid_len=true_length - 1)
-    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend)
-    k = tuple(c[0].astype(spec.kv_dtype) for c in cache)
-    v = tuple(c[1].astype(spec.kv_dtype) for c in cache)
-    return k, v, tokens[0, true_length - 1]
+    """One prompt (tokens i32[1, T]): its KV (f[T, Hkv, D] per layer) and last token."""
+    k, v = _prefill_rows_impl(spec, params, tokens, jnp.reshape(true_length, (1,)))
+    return tuple(x[0] for x in k), tuple(x[0] for x in v), tokens[0, true_length - 1]
 
 
 def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
@@ -553,12 +547,18 @@ def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
         top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids))
 
 
+def _prompt_positions(page_size: int, page_rows, lengths, t: int):
+    """(page, offset) i32[B, T] where each row's prompt KV goes: row b's first lengths[b] - 1 tokens
+    on its pages; padding positions (and the last prompt token, fed by generate) on the null page."""
+    pos = jnp.arange(t)[None, :]
+    logical = jnp.minimum(pos // page_size, page_rows.shape[1] - 1)
+    page = jnp.where(pos < lengths[:, None] - 1, jnp.take_along_axis(page_rows, logical, axis=1), 0)
+    return page, jnp.broadcast_to(pos % page_size, page.shape)
+
+
 def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
-    t = k[0].shape[0]
-    pos = jnp.arange(t)
-    # Padding positions (and the last prompt token, fed by generate) go to the null page.
-    page = jnp.where(pos < prompt_len - 1, page_row[pos // page_size], 0)
-    off = pos % page_size
+    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
+    page, off = page[0], off[0]
     kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
     vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
@@ -570,7 +570,7 @@ def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
     model = nnx.merge(spec.graphdef, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    backend = functools.partial(prefill_dense_rows, valid_len=lengths - 1)
+    backend = functools.partial(prefill_dense, valid_len=lengths - 1)
     _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend)
     return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
 
@@ -579,11 +579,7 @@ def _insert_rows_impl(spec: _Spec, params, state, tokens, lengths, slots, page_r
     """_insert_impl for B prompts at once: page in each row's KV, activate its slot (padding rows:
     slot >= num_slots, page row of zeros, so their KV goes to the null page and no slot changes)."""
     k, v = _prefill_rows_impl(spec, params, tokens, lengths)
-    b, t = tokens.shape
-    pos = jnp.arange(t)[None, :]
-    logical = jnp.minimum(pos // spec.page_size, page_rows.shape[1] - 1)
-    page = jnp.where(pos < lengths[:, None] - 1, jnp.take_along_axis(page_rows, logical, axis=1), 0)  # i32[B, T]
-    off = jnp.broadcast_to(pos % spec.page_size, (b, t))
+    page, off = _prompt_positions(spec.page_size, page_rows, lengths, tokens.shape[1])
     kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))
     vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
