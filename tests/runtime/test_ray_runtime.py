@@ -26,6 +26,8 @@ def _wait(cond, timeout, what, seen=()):
 
 
 def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
+    import threading
+
     from laminar_jax.runtime.ray_runtime import RayRun
 
     c = demo()
@@ -33,16 +35,15 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     c.runtime.num_servers = 2
     c.runtime.run_dir = str(tmp_path / "run")
     c.runtime.wait_timeout_s = 240.0
-    # With the learner held in the hook below, a server allowed to lag would keep admitting at v0
-    # until the queue ran dry, and the forced move would never find two servers at one version.
+    # A server must swap before it admits again: the two actors are at one version most of the time.
     c.scheduler.admit_lag = 0
-    # Warmed-up servers outrun the held learner: with more batches allowed in flight, work is still
-    # being generated on both actors when the hook looks for a sequence to move (with 3, all of it
-    # was sometimes done before the hook looked, and no move could ever be made).
+    # Every batch is dispatched at the start (4 steps): both actors generate at version 0 for
+    # seconds, the window in which the watcher below moves a sequence and kills an actor.
     c.runtime.max_inflight_batches = 5
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
-    moved, seen = [], []
+    moved, seen, errors = [], [], []
+    done = threading.Event()
 
     def force_a_move():
         """One repack move between actors (export bytes -> import), whatever the planner thinks."""
@@ -58,25 +59,49 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
                         moved.append(m)
                         return
 
-    def kill_once_it_owns_work(version):
-        if version != 1:
-            return
-        # Bounded by what a loaded machine needs: the pair appears at the latest when the queue runs dry.
-        _wait(lambda: force_a_move() or moved, 180, "two actors at one version, one with a free slot", seen)
-        # Then wait (bounded) until an actor holds samples, and kill it. (Not always rollout-1: the
-        # forced move may have taken its last sequence, and with the learner held here no new work
-        # is dispatched.)
-        owned = lambda: run.buffer.stats()["owned"]
-        _wait(lambda: any(n > 0 for n in owned().values()), 60, "a rollout actor to hold work after the first step")
-        name, n = max(owned().items(), key=lambda kv: kv[1])
-        killed.update(name=name, owned=n)
-        run.fleet.kill(int(name.split("-")[1].split(".")[0]))
-        # With several batches in flight the run could finish on other prompts before the health
-        # loop looks: let the detection land (bounded) before the learner goes on.
-        _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
+    def kill_one_that_owns_work():
+        owned = run.buffer.stats()["owned"]
+        name, n = max(owned.items(), key=lambda kv: kv[1], default=(None, 0))
+        if n > 0:
+            killed.update(name=name, owned=n)
+            run.fleet.kill(int(name.split("-")[1].split(".")[0]))
 
-    run.on_step_hooks.append(kill_once_it_owns_work)
-    s = run.run()
+    def watch():
+        """While the actors generate (not from a step hook: holding the learner there once met
+        actors that had finished every prompt already), move one sequence, then kill an actor
+        that owns samples. Bounded; what it last saw goes into the failure message."""
+        deadline = time.monotonic() + 240
+        try:
+            while not done.is_set() and not killed and time.monotonic() < deadline:
+                force_a_move() if not moved else kill_one_that_owns_work()
+                time.sleep(0.05)
+        except Exception as e:  # noqa: BLE001 - reported by the assertion after the run
+            errors.append(repr(e))
+
+    watcher = threading.Thread(target=watch, name="test-watcher", daemon=True)
+    start_fleet = run.fleet.start
+
+    def start_then_watch():
+        start_fleet()
+        watcher.start()
+
+    run.fleet.start = start_then_watch
+
+    def detection_lands(version):
+        # With batches in flight the run could finish on other prompts before the health loop
+        # looks: let the detection land (bounded) before the learner goes on.
+        if killed:
+            name = killed["name"]
+            _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
+
+    run.on_step_hooks.append(detection_lands)
+    try:
+        s = run.run()
+    finally:
+        done.set()
+        watcher.join(timeout=10)
+    assert not errors and not watcher.is_alive(), errors
+    assert moved and killed, f"no move or no kill while the actors generated; last seen: {seen[-3:]}"
     rt = c.runtime
     assert s["steps"] == rt.total_steps and not s["stopped_early"]
     assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
