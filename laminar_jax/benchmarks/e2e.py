@@ -3,7 +3,7 @@
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
                            [--workload demo|agentic] [--env-median-s 3.0] [--profile]
                            [--set section.key=value ...]
-                           [--decode-steps K]
+                           [--decode-steps K] [--no-engine-alone]
 
 Same tiny model (one supervised warm-start shared by all modes), same skewed task, same number of
 rollout servers and generation slots, same wall-clock budget of RL per mode. Reports training
@@ -18,6 +18,11 @@ and the load average. The workload releases the slot of a waiting episode, lets 
 while 2 versions behind and keeps 3 batches in flight (configs/agentic_demo.py, _env_bound);
 e.g. --set env.release_slot_while_waiting=False keeps slots. --quick runs 90 s of RL per mode for this
 workload (a learner step waits ~10-20 s for its episodes).
+
+Loop efficiency (demo workload): after the modes, the run's rollout servers run alone for the same
+budget (engine_alone(): same model, servers, slots, section and sampling, fed the task's prompts so
+no slot waits, no learner, buffer or weight traffic). `loop_gen_efficiency` is each mode's
+generation tokens/s over that figure; `--no-engine-alone` skips it.
 
 --profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
@@ -100,9 +105,9 @@ def _set(c, key: str, value) -> None:
     node[name] = value
 
 
-def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) -> dict:
+def mode_config(mode: str, model_dir: str, budget_s: float, run_root: str, args):
+    """The finalized config of one mode's run: the workload, the bench's geometry, then --set."""
     from laminar_jax.config import finalize
-    from laminar_jax.runtime.local import LocalRun
 
     c = _workload_config(args)
     c.model.path = model_dir
@@ -122,8 +127,75 @@ def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) ->
         c.rollout.decode_steps_per_call = args.decode_steps
     for key, value in getattr(args, "set", None) or ():
         _set(c, key, value)
-    cfg = finalize(c)
+    return finalize(c)
+
+
+def run_mode(mode: str, model_dir: str, budget_s: float, run_root: str, args) -> dict:
+    from laminar_jax.runtime.local import LocalRun
+
+    cfg = mode_config(mode, model_dir, budget_s, run_root, args)
     return LocalRun(cfg, cfg.runtime.run_dir).run()
+
+
+def engine_alone(cfg, budget_s: float) -> dict:
+    """Generation with the machine to itself: the run's rollout servers (same model, count, slots,
+    section and seeds as in the loop), each driven by its own thread as in the loop, fed the task's
+    prompts (samples_per_prompt each, the server's default sampling) so that no slot waits for work,
+    with no learner, buffer or weight traffic. Counts the response tokens of finished sequences in
+    ``budget_s`` seconds after every program is compiled: the denominator of the loop-efficiency
+    figure (generation tokens/s inside the run over this)."""
+    import threading
+
+    from laminar_jax.data import build_prompt_source
+    from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.rollout import Request, RolloutServer, make_engine
+    from laminar_jax.runtime.fleet import server_section
+
+    model = build_model(cfg.model)
+    source = build_prompt_source(cfg.data, load_tokenizer(cfg.model.tokenizer))
+    n, lock = cfg.runtime.samples_per_prompt, threading.Lock()
+
+    def group() -> list:
+        with lock:
+            p = next(source)
+        return [Request(uid=f"{p.uid}/{k}", prompt_ids=p.prompt_ids, prompt_uid=p.uid, sample_index=k)
+                for k in range(n)]
+
+    servers = []
+    for i in range(cfg.runtime.num_servers):
+        engine, params = make_engine(model, server_section(cfg, i, 0))
+        engine.warmup(params)
+        servers.append(RolloutServer(engine, params))
+    tokens, errors = [0] * len(servers), []
+
+    def drive(i: int, deadline: float) -> None:
+        server, outstanding = servers[i], 0
+        try:
+            while time.perf_counter() < deadline:
+                while outstanding < server.section.num_slots + n:  # every slot busy, a group queued
+                    for r in group():
+                        server.submit(r, timeout=10.0)
+                    outstanding += n
+                for t in server.step():
+                    outstanding -= 1
+                    tokens[i] += len(t.response_ids)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"server {i}: {e!r}")
+
+    deadline = time.perf_counter() + budget_s
+    threads = [threading.Thread(target=drive, args=(i, deadline), name=f"engine-alone-{i}", daemon=True)
+               for i in range(len(servers))]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=budget_s + 60)
+    wall = time.perf_counter() - t0
+    if errors or any(t.is_alive() for t in threads):
+        raise RuntimeError(f"engine alone: {errors or 'a server thread did not finish within budget + 60 s'}")
+    return {"servers": len(servers), "slots": cfg.rollout.num_slots, "wall_s": round(wall, 2),
+            "gen_tokens": sum(tokens), "gen_tokens_per_s": round(sum(tokens) / wall, 1),
+            "load_avg": [round(x, 2) for x in os.getloadavg()]}
 
 
 def main(argv: list[str]) -> dict:
@@ -144,6 +216,8 @@ def main(argv: list[str]) -> dict:
                     help="rollout.decode_steps_per_call (default: the workload config's)")
     ap.add_argument("--warm-start", default=None, help="HF directory of a warm-started model to reuse (skips the warm-start)")
     ap.add_argument("--profile", action="store_true", help="CPU-time accounting of each mode (runtime.profile)")
+    ap.add_argument("--no-engine-alone", action="store_true",
+                    help="skip the run's rollout servers alone (the loop-efficiency figure's denominator)")
     args = ap.parse_args(argv)
     budget = args.budget_s or ((90.0 if args.workload == "agentic" else 30.0) if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
@@ -159,6 +233,9 @@ def main(argv: list[str]) -> dict:
         if mode not in MODES:
             raise SystemExit(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
         results[mode] = run_mode(mode, model_dir, budget, out, args)
+    alone = None
+    if not args.no_engine_alone and args.workload == "demo":  # agentic servers wait on environments
+        alone = engine_alone(mode_config("laminar", model_dir, budget, out, args), budget)
 
     from laminar_jax.runtime.timeline import plot_curves
 
@@ -202,6 +279,13 @@ def main(argv: list[str]) -> dict:
         "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "decode_steps_per_call": args.decode_steps,
     }
+    if alone is not None:
+        eff = {m: round(r["gen_tokens_per_s"] / alone["gen_tokens_per_s"], 3)
+               for m, r in results.items() if r["gen_tokens_per_s"] and alone["gen_tokens_per_s"]}
+        result.update(engine_alone=alone, loop_gen_efficiency=eff)
+        print(f"engine alone ({alone['servers']} servers x {alone['slots']} slots, every slot fed, no learner): "
+              f"{alone['gen_tokens_per_s']:.0f} gen tok/s; in the loop: "
+              + ", ".join(f"{m} {100 * e:.0f}%" for m, e in eff.items()) + f"; load average {alone['load_avg']}")
     if args.profile:
         result.update(profile_result(results, tps))
     if args.workload == "agentic":

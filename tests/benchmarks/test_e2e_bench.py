@@ -1,4 +1,5 @@
-"""bench e2e's arguments: --set overrides and the agentic workload's slot release (no run here)."""
+"""bench e2e: its arguments (--set overrides, the agentic workload's slot release) and the engine-alone
+figure (the run's servers with the machine to themselves)."""
 
 import argparse
 import types
@@ -36,3 +37,20 @@ def test_agentic_workload_releases_slots_and_admits_two_versions_behind():
     # the test variants keep their slots: the mid-episode resume test runs episodes in slots
     from laminar_jax.config import repo_config
     assert not repo_config("agentic_demo", "short").env.release_slot_while_waiting
+
+
+def test_engine_alone_drives_the_runs_own_servers_and_counts_finished_tokens(tmp_path):
+    """The loop-efficiency denominator: the laminar mode's servers (count, slots, tokens per call from
+    the bench's arguments) run fed for the budget, then every thread has stopped."""
+    import threading
+
+    args = types.SimpleNamespace(workload="demo", servers=2, slots=4, prompts_per_step=8, profile=False,
+                                 decode_steps=2, set=[("rollout.max_new_tokens", 16)])
+    cfg = e2e.mode_config("laminar", None, 1.0, str(tmp_path), args)  # the demo's tiny preset, untrained
+    assert cfg.rollout.num_slots == 4 and cfg.rollout.decode_steps_per_call == 2 and cfg.runtime.num_servers == 2
+    out = e2e.engine_alone(cfg, 1.0)
+    assert out["servers"] == 2 and out["slots"] == 4 and out["wall_s"] >= 1.0
+    # at most 16 tokens per sequence: many sequences finished in a second
+    assert out["gen_tokens"] > 16 * 8
+    assert abs(out["gen_tokens_per_s"] - out["gen_tokens"] / out["wall_s"]) < 0.01 * out["gen_tokens_per_s"]
+    assert not [t for t in threading.enumerate() if t.name.startswith("engine-alone-")]
