@@ -162,10 +162,19 @@ class Publisher:
         return contiguous(a)
 
     def flush(self, timeout: float = 60.0) -> None:
-        """Wait until every queued version is written/pushed (or superseded); re-raise failures."""
+        """Wait until every queued version is written/pushed (or superseded) and the store's gc
+        after it has run; re-raise failures."""
+        deadline = time.monotonic() + timeout
         with self._cond:
             ok = self._cond.wait_for(lambda: not self._pending and self._busy is None, timeout)
             left = [j.version for j in self._pending] + ([self._busy] if self._busy is not None else [])
+        if ok and self.store is not None:
+            try:  # the I/O thread runs in order: once this no-op has run, every gc before it has
+                self._io.submit(lambda: None).result(max(deadline - time.monotonic(), 0.0))
+            except TimeoutError:
+                ok, left = False, ["the store's gc"]
+            except RuntimeError:  # the I/O thread is shut down (closed): nothing is left to run
+                pass
         self.check()
         if not ok:
             raise TimeoutError(f"Publisher.flush: versions {left} still in flight after {timeout}s")
@@ -239,10 +248,24 @@ class Publisher:
             stored.result()
         if self.handoff is not None:  # committed (when there is a store): servers in this process may take it
             self.handoff.offer(job.version, job.host)
+        if stored is not None and self.cfg.gc_on_publish:
+            # After the hand-off, not before it: servers do not wait for old versions to be deleted.
+            # Same single I/O thread as the writes, so gc and the next write never overlap.
+            self._io.submit(self._gc).add_done_callback(self._record_failure)
 
     def _write_store(self, job: _Job, t: dict) -> None:
         self.store.write(job.version, job.host)
         t["store_visible"] = time.perf_counter() - job.t_publish
         self._counts["stored"] += 1
-        if self.cfg.gc_on_publish:
-            self.store.gc()
+
+    # Orphaned data (a writer killed mid-version) is looked for on the first gc and every this many.
+    ORPHAN_SCAN_EVERY = 32
+
+    def _gc(self) -> None:
+        self.store.gc(orphans=self._counts["gc"] % self.ORPHAN_SCAN_EVERY == 0)
+        self._counts["gc"] += 1
+
+    def _record_failure(self, future) -> None:
+        if future.exception() is not None:
+            e = future.exception()
+            self._errors.append("".join(traceback.format_exception(type(e), e, e.__traceback__)))

@@ -280,11 +280,14 @@ class WeightStore:
                 self._kv.delete_range(_prefix_range(k)).result()
         return live
 
-    def gc(self) -> GcReport:
-        """Delete versions beyond the newest keep_last that no live lease pins, and orphaned data.
+    def gc(self, orphans: bool = True) -> GcReport:
+        """Delete versions beyond the newest keep_last that no live lease pins, and (``orphans``)
+        orphaned data.
 
         Order per version: delete the manifest (invisible), re-check leases (a reader may have
-        leased it meanwhile: then restore the manifest), then delete the data.
+        leased it meanwhile: then restore the manifest), then delete the data. Orphans come only
+        from writers killed mid-version, so a frequent caller may scan for them now and then
+        (the scan lists every data key of the store).
         """
         versions = self.versions()
         latest = self.latest()
@@ -304,8 +307,8 @@ class WeightStore:
                 continue
             self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
             deleted.append(v)
-        orphans = self._gc_orphans(set(self.versions()), max(versions, default=-1))
-        return GcReport(tuple(deleted), tuple(spared), tuple(orphans))
+        removed = self._gc_orphans(set(self.versions()), max(versions, default=-1)) if orphans else []
+        return GcReport(tuple(deleted), tuple(spared), tuple(removed))
 
     def retract_newer_than(self, version: int) -> list[int]:
         """Withdraw every committed version > ``version`` (a learner resumed from an older checkpoint

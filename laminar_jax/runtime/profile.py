@@ -11,7 +11,9 @@ Where does every CPU-second of the process go? Three sources, combined in `Profi
    programs a Python thread dispatched): their CPU of each tick is split between the *device*
    phases active at that tick (decode, learner train/log-prob passes, host copies), equally per
    active phase instance; with none active it is 'xla: no phase active'. Python threads outside any
-   phase are charged by thread name (relay, publisher, reward pool, dispatcher, ...).
+   phase are charged by thread name (relay, publisher, reward pool, dispatcher, ...), and so are
+   tensorstore's I/O threads (`ts_pool_worker`: weight-store writes, checkpoints), which are
+   native but not XLA's (until this was noticed their CPU was split between the device phases).
 3. Child processes (the reward workers): their CPU (utime+stime+cutime+cstime) at start and stop.
 
 GIL wait: inside phases that run Python only (`PY_ONLY`: no device wait, no sleep), wall time minus
@@ -45,6 +47,10 @@ DEVICE_PHASES = ("decode", "learner.train", "learner.logprob", "publish.host_cop
 # Phases that run Python only (their off-CPU time that is not run-queue delay is GIL or lock wait).
 PY_ONLY = ("dispatch",)
 
+# Native threads that are not XLA's: tensorstore's I/O pool (weight-store writes, checkpoints). Their
+# CPU is charged to a row by name, not split between the device phases.
+IO_THREADS = ("native:ts_pool_worker",)
+
 # The report's rows: (row, phases and thread-name prefixes charged to it).
 ROWS = (
     ("decode and prefill", ("decode",)),
@@ -52,7 +58,7 @@ ROWS = (
     ("log-prob recomputation", ("learner.logprob",)),
     ("learner host work (collate, place, metrics)", ("learner.host",)),
     ("publish (host copy, store write, relay)", ("publish.host_copy", "thread:publish", "thread:relay",
-                                                 "thread:weightstore")),
+                                                 "thread:weightstore", "native:ts_pool_worker")),
     ("pull, version polls, device transfer", ("pull", "poll")),
     ("rewards", ("thread:reward", "children")),
     ("dispatch and buffer", ("dispatch", "thread:buffer", "thread:scheduler", "thread:health")),
@@ -213,7 +219,7 @@ class Profiler:
             prev = self._threads.get(tid)
             if prev is None:
                 self._seen[tid] = (name, 0.0)  # started after start(): all its CPU is in the window
-            elif name.startswith("native:"):
+            elif name.startswith("native:") and name not in IO_THREADS:
                 native += cpu - prev[1]
         self._threads.update(now)
         if native <= 0:
@@ -247,7 +253,8 @@ class Profiler:
         # phase-marked threads are the rollout servers and the learner's).
         marked = sum(phase_py.values())
         unmarked = {k: v for k, v in by_thread.items() if k.startswith("thread:")}
-        native_total = sum(v for k, v in by_thread.items() if k.startswith("native:"))
+        io = {k: v for k, v in by_thread.items() if k in IO_THREADS}
+        native_total = sum(v for k, v in by_thread.items() if k.startswith("native:") and k not in io)
         rows, used = [], set()
         for row, keys in ROWS:
             py = sum(phase_py.get(k, 0.0) for k in keys)
@@ -255,7 +262,7 @@ class Profiler:
             used |= {t for t in unmarked for k in keys if k.startswith("thread:") and t.startswith(k)}
             xla = sum(self._native.get(k, 0.0) for k in keys)
             child = children if "children" in keys else 0.0
-            rows.append(self._row(row, py, xla + child, wall, trained_tokens))
+            rows.append(self._row(row, py, xla + child, wall, trained_tokens, sum(io.get(k, 0.0) for k in keys)))
         xla_idle = self._native.get("xla: no phase active", 0.0)
         rows.append(self._row("xla: no phase active", 0.0, xla_idle, wall, trained_tokens))
         # Phase-marked threads (servers, learner) outside their phases, and other Python threads.
@@ -278,6 +285,7 @@ class Profiler:
             "cores_busy": round(total / wall, 3), "trained_tokens": trained_tokens, "generated_tokens": generated_tokens,
             "cpu_ms_per_1k_trained_tokens": round(1e6 * total / max(trained_tokens, 1), 1),
             "python_threads_cpu_s": round(py_total, 2), "xla_threads_cpu_s": round(native_total, 2),
+            "io_threads_cpu_s": round(sum(io.values()), 2),
             "python_share": round(py_total / process, 4) if process > 0 else None,
             "gil_wait_s": round(gil, 2), "run_queue_wait_s": round(delay, 2),
             "gil_wait_in": list(PY_ONLY),
@@ -288,10 +296,12 @@ class Profiler:
         }
 
     @staticmethod
-    def _row(name: str, python_s: float, xla_s: float, wall: float, tokens: int) -> dict:
-        cpu = python_s + xla_s
+    def _row(name: str, python_s: float, xla_s: float, wall: float, tokens: int, io_s: float = 0.0) -> dict:
+        """io_s: tensorstore's I/O threads (IO_THREADS), neither Python nor XLA."""
+        cpu = python_s + xla_s + io_s
         return {"row": name, "cpu_s": round(cpu, 3), "python_s": round(python_s, 3), "xla_s": round(xla_s, 3),
-                "cores": round(cpu / wall, 3), "cpu_ms_per_1k_tokens": round(1e6 * cpu / max(tokens, 1), 1)}
+                "io_s": round(io_s, 3), "cores": round(cpu / wall, 3),
+                "cpu_ms_per_1k_tokens": round(1e6 * cpu / max(tokens, 1), 1)}
 
 
 _ACTIVE: Optional[Profiler] = None

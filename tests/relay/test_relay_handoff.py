@@ -1,6 +1,7 @@
 """The in-process hand-off: versions reach servers in the publisher's process from memory, only
 after the weight store has committed them, newest first, with the store as the fallback."""
 
+import contextlib
 import threading
 import time
 
@@ -63,6 +64,49 @@ def test_the_publisher_hands_off_only_what_the_store_committed(tmp_path):
             pub.flush(30)
             assert h.latest() == v == store.latest()
     assert store.seen_during_write == [None, 1, 2]  # never ahead of the store
+
+
+class _HeldGcStore(WeightStore):
+    """The real store whose gc waits for the test (and can fail), noting its orphan scans."""
+
+    def __init__(self, path, keep_last=2):
+        super().__init__(path, keep_last=keep_last)
+        self.release, self.in_gc, self.scans, self.fail = threading.Event(), threading.Event(), [], False
+
+    def gc(self, orphans=True):
+        self.in_gc.set()
+        assert self.release.wait(30)
+        self.scans.append(orphans)
+        if self.fail:
+            raise OSError("gc: disk gone")
+        return super().gc(orphans)
+
+
+def test_the_hand_off_does_not_wait_for_gc_and_flush_does(tmp_path):
+    h = Handoff()
+    store = _HeldGcStore(str(tmp_path / "weights"))
+    pub = Publisher(store=store, relay_addresses=[], handoff=h)
+    try:
+        pub.publish(1, _flat(1))
+        assert store.in_gc.wait(30)  # committed, gc held: the servers have the version already
+        assert h.latest() == 1 == store.latest()
+        with pytest.raises(TimeoutError, match="gc"):
+            pub.flush(0.3)  # flush means written and collected
+        store.release.set()
+        pub.flush(30)
+        for v in range(2, 5):
+            pub.publish(v, _flat(v))
+            pub.flush(30)
+        assert store.versions() == [3, 4]  # keep_last=2: gc ran after every version
+        assert store.scans == [True, False, False, False]  # orphans looked for on the first gc only
+        store.fail = True
+        pub.publish(5, _flat(5))
+        with pytest.raises(RuntimeError, match="disk gone"):  # a failed gc is the learner's to see
+            pub.flush(30)
+    finally:
+        store.release.set()
+        with contextlib.suppress(RuntimeError):  # the failed gc above, raised again by close's flush
+            pub.close(30)
 
 
 def test_client_reads_the_store_when_nothing_was_handed_off_and_names_what_it_waited_for(tmp_path):

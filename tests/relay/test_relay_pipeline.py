@@ -123,7 +123,7 @@ class FakeStore:
     def write(self, version, flat):
         self.written[version] = dict(flat)
 
-    def gc(self):
+    def gc(self, orphans=True):
         pass
 
 

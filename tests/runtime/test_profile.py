@@ -53,8 +53,22 @@ def _rows_case():
     f = jax.jit(lambda a: jnp.tanh(a @ a) @ a)
     a = jnp.asarray(np.random.default_rng(0).standard_normal((512, 512), np.float32))
     jax.block_until_ready(f(a))  # compiled before the window
+    import tempfile
+
+    import tensorstore as ts
+
+    big = np.random.default_rng(1).standard_normal((4 << 20,), np.float32)  # 16 MB
     p = profile.Profiler(tick_s=0.01).start()
     try:
+        def writer():  # tensorstore's own I/O threads (ts_pool_worker) do these writes
+            with tempfile.TemporaryDirectory() as d:
+                for i in range(4):
+                    spec = {"driver": "zarr3", "kvstore": {"driver": "file", "path": f"{d}/a{i}"}}
+                    ts.open(spec, create=True, dtype=ts.float32, shape=big.shape).result().write(big).result()
+
+        w = threading.Thread(target=writer, name="fake-store-thread")
+        w.start()
+
         def dispatcher():
             with profile.phase("dispatch"):
                 _python_busy(0.3)
@@ -68,6 +82,7 @@ def _rows_case():
                 with profile.phase("decode"):  # nested: charged exclusively
                     jax.block_until_ready(f(a))
         t.join()
+        w.join()
     finally:
         p.stop()
     rep = p.report(trained_tokens=1000)
@@ -87,6 +102,11 @@ def _rows_case():
     # gets any of their CPU (what lands after the last call, e.g. pool threads spinning, is 'no phase').
     assert rows["decode and prefill"]["xla_s"] > 0
     assert all(r["xla_s"] == 0 for name, r in rows.items() if name not in ("decode and prefill", "xla: no phase active"))
+    # tensorstore's I/O threads are native but not XLA's: charged to the store-write row by name,
+    # not split onto the decode phase that was active while they wrote.
+    assert rep["io_threads_cpu_s"] > 0
+    assert rows["publish (host copy, store write, relay)"]["io_s"] == pytest.approx(rep["io_threads_cpu_s"], abs=0.011)
+    assert sum(r["xla_s"] for r in rows.values()) == pytest.approx(rep["xla_threads_cpu_s"], abs=0.05)
     assert rep["cpu_ms_per_1k_trained_tokens"] == pytest.approx(1e3 * (rep["process_cpu_s"] + rep["children_cpu_s"]),
                                                                 rel=0.02, abs=2)
     assert 0.0 <= rep["gil_wait_s"] <= phases["dispatch"]["wall_s"]
