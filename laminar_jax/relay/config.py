@@ -36,7 +36,7 @@ class RelaySection:
       host: Interface relay servers bind to.
       base_port: TCP port of the relay server (0 = ephemeral, chosen by the OS).
       local_transport: How a rollout pulls from a relay on its own host: 'memfd' maps the relay's memory (one copy), 'tcp' streams bytes over the socket.
-      gc_on_publish: Run the store's gc() after each version the publisher writes.
+      gc_on_publish: Run the store's gc() after each version the publisher writes (after the version is relayed or handed off; the scan for orphaned data of killed writers on the first gc and every 32nd).
       store_check_s: With store_url set, a relay makes a pushed version pullable only once the weight store has committed that version with the same layout, waiting at most this many seconds for the commit; a version the store does not have by then (or has with another layout, or has already replaced) is dropped and counted. 0 disables the check.
       local_handoff: Local runtime only: rollout servers (all in the learner's process) take each version from the publisher's memory as soon as the weight store has committed it, and no relay runs; False runs the in-process relay and servers pull through it, as hosts of a Ray run do (what relay fault injection needs). The Ray runtime ignores it.
       max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
