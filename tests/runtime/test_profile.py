@@ -39,14 +39,18 @@ def test_only_one_profiler_at_a_time():
     assert profile.active() is None
 
 
-def test_rows_account_for_process_cpu_and_phases_for_their_threads():
-    # In a fresh interpreter: the profiler accounts for every thread of the process, and a thread
-    # an earlier test left behind (a server or publisher still in a device phase) would take a
-    # share of XLA's CPU (seen once in a full-suite run).
+def _in_fresh_interpreter(case: str) -> None:
+    """Run this module's function `case` in a fresh interpreter: the profiler accounts for every
+    thread of the process, and a thread an earlier test left behind (a server or publisher still
+    in a device phase) would take a share of XLA's CPU (seen once in a full-suite run)."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = "from tests.runtime.test_profile import _rows_case; _rows_case()"
+    code = f"from tests.runtime.test_profile import {case}; {case}()"
     proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_rows_account_for_process_cpu_and_phases_for_their_threads():
+    _in_fresh_interpreter("_rows_case")
 
 
 def _rows_case():
@@ -93,10 +97,7 @@ def _rows_case():
 
 
 def test_tensorstore_io_threads_are_charged_to_the_store_row_not_to_device_phases():
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    code = "from tests.runtime.test_profile import _io_case; _io_case()"
-    proc = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _in_fresh_interpreter("_io_case")
 
 
 def _io_case():
