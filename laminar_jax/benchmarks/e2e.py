@@ -308,9 +308,10 @@ def print_profile(mode: str, p: dict) -> None:
           f"{'ms/1k tok':>9s}")
     for r in p["rows"]:
         print(f"{r['row'][:46]:46s} {r['cpu_s']:7.2f} {100 * (r['share'] or 0):5.1f}% {r['cores']:6.2f} "
-              f"{r['python_s']:8.2f} {r['xla_s']:7.2f} {r.get('io_s', 0.0):6.2f} {r['cpu_ms_per_1k_tokens']:9.1f}")
+              f"{r['python_s']:8.2f} {r['xla_s']:7.2f} {r['io_s']:6.2f} {r['cpu_ms_per_1k_tokens']:9.1f}")
     print(f"Python threads {p['python_threads_cpu_s']:.1f} s ({100 * (p['python_share'] or 0):.0f}% of process CPU), "
-          f"XLA threads {p['xla_threads_cpu_s']:.1f} s, tensorstore I/O threads {p.get('io_threads_cpu_s', 0.0):.1f} s; GIL/lock wait in {','.join(p['gil_wait_in'])} phases "
+          f"XLA threads {p['xla_threads_cpu_s']:.1f} s, tensorstore I/O threads {p['io_threads_cpu_s']:.1f} s; "
+          f"GIL/lock wait in {','.join(p['gil_wait_in'])} phases "
           f"{p['gil_wait_s']:.2f} s, run-queue wait there {p['run_queue_wait_s']:.2f} s")
     print("CPU s by thread: " + ", ".join(f"{k} {v:.2f}" for k, v in list(p["threads"].items())[:12]))
 

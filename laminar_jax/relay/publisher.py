@@ -266,6 +266,6 @@ class Publisher:
         self._counts["gc"] += 1
 
     def _record_failure(self, future) -> None:
-        if future.exception() is not None:
-            e = future.exception()
+        e = future.exception()
+        if e is not None:
             self._errors.append("".join(traceback.format_exception(type(e), e, e.__traceback__)))

@@ -58,7 +58,7 @@ ROWS = (
     ("log-prob recomputation", ("learner.logprob",)),
     ("learner host work (collate, place, metrics)", ("learner.host",)),
     ("publish (host copy, store write, relay)", ("publish.host_copy", "thread:publish", "thread:relay",
-                                                 "thread:weightstore", "native:ts_pool_worker")),
+                                                 "thread:weightstore", *IO_THREADS)),
     ("pull, version polls, device transfer", ("pull", "poll")),
     ("rewards", ("thread:reward", "children")),
     ("dispatch and buffer", ("dispatch", "thread:buffer", "thread:scheduler", "thread:health")),
