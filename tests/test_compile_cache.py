@@ -1,14 +1,12 @@
 """runtime.compilation_cache_dir: on by default under the user's cache dir, '' turns it off, and a
 second process finds the first one's executables (a real cache hit, counted by JAX)."""
 
-import os
 import subprocess
 import sys
 
 from laminar_jax.compile_cache import resolve_cache_dir
 from laminar_jax.config import default_config, finalize
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests.subprocess_env import child_env
 
 _PROG = r"""
 import sys, jax, jax.numpy as jnp, jax.monitoring
@@ -22,7 +20,7 @@ print("HITS", len(hits))
 
 
 def _run(spec, home):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", HOME=str(home))
+    env = child_env(JAX_PLATFORMS="cpu", HOME=str(home))
     out = subprocess.run([sys.executable, "-c", _PROG, spec], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("DIR ", "HITS"))

@@ -8,6 +8,7 @@ import pytest
 
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.placement_memory import GB, arch_of, device_bytes, fits_summary, host_layout, kv_bytes, report
+from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -49,7 +50,7 @@ def test_colocated_roles_add_up_and_tp_splits_the_server_share():
 
 
 def test_cli_exit_status_says_the_verdict():
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = child_env(JAX_PLATFORMS="cpu")
     p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "plan.py"), "memory",
                         f"--config={ROOT}/configs/gpu_pod.py", "--gpu", "tpu-v5e"],
                        capture_output=True, text=True, timeout=300, env=env)

@@ -65,7 +65,9 @@ def run_engine(model, section, wl: Workload, name: str) -> dict:
                 for i, (p, m) in enumerate(zip(wl.prompts, wl.max_new))]
 
     # Warm-up: compile every prefill bucket and generate() variant, then run a throwaway server (same programs).
+    t_warm = time.perf_counter()
     engine.warmup(params)
+    print(f"{name}: warm-up compiled in {time.perf_counter() - t_warm:.1f} s", flush=True)
     warm = RolloutServer(engine, params)
     for r in requests("w")[:section.num_slots]:
         warm.submit(dataclasses.replace(r, sampling=dataclasses.replace(r.sampling, max_new_tokens=2)))
@@ -350,6 +352,8 @@ def main(argv: list[str]) -> dict:
                     help="rollout.decode_chunk (batch compaction; 0 = off); default: 32 from 64 slots up, else 0 "
                          "(a model pass costs ~2 ms fixed on this CPU, so smaller chunks lost in measurements)")
     ap.add_argument("--attention", default="live_pages", help="rollout.attention_impl")
+    ap.add_argument("--live-buckets", default="fine", choices=["fine", "pow2", "pow4"],
+                    help="rollout.live_buckets (one compiled generate() per bucket; pow4 compiles fewest)")
     ap.add_argument("--pool-frac", type=float, default=0.5,
                     help="KV pool size as a fraction of slots x pages_per_seq (admission waits when short)")
     ap.add_argument("--skip-hf", action="store_true")
@@ -387,7 +391,7 @@ def main(argv: list[str]) -> dict:
     section = RolloutSection(num_slots=slots, page_size=page, num_pages=pool, attention_impl=args.attention,
                              max_prompt_len=32, max_total_len=max_total, max_new_tokens=cap, prefill_buckets=(16, 32),
                              temperature=0.0, stop_token_ids=(), queue_capacity=n + 1,
-                             decode_steps_per_call=args.steps_per_call,
+                             decode_steps_per_call=args.steps_per_call, live_buckets=args.live_buckets,
                              decode_chunk=(32 if slots >= 64 else 0) if args.chunk is None else args.chunk)
     dev = jax.devices()[0]
     device = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
@@ -404,14 +408,14 @@ def main(argv: list[str]) -> dict:
     lens = np.asarray(wl.max_new)
     print(f"engine bench: preset={args.preset} dtype={args.dtype} device={device} requests={n} slots={slots} "
           f"response len median={np.median(lens):.0f} p99={np.percentile(lens, 99):.0f} max={lens.max()} "
-          f"steps/call={args.steps_per_call} chunk={section.decode_chunk} attention={args.attention} kv_pages={pool - 1}")
+          f"steps/call={args.steps_per_call} chunk={section.decode_chunk} attention={args.attention} live_buckets={args.live_buckets} kv_pages={pool - 1}")
     print(f"{'system':<20}{'wall s':>9}{'tokens':>9}{'tok/s':>10}{'p50 lat s':>11}{'p99 lat s':>11}")
     for r in rows:
         print(f"{r['name']:<20}{r['wall_s']:>9.2f}{r['tokens']:>9d}{r['tokens_per_s']:>10.1f}"
               f"{r['p50_latency_s']:>11.2f}{r['p99_latency_s']:>11.2f}")
     result: dict[str, Any] = {
         "bench": "engine", "device": device, "preset": args.preset, "dtype": args.dtype, "requests": n,
-        "attention_impl": args.attention, "kv_pages": pool - 1, "steps_per_call": args.steps_per_call,
+        "attention_impl": args.attention, "live_buckets": args.live_buckets, "kv_pages": pool - 1, "steps_per_call": args.steps_per_call,
         "decode_chunk": section.decode_chunk,
         "torch_threads": hf["torch_threads"] if hf else None,
         "slots": slots, "tokens_per_s": rows[0]["tokens_per_s"], "static_tokens_per_s": rows[1]["tokens_per_s"],

@@ -99,6 +99,14 @@ def chunked_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax
     return out.swapaxes(0, 1).reshape(b, n * chunk, h, d)[:, :t]
 
 
+def _pallas_block_sizes(pallas_attention, blk: int):
+    """Forward tiles of ``blk``; the backward kernels' tiles (which the kernel needs set, or its
+    gradient raises) at JAX's defaults of 32, no larger than the padded row."""
+    bwd = min(32, blk)
+    return pallas_attention.BlockSizes(block_q=blk, block_k=blk, block_q_dkv=bwd, block_kv_dkv=bwd,
+                                       block_q_dq=bwd, block_kv_dq=bwd)
+
+
 def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *,
                          block: int = 128, interpret: bool = False) -> jax.Array:
     """Causal packed attention through JAX's Pallas GPU flash-attention kernel (``pallas.ops.gpu.attention.mha``).
@@ -122,7 +130,7 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: 
         q, k, v = jnp.pad(q, widths), jnp.pad(k, widths), jnp.pad(v, widths)
         segment_ids = jnp.pad(segment_ids, ((0, 0), (0, pad)))
     out = pallas_attention.mha(q, k, v, segment_ids.astype(jnp.int32), sm_scale=float(1.0 / d ** 0.5), causal=True,
-                               block_sizes=pallas_attention.BlockSizes(block_q=blk, block_k=blk),
+                               block_sizes=_pallas_block_sizes(pallas_attention, blk),
                                interpret=interpret)
     return out[:, :t]
 

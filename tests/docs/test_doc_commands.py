@@ -25,6 +25,8 @@ from typing import NamedTuple, Optional
 
 import pytest
 
+from tests.subprocess_env import child_env
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = ["README.md"] + sorted(f"docs/{f}" for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md"))
 _FENCE = re.compile(r"^```(\w*)\n(.*?)^```", re.DOTALL | re.MULTILINE)
@@ -151,7 +153,7 @@ def _help_argv(cmd: str) -> list[str]:
 
 
 def _run(argv, env_pairs, tmp_path, timeout):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT, **dict(env_pairs))
+    env = child_env(JAX_PLATFORMS="cpu", **dict(env_pairs))
     argv = [a.replace("$M", env.get("M", "$M")) for a in argv]
     return subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
 

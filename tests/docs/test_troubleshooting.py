@@ -24,6 +24,7 @@ from laminar_jax.relay import RelayClient
 from laminar_jax.rollout import Request
 from laminar_jax.rollout.paged import PageAllocator
 from laminar_jax.runtime.rollout_worker import RolloutWorker
+from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "TROUBLESHOOTING.md")
@@ -262,7 +263,7 @@ def _eval_cli_without_val(tmp_path) -> str:
     res = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "eval.py"),
                           f"--config={ROOT}/configs/demo.py:short", f"--checkpoint={tmp_path}",
                           "--config.data.val_size=0"],
-                         cwd=ROOT, env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"),
+                         cwd=ROOT, env=child_env(JAX_PLATFORMS="cpu"),
                          capture_output=True, text=True, timeout=120)
     assert res.returncode == 2, res.stderr[-2000:]
     return res.stderr

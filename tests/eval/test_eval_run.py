@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from laminar_jax.config import finalize, repo_config
+from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 VAL = ["--config.data.val_size=12", "--config.runtime.eval_samples=3", "--config.runtime.eval_k=2"]
@@ -194,7 +195,7 @@ def _eval_cmd(checkpoint, out):
 
 
 def _run(argv):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = child_env(JAX_PLATFORMS="cpu")
     res = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-3000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
@@ -217,7 +218,7 @@ def test_launch_eval_on_the_run_dir_and_its_hf_export_reproduces_the_last_round(
 
 
 def test_launch_eval_errors_name_the_problem(tmp_path):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=ROOT)
+    env = child_env(JAX_PLATFORMS="cpu")
     no_val = [sys.executable, os.path.join(ROOT, "launch", "eval.py"), f"--config={ROOT}/configs/demo.py:short",
               f"--checkpoint={tmp_path}", "--config.data.val_size=0"]
     res = subprocess.run(no_val, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

@@ -12,6 +12,7 @@ from laminar_jax.data.config import DataSection
 from laminar_jax.data.records import BadRowError
 from laminar_jax.data.sft import sft_pairs
 from laminar_jax.model.tokenizer import BuiltinTokenizer
+from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TOK = BuiltinTokenizer()
@@ -51,7 +52,7 @@ def test_a_row_without_response_is_an_error_naming_it(tmp_path):
 
 
 def _sft(args, timeout=240):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.run([sys.executable, os.path.join(ROOT, "launch", "sft.py"), *args],
                           capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
 

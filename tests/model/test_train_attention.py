@@ -85,8 +85,41 @@ def test_pallas_gpu_kernel_matches_dense_in_interpret_mode():
     q, k, v, seg = _packed_inputs(t=40)
     real = np.asarray(seg) != 0
     ref = np.asarray(dense_attention(q, k, v, seg))
-    out = np.asarray(pallas_gpu_attention(q, k, v, seg, block=16, interpret=True))
-    np.testing.assert_allclose(out[real], ref[real], atol=1e-5)
+    fn = lambda *a: pallas_gpu_attention(*a, block=16, interpret=True)  # noqa: E731
+    np.testing.assert_allclose(np.asarray(fn(q, k, v, seg))[real], ref[real], atol=1e-5)
+    # The backward kernels too (the learner differentiates through them).
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    g_ref = jax.grad(_loss, argnums=(1, 2, 3))(dense_attention, q, k, v, seg, w)
+    g = jax.grad(_loss, argnums=(1, 2, 3))(fn, q, k, v, seg, w)
+    for name, a, b in zip("qkv", g, g_ref):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-4, err_msg=f"d{name}")
+
+
+@pytest.mark.skipif(jax.devices()[0].platform != "gpu", reason="the compiled Pallas kernel needs a GPU")
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 2e-2), (jnp.bfloat16, 6e-2)])
+def test_pallas_gpu_kernel_on_a_gpu_matches_dense_values_and_grads(dtype, tol):
+    # The real kernel (not interpret mode), at a length that is not a multiple of its block (padding),
+    # with packed segments and grouped KV heads. The reference runs at full f32 precision; the kernel's
+    # dots may use TF32 / bf16 inputs, hence tolerances relative to the outputs' scale (~1).
+    q, k, v, seg = _packed_inputs(b=2, t=300, h=8, hkv=2, d=64)
+    seg = np.array(seg)
+    seg[0, 33:200], seg[0, 200:280] = 4, 5  # five segments in row 0, padding after 280
+    seg = jnp.asarray(seg)
+    w = jnp.asarray(np.random.default_rng(1).standard_normal(q.shape), jnp.float32)
+    with jax.default_matmul_precision("highest"):
+        ref = np.asarray(dense_attention(q, k, v, seg))
+        g_ref = jax.grad(_loss, argnums=(1, 2, 3))(dense_attention, q, k, v, seg, w)
+    qc, kc, vc = (x.astype(dtype) for x in (q, k, v))
+    fn = jax.jit(lambda q, k, v, s: pallas_gpu_attention(q, k, v, s, block=64))
+    real = np.asarray(seg) != 0
+    out = np.asarray(fn(qc, kc, vc, seg).astype(jnp.float32))
+    np.testing.assert_allclose(out[real], ref[real], atol=tol)
+    g = jax.grad(lambda q, k, v: _loss(fn, q, k, v, seg, w.astype(dtype)).astype(jnp.float32),
+                 argnums=(0, 1, 2))(qc, kc, vc)
+    for name, a, b in zip("qkv", g, g_ref):
+        a, b = np.asarray(a.astype(jnp.float32)), np.asarray(b)
+        scale = np.abs(b).max()
+        np.testing.assert_allclose(a / scale, b / scale, atol=tol, err_msg=f"d{name}")
 
 
 def test_model_forward_same_logits_and_grads_with_chunked_attention():

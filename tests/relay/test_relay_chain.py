@@ -20,8 +20,8 @@ from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
 from laminar_jax.relay.store import WeightStore
 from laminar_jax.relay.wire import connect
+from tests.subprocess_env import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CFG = RelaySection(chunk_bytes=256 << 10, io_timeout_s=20.0)
 
 
@@ -231,7 +231,7 @@ _SHARDED = textwrap.dedent("""
 
 def test_pull_reshards_onto_the_rollout_devices():
     out = subprocess.run([sys.executable, "-c", _SHARDED], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+                         env=child_env(JAX_PLATFORMS="cpu"))
     assert "SHARDED_OK" in out.stdout, out.stderr[-3000:]
 
 

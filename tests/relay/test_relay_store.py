@@ -14,8 +14,8 @@ import pytest
 
 from laminar_jax.relay.manifest import ManifestError
 from laminar_jax.relay.store import VersionNotFound, WeightStore
+from tests.subprocess_env import child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _weights(seed: int) -> dict:
@@ -104,7 +104,7 @@ def test_sigkill_mid_publish_never_exposes_a_partial_version(tmp_path):
     url = str(tmp_path / "store")
     store = WeightStore(url, keep_last=1000)
     writer = subprocess.Popen([sys.executable, "-c", _WRITER, url], stdout=subprocess.PIPE, text=True,
-                              env=dict(os.environ, PYTHONPATH=ROOT))
+                              env=child_env())
     stop, seen, errors = threading.Event(), [], []
     reader = threading.Thread(target=_reader, args=(store, stop, seen, errors), daemon=True)
     reader.start()

@@ -13,6 +13,7 @@ from laminar_jax.relay.wire import AuthError, WireError
 from laminar_jax.rollout import NoFreeSlotError, SequenceState, VersionMismatchError
 from laminar_jax.rollout.transfer import SequenceListener, send_sequence
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
+from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Sampled (not greedy) with top-k, so the key schedule, the log-probs and the KV pages all matter.
@@ -107,7 +108,7 @@ KEY = bytes(range(32))
 def test_move_to_another_process_over_loopback_tcp():
     """Authenticated with the run key; a keyless and a wrong-key sender are dropped first."""
     ref = _reference()
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     proc = subprocess.Popen([sys.executable, "-m", "tests.rollout.seq_worker"], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:

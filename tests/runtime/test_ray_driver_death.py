@@ -15,6 +15,8 @@ import time
 
 import pytest
 
+from tests.subprocess_env import child_env
+
 pytest.importorskip("ray")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -22,7 +24,7 @@ GONE_WITHIN_S = 30.0  # scheduler.heartbeat_timeout_s's default
 
 
 def _start(args, log):
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu")
+    env = child_env(JAX_PLATFORMS="cpu")
     return subprocess.Popen([sys.executable, "-m", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=open(log, "w"), text=True, start_new_session=True)
 
@@ -105,7 +107,7 @@ def _start_cluster(port, log, temp_dir):
     Ray 2.60's `ray start` turns its token auth on; clients use the same token (RAY_AUTH_MODE=token).
     Its own --temp-dir: `ray start` records its address there, and a plain `ray.init()` elsewhere on
     this machine (another test) would otherwise join this cluster instead of starting its own."""
-    env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", RAY_AUTH_MODE="token")
+    env = child_env(JAX_PLATFORMS="cpu", RAY_AUTH_MODE="token")
     ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
     proc = subprocess.Popen([ray_cli, "start", "--head", "--block", f"--port={port}", "--num-cpus=4",
                              "--include-dashboard=false", "--disable-usage-stats", f"--temp-dir={temp_dir}"], cwd=ROOT, env=env,
