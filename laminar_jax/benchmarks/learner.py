@@ -237,6 +237,9 @@ def main(argv: list[str]) -> dict:
                     help="--memory-plan: memory of one device in GB (default 80, an H100)")
     ap.add_argument("--devices", type=int, default=1,
                     help="--memory-plan: devices the params/grads/optimizer state are sharded over (mesh fsdp)")
+    ap.add_argument("--publish-snapshot", default="auto", choices=["auto", "on", "off"],
+                    help="learner.publish_snapshot (auto: on for accelerators): publish each version from a "
+                         "device copy, so the next step does not wait for the device-to-host copy")
     ap.add_argument("--attention-speed", action="store_true",
                     help="only time forward + backward of each training attention (see attention_speed)")
     args = ap.parse_args(argv)
@@ -257,7 +260,8 @@ def main(argv: list[str]) -> dict:
     section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
                              seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens,
                              attention_impl=args.attention,
-                             attention_chunk=args.attention_chunk or LearnerSection().attention_chunk)
+                             attention_chunk=args.attention_chunk or LearnerSection().attention_chunk,
+                             publish_snapshot={"auto": None, "on": True, "off": False}[args.publish_snapshot])
     if args.memory_plan:
         result = memory_plan(cfg, section, batch, seq, dtype)
         result.update(plan_fit(result, args.device_gb, args.devices))
@@ -275,10 +279,10 @@ def main(argv: list[str]) -> dict:
     learner.step(trajs)  # compile + first step
     compile_s = time.perf_counter() - t0
     learner.publisher = LocalPublisher(keep=1)
-    times = []
+    times, waits = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        learner.step(trajs)
+        waits.append(learner.step(trajs)["publish_wait_s"])
         times.append(time.perf_counter() - t0)
     t0 = time.perf_counter()
     learner.flush()
@@ -306,12 +310,14 @@ def main(argv: list[str]) -> dict:
         "attention_impl": args.attention,
         "logits_chunk_positions": chunk, "tokens_per_s": tokens / step_s, "step_s": step_s,
         "step_s_min": float(np.min(times)), "compile_s": compile_s, "init_s": init_s,
-        "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "mfu": mfu, "hfu": hfu,
+        "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "publish_wait_s": float(np.median(waits)),
+        "publish_snapshot": learner.snapshot_publish, "mfu": mfu, "hfu": hfu,
         "tflops_per_s": flops.model * tokens / step_s / 1e12, "peak_mem_gb": peak_mem,
     }
     rows = [(k, result[k]) for k in ("device", "preset", "params", "batch", "seq", "dtype", "remat",
                                      "logits_chunk_positions", "step_s", "step_s_min", "tokens_per_s",
-                                     "tflops_per_s", "mfu", "hfu", "peak_mem_gb", "compile_s", "host_copy_s")]
+                                     "tflops_per_s", "mfu", "hfu", "peak_mem_gb", "compile_s", "host_copy_s",
+                                     "publish_wait_s")]
     print(f"{'metric':<16} value")
     for k, v in rows:
         print(f"{k:<16} {v:.4g}" if isinstance(v, float) else f"{k:<16} {v}")

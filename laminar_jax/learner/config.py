@@ -68,6 +68,7 @@ class LearnerSection:
       balance_tokens: Order each mini-batch's rows so the data-parallel ranks get near-equal token counts (equal row counts; balanced greedily, Karmarkar-Karp style); acts only on meshes with more than one data-parallel rank.
       pack_length: None (default): set at finalize to rollout.max_total_len, the longest possible trajectory (a LearnerSection used without the whole config treats None as 0). 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
+      publish_snapshot: Publish from a device-side copy of the policy weights: the next step's donating update need not wait for the device-to-host copy, which then overlaps the whole step (costs one more copy of the actor weights in device memory). None = on where the learner's devices are accelerators (a D2H copy of a 0.5B model's f32 weights is ~2 GB over PCIe), off on CPU (there the host copy is a view).
       seed: Seed of the learner RNG and of the mini-batch shuffles.
     """
 
@@ -118,6 +119,7 @@ class LearnerSection:
     pack_length: Optional[int] = None
     balance_tokens: bool = True
     publish_timeout_s: float = 300.0
+    publish_snapshot: Optional[bool] = None
     seed: int = 0
 
     @property

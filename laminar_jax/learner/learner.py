@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
@@ -137,6 +138,11 @@ class Learner:
         self.ranks = shape["data"] * shape["fsdp"]  # data-parallel ranks: each gets a contiguous block of rows
         self.row_multiple = self.ranks * section.micro_batches * section.mini_batches
         self._balance = section.balance_tokens and self.ranks > 1
+        # Publishing from a device copy: the D2H copy then reads buffers no train step donates.
+        self.snapshot_publish = section.publish_snapshot if section.publish_snapshot is not None \
+            else mesh.devices.flat[0].platform != "cpu"
+        self._snapshot = jax.jit(lambda flat: {k: jnp.array(v, copy=True) for k, v in flat.items()})
+        self.publish_wait_s = 0.0  # the learner's total wait for host copies of its weights
 
     # ----------------------------------------------------------------------------------- step
     def collate(self, trajectories: Sequence[Trajectory], order: Optional[np.ndarray] = None) -> TrainBatch:
@@ -148,7 +154,7 @@ class Learner:
         """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
         advantages) once, then ppo_epochs x mini_batches optimizer updates, then publish version+1
         through `self.publisher` (`publish=False`: a replayed step whose version is published already)."""
-        t0 = time.perf_counter()
+        t0, wait0 = time.perf_counter(), self.publish_wait_s
         s = self.section
         if self._pending is not None:
             self._pending.check()
@@ -161,8 +167,8 @@ class Learner:
         prepared = self._prepare(self.state.params, self.ref_params, batch)
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
-        if self._pending is not None:  # donation below would free buffers the host copy still reads
-            self._pending.wait_copied(s.publish_timeout_s)
+        if self._pending is not None and not self.snapshot_publish:
+            self._wait_copied()  # donation below would free buffers the host copy still reads
         per_update = []
         row_tokens = (host.segment_ids > 0).sum(axis=1)
         for _ in range(s.ppo_epochs):
@@ -193,7 +199,7 @@ class Learner:
             num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
             seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
             pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
-            updates=len(per_update), step_s=time.perf_counter() - t0)
+            updates=len(per_update), step_s=time.perf_counter() - t0, publish_wait_s=self.publish_wait_s - wait0)
         return metrics
 
     def warmup(self, num_trajectories: int, max_tokens: Optional[int] = None) -> int:
@@ -221,6 +227,8 @@ class Learner:
             if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
                 idx = jax.ShapeDtypeStruct((mb,), np.int32, sharding=replicated(self.mesh))
                 self._select.lower(batch, idx).compile()
+        if self.snapshot_publish:
+            jax.block_until_ready(self._snapshot(flatten_params(self.state.params["actor"])))
         return len(shapes)
 
     def _abstract_batch(self, rows: int, t: int, slots: int) -> TrainBatch:
@@ -233,12 +241,21 @@ class Learner:
             for f, sh in zip(TrainBatch._fields, self.batch_shardings)))
 
     # ------------------------------------------------------------------------------ publishing
+    def _wait_copied(self) -> None:
+        t0 = time.perf_counter()
+        self._pending.wait_copied(self.section.publish_timeout_s)
+        self.publish_wait_s += time.perf_counter() - t0
+
     def _start_publish(self, publish: bool) -> None:
         flat = flatten_params(self.state.params["actor"])
         across_processes = not all(x.is_fully_addressable for x in flat.values())
         if not publish or (self.publisher is None and not across_processes):
             self._pending = None
             return
+        if self.snapshot_publish and not across_processes:
+            if self._pending is not None:
+                self._wait_copied()  # at most one snapshot in device memory (usually copied a step ago)
+            flat = self._snapshot(flat)
         # Across processes every process joins the gather; the one holding a publisher publishes.
         self._pending = HostCopy(self.version, flat, self.publisher, self._publish_worker)
 

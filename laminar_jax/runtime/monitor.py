@@ -22,7 +22,7 @@ from laminar_jax.runtime.timeline import Timeline
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
 TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
             "entropy", "clipfrac", "dual_clipfrac", "approx_kl_old", "kl", "kl_loss", "lr", "grad_norm", "vf_loss",
-            "vf_clipfrac", "rank_token_imbalance", "tool_call_rate")
+            "vf_clipfrac", "rank_token_imbalance", "tool_call_rate", "publish_wait_s")
 
 
 @dataclasses.dataclass

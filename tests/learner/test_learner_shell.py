@@ -1,7 +1,9 @@
 """Learner shell: bit-identical resume, non-finite skips, weight publishing, run_learner."""
 
 import dataclasses
+import threading
 
+import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
@@ -124,3 +126,44 @@ def test_separate_critic_and_reference_model():
     assert changed(actor0, flat(learner.state.params["actor"]))
     assert not np.array_equal(critic0["value_head.kernel"], flat(learner.state.params["critic"])["value_head.kernel"])
     assert not changed(ref0, flat(learner.ref_params))  # frozen, and still alive after donation of the state
+
+
+def _fresh_host_params(learner):
+    # Through device copies: np.asarray of the state's own arrays would cache their host values on
+    # the very objects a pending publish reads, hiding a donated (deleted) buffer from this test.
+    return {k: np.asarray(jnp.array(v, copy=True)) for k, v in flatten_params(learner.state.params["actor"]).items()}
+
+
+@pytest.mark.parametrize("snapshot", [True, False])
+def test_publish_snapshot_publishes_each_versions_weights_while_the_next_step_donates(snapshot):
+    # The publish worker is held, so version 1's host copy is still pending while step 2 donates
+    # and overwrites the state's buffers. With a snapshot (forced here; the default on accelerators)
+    # step 2 trains without waiting for that copy; without one it converts the copy first. Either
+    # way each published version must hold exactly the weights of its own step.
+    section = dataclasses.replace(SECTION, publish_snapshot=snapshot)
+    pub = LocalPublisher(keep=3)
+    learner = Learner(section, _model(), publisher=pub)
+    held = threading.Event()
+    learner._publish_worker.submit(held.wait, 60)
+    learner.step(_batch(0))
+    after1 = _fresh_host_params(learner)
+    uncopied_at_update = []  # per update of step 2: was version 1's host copy still pending?
+    train_step = learner._train_step
+
+    def recording_train_step(state, batch):
+        uncopied_at_update.append(learner._pending.host is None)
+        return train_step(state, batch)
+
+    learner._train_step = recording_train_step
+    learner.step(_batch(1))
+    after2 = _fresh_host_params(learner)
+    assert uncopied_at_update == [snapshot] * 4  # 2 epochs x 2 mini-batches
+    held.set()
+    learner.flush()
+    assert pub.versions == [1, 2]
+    assert any(not np.array_equal(after1[k], after2[k]) for k in after1)
+    for version, want in ((1, after1), (2, after2)):
+        got = pub._versions[version]
+        for k in want:
+            np.testing.assert_array_equal(got[k], want[k], err_msg=f"v{version} {k}")
+    learner.close()
