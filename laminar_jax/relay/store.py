@@ -3,6 +3,8 @@
 Key layout under the store root (any tensorstore kvstore: file://, gs://, s3://, memory://):
 
     data/v{V:012d}-{nonce}/a{i:05d}/...   zarr3 array i of version V (written first)
+    data/v{V:012d}-{nonce}/packed/p{j:06d} format 'packed': bytes [j*P, (j+1)*P) of the version's
+                                          packed layout (manifest.py), P = PACKED_PART_BYTES
     manifests/v{V:012d}.json              the commit point: a version exists iff this key exists
     LATEST                                {"version": V}, moved forward after the manifest
     leases/v{V:012d}/{holder}.json        {"expires_at": unix time}; gc() spares leased versions
@@ -30,10 +32,13 @@ from typing import Any, Mapping, NamedTuple, Optional
 
 import numpy as np
 
-from laminar_jax.relay.manifest import (Manifest, ManifestError, check_flat, contiguous, crc32_of,
-                                        dtype_from_name, plan_layout)
+from laminar_jax.relay.manifest import (Manifest, ManifestError, check_flat, chunk_segments, chunk_span,
+                                        contiguous, crc32_of, dtype_from_name, num_chunks, plan_layout, views)
 
 CHUNK_TARGET = 64 << 20  # bytes per zarr chunk: big enough for throughput, small enough to parallelise
+PACKED_PART_BYTES = 64 << 20  # bytes per object of a 'packed' version (written and read in parallel)
+PACKED_KEY = "packed/"  # every entry's key in a 'packed' version's manifest: its bytes are at entry.offset
+FORMATS = ("zarr3", "zarr3_ocdbt", "packed")
 _HOLDER = re.compile(r"^[A-Za-z0-9_.\-]{1,128}$")
 
 
@@ -108,8 +113,8 @@ class WeightStore:
 
         if keep_last < 1:
             raise ValueError(f"WeightStore.keep_last={keep_last}: must be >= 1")
-        if format not in ("zarr3", "zarr3_ocdbt"):
-            raise ValueError(f"WeightStore.format={format!r}: must be 'zarr3' or 'zarr3_ocdbt'")
+        if format not in FORMATS:
+            raise ValueError(f"WeightStore.format={format!r}: must be one of {FORMATS}")
         self.url = normalize_url(url_or_path)
         self.keep_last, self.format, self.verify, self.lease_ttl_s = keep_last, format, verify, lease_ttl_s
         self._kv = ts.KvStore.open(self.url).result()
@@ -191,13 +196,15 @@ class WeightStore:
         if names is not None and len(entries) != len(set(names)):
             missing = sorted(set(names) - {e.name for e in entries})
             raise KeyError(f"{self.url}: version {version} has no arrays {missing[:5]}")
-        ctx = ts.Context()
-        futs = [ts.open(self._array_spec(m.data, e.key), open=True, read=True, context=ctx) for e in entries]
-        stores = [f.result() for f in futs]
-        reads = [s.read() for s in stores]
+        if m.entries and all(e.key == PACKED_KEY for e in m.entries):
+            arrays = self._read_packed(m, entries)
+        else:
+            ctx = ts.Context()
+            futs = [ts.open(self._array_spec(m.data, e.key), open=True, read=True, context=ctx) for e in entries]
+            reads = [f.result().read() for f in futs]
+            arrays = [np.asarray(r.result()) for r in reads]
         out = {}
-        for e, r in zip(entries, reads):
-            a = np.asarray(r.result())
+        for e, a in zip(entries, arrays):
             if a.dtype != dtype_from_name(e.dtype) or a.shape != e.shape:
                 raise ManifestError(f"{self.url}: version {version} array {e.name!r} is {a.dtype}{a.shape}, "
                                     f"manifest says {e.dtype}{e.shape}")
@@ -221,8 +228,12 @@ class WeightStore:
             raise ValueError(f"{self.url}: version {version} must be > newest committed version {have[-1]}")
         flat = {k: contiguous(v) for k, v in flat.items()}
         data = f"data/{_vkey(version)}-{uuid.uuid4().hex[:8]}/"
-        keys = {name: f"a{i:05d}" for i, name in enumerate(flat)}
         sums = dict(zip(flat, self._pool.map(crc32_of, flat.values())))
+        if self.format == "packed":
+            m = plan_layout(flat, version, checksums=sums, keys={k: PACKED_KEY for k in flat}, data=data)
+            self._write_packed(m, flat)
+            return self._commit(m)
+        keys = {name: f"a{i:05d}" for i, name in enumerate(flat)}
         ctx = ts.Context()
         opens = []
         for name, a in flat.items():
@@ -235,10 +246,38 @@ class WeightStore:
         writes = [f.result().write(a) for f, a in zip(opens, flat.values())]
         for w in writes:
             w.result()
-        m = plan_layout(flat, version, checksums=sums, keys=keys, data=data)
-        self._kv.write(f"manifests/{_vkey(version)}.json", m.to_json()).result()
-        self._move_latest(version)
+        return self._commit(plan_layout(flat, version, checksums=sums, keys=keys, data=data))
+
+    def _commit(self, m: Manifest) -> Manifest:
+        self._kv.write(f"manifests/{_vkey(m.version)}.json", m.to_json()).result()
+        self._move_latest(m.version)
         return m
+
+    def _write_packed(self, m: Manifest, flat: Mapping[str, np.ndarray]) -> None:
+        """The version's packed layout as objects of PACKED_PART_BYTES: a few key writes per version
+        instead of a zarr array (metadata + chunks) per weight, which dominated small versions."""
+        arrays = [(e, flat[e.name]) for e in m.entries]
+        parts = range(num_chunks(m.total_bytes, PACKED_PART_BYTES))
+        futs = [self._kv.write(f"{m.data}{PACKED_KEY}p{j:06d}",
+                               b"".join(chunk_segments(arrays, *chunk_span(j, m.total_bytes, PACKED_PART_BYTES))))
+                for j in parts]
+        for f in futs:
+            f.result()
+
+    def _read_packed(self, m: Manifest, entries: list) -> list[np.ndarray]:
+        futs = [self._kv.read(f"{m.data}{PACKED_KEY}p{j:06d}")
+                for j in range(num_chunks(m.total_bytes, PACKED_PART_BYTES))]
+        buf = bytearray()  # writable arrays, as the zarr formats return
+        for j, f in enumerate(futs):
+            r = f.result()
+            if r.state != "value":
+                raise ManifestError(f"{self.url}: version {m.version}: part {j} of its packed data is missing")
+            buf += r.value
+        if len(buf) != m.total_bytes:
+            raise ManifestError(f"{self.url}: version {m.version}: packed data is {len(buf)} bytes, "
+                                f"manifest says {m.total_bytes}")
+        every = views(buf, m)
+        return [every[e.name] for e in entries]
 
     def _move_latest(self, version: int) -> None:
         cur = self.latest()
