@@ -46,7 +46,7 @@ def load_run_policy(run_dir: str, version: Optional[int] = None):
 
     run_cfg = load_config(os.path.join(run_dir, "config.json"))
     store_path = run_cfg.relay.store_url or os.path.join(run_dir, "weights")
-    store = WeightStore(store_path, keep_last=run_cfg.relay.keep_last)
+    store = WeightStore.from_config(run_cfg.relay, store_path)
     version = store.latest() if version is None else version
     if version is None:
         raise FileNotFoundError(f"--checkpoint={run_dir}: its weight store {store_path} holds no version")

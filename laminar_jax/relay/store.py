@@ -122,10 +122,13 @@ class WeightStore:
         self._pool = ThreadPoolExecutor(io_threads, thread_name_prefix="weightstore")
 
     @classmethod
-    def from_config(cls, cfg: Any) -> "WeightStore":
-        if cfg.store_url is None:
+    def from_config(cls, cfg: Any, url: Optional[str] = None) -> "WeightStore":
+        """The store a RelaySection describes, at ``url`` (default: its store_url): every reader and
+        writer of one run opens it this way, so they agree on its format."""
+        url = url or cfg.store_url
+        if url is None:
             raise ValueError("relay.store_url is None: no store configured")
-        return cls(cfg.store_url, keep_last=cfg.keep_last, format=cfg.store_format,
+        return cls(url, keep_last=cfg.keep_last, format=cfg.store_format,
                    verify=cfg.verify_reads, lease_ttl_s=cfg.lease_ttl_s)
 
     def __repr__(self) -> str:
@@ -265,17 +268,18 @@ class WeightStore:
             f.result()
 
     def _read_packed(self, m: Manifest, entries: list) -> list[np.ndarray]:
-        futs = [self._kv.read(f"{m.data}{PACKED_KEY}p{j:06d}")
-                for j in range(num_chunks(m.total_bytes, PACKED_PART_BYTES))]
-        buf = bytearray()  # writable arrays, as the zarr formats return
-        for j, f in enumerate(futs):
+        """The parts holding ``entries`` (all of them for a whole read), in parallel."""
+        P = PACKED_PART_BYTES
+        need = sorted({j for e in entries if e.nbytes for j in range(e.offset // P, (e.offset + e.nbytes - 1) // P + 1)})
+        futs = {j: self._kv.read(f"{m.data}{PACKED_KEY}p{j:06d}") for j in need}
+        buf = bytearray(m.total_bytes)  # writable arrays, as the zarr formats return
+        for j, f in futs.items():
             r = f.result()
-            if r.state != "value":
-                raise ManifestError(f"{self.url}: version {m.version}: part {j} of its packed data is missing")
-            buf += r.value
-        if len(buf) != m.total_bytes:
-            raise ManifestError(f"{self.url}: version {m.version}: packed data is {len(buf)} bytes, "
-                                f"manifest says {m.total_bytes}")
+            lo, hi = chunk_span(j, m.total_bytes, P)
+            if r.state != "value" or len(r.value) != hi - lo:
+                raise ManifestError(f"{self.url}: version {m.version}: part {j} of its packed data is "
+                                    + ("missing" if r.state != "value" else f"{len(r.value)} bytes, not {hi - lo}"))
+            buf[lo:hi] = r.value
         every = views(buf, m)
         return [every[e.name] for e in entries]
 

@@ -23,7 +23,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     from laminar_jax.relay import WeightStore
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    store = WeightStore(cfg.relay.store_url or os.path.join(run_dir, "weights"), keep_last=cfg.relay.keep_last)
+    store = WeightStore.from_config(cfg.relay, cfg.relay.store_url or os.path.join(run_dir, "weights"))
     version = store.latest() if version is None else version
     if version is None:
         raise FileNotFoundError(f"{run_dir}: the weight store holds no version to export")

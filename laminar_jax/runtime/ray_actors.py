@@ -160,7 +160,7 @@ class RolloutActor:
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]
-        store = WeightStore(store_url, keep_last=cfg.relay.keep_last) if store_url else None
+        store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
         client = RelayClient(addresses, store=store, config=cfg.relay, holder=name, key=key)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
         engine, _ = make_engine(model, section, mesh=actor_mesh(cfg.placement.rollout_tp))

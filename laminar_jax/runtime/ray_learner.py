@@ -113,7 +113,7 @@ class LearnerProcess:
         from laminar_jax.relay import Publisher, WeightStore
 
         rcfg = finalize(json.loads(self.cfg_json)).relay
-        store = WeightStore(store_url, keep_last=rcfg.keep_last) if store_url else None
+        store = WeightStore.from_config(rcfg, store_url) if store_url else None
         self._relays = list(relay_addresses)
         self._key = key
         self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, key=key)

@@ -21,7 +21,7 @@ class WeightsPlane:
 
         self.cfg, self.rcfg = cfg, cfg.relay
         self.store_url = self.rcfg.store_url or os.path.join(run_dir, "weights")
-        self.store = WeightStore(self.store_url, keep_last=self.rcfg.keep_last)
+        self.store = WeightStore.from_config(self.rcfg, self.store_url)
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s

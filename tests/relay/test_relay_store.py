@@ -90,12 +90,15 @@ def test_packed_format_checks_its_parts(tmp_path, monkeypatch):
     got["['step']"][...] = 7  # readers get writable arrays, as from the zarr formats
     entry = next(e for e in m.entries if e.name == "['embed']")
     part = parts[(entry.offset + 100) // 4096]
-    raw = bytearray(part.read_bytes())
+    good = part.read_bytes()
+    raw = bytearray(good)
     raw[(entry.offset + 100) % 4096] ^= 0xFF
     part.write_bytes(bytes(raw))
     with pytest.raises(ManifestError, match=r"\['embed'\]\" checksum 0x[0-9a-f]+ != manifest 0x"):
         store.read(1)
-    parts[-1].unlink()
+    part.write_bytes(good)
+    parts[-1].unlink()  # holds the arrays after ['embed'] only: a read of ['embed'] never needs it
+    assert _same_bits(store.read(1, names=["['embed']"])["['embed']"], w["['embed']"])
     with pytest.raises(ManifestError, match=r"version 1: part \d+ of its packed data is missing"):
         store.read(1)
     store.write(2, _weights(2))
@@ -260,3 +263,22 @@ def test_pull_with_store_fallback_respects_its_deadline_on_a_dangling_version():
     with pytest.raises(TimeoutError, match="no newer version within 1.0s"):
         client.pull(newer_than=3, timeout=1.0)
     assert time.monotonic() - t0 < 3.0
+
+
+@pytest.mark.parametrize("fmt", ["packed", "zarr3_ocdbt"])
+def test_a_runs_weight_plane_writes_the_configured_store_format(tmp_path, fmt):
+    # relay.store_format reaches the run's store (it once did not: every run wrote zarr3), and the
+    # run's export reads it back in that format.
+    from laminar_jax.config import default_config
+    from laminar_jax.runtime.weights import WeightsPlane
+
+    cfg = default_config()
+    cfg.relay.store_format = fmt
+    plane = WeightsPlane(cfg, str(tmp_path), [], lambda: None, lambda: "", 10.0, b"k" * 32)
+    assert plane.store.format == fmt
+    m = plane.store.write(1, _weights(1))
+    stored = {p.name for p in (tmp_path / "weights" / m.data).iterdir()}
+    assert "a00000" not in stored and ("packed" in stored) == (fmt == "packed")  # not zarr3's layout
+    assert all(e.key == store_mod.PACKED_KEY for e in m.entries) == (fmt == "packed")
+    assert _same_bits(WeightStore.from_config(cfg.relay, str(tmp_path / "weights")).read(1)["['embed']"],
+                      _weights(1)["['embed']"])
