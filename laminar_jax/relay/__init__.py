@@ -7,7 +7,7 @@ Interfaces (import from here or from the named module):
 
 - ``flat.flatten_tree(pytree) -> dict[str, np.ndarray]`` and
   ``flat.unflatten_like(flat, template_pytree, strict=True) -> pytree``.
-- ``store.WeightStore(url_or_path, keep_last=3, format="zarr3"|"zarr3_ocdbt"|"packed", verify=True)``:
+- ``store.WeightStore(url_or_path, keep_last=3, format="packed"|"zarr3"|"zarr3_ocdbt", verify=True)``:
   ``.write(version, flat) -> Manifest`` (atomic: manifest, then ``LATEST``), ``.latest() -> int|None``,
   ``.versions() -> list[int]``, ``.read(version, names=None) -> flat``, ``.manifest(version)``,
   ``.lease(version, holder, ttl_s=None) -> Lease`` (context manager; ``renew()``, ``release()``),

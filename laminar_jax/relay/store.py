@@ -1,10 +1,11 @@
-"""Versioned weight store on tensorstore (zarr3 arrays, optionally inside one OCDBT database).
+"""Versioned weight store on tensorstore: each version's packed layout in a few objects (format
+'packed', the default), or zarr3 arrays, optionally inside one OCDBT database.
 
 Key layout under the store root (any tensorstore kvstore: file://, gs://, s3://, memory://):
 
-    data/v{V:012d}-{nonce}/a{i:05d}/...   zarr3 array i of version V (written first)
-    data/v{V:012d}-{nonce}/packed/p{j:06d} format 'packed': bytes [j*P, (j+1)*P) of the version's
-                                          packed layout (manifest.py), P = PACKED_PART_BYTES
+    data/v{V:012d}-{nonce}/packed/p{j:06d} bytes [j*P, (j+1)*P) of version V's packed layout
+                                          (manifest.py), P = PACKED_PART_BYTES (written first)
+    data/v{V:012d}-{nonce}/a{i:05d}/...   formats 'zarr3', 'zarr3_ocdbt': zarr3 array i of version V
     manifests/v{V:012d}.json              the commit point: a version exists iff this key exists
     LATEST                                {"version": V}, moved forward after the manifest
     leases/v{V:012d}/{holder}.json        {"expires_at": unix time}; gc() spares leased versions
@@ -107,7 +108,7 @@ class Lease:
 class WeightStore:
     """Versions of a flat weight dict, each written atomically; see the module docstring."""
 
-    def __init__(self, url_or_path: str, keep_last: int = 3, format: str = "zarr3",
+    def __init__(self, url_or_path: str, keep_last: int = 3, format: str = "packed",
                  verify: bool = True, lease_ttl_s: float = 120.0, io_threads: int = 4):
         import tensorstore as ts
 

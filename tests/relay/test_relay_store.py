@@ -63,7 +63,7 @@ def test_write_rejects_stale_version_and_bad_input(tmp_path):
 
 
 def test_checksum_catches_corrupted_data(tmp_path):
-    store = WeightStore(str(tmp_path / "s"))
+    store = WeightStore(str(tmp_path / "s"), format="zarr3")
     m = store.write(1, _weights(1))
     entry = next(e for e in m.entries if e.name == "['embed']")
     chunk_dir = tmp_path / "s" / m.data / entry.key / "c"
@@ -265,10 +265,10 @@ def test_pull_with_store_fallback_respects_its_deadline_on_a_dangling_version():
     assert time.monotonic() - t0 < 3.0
 
 
-@pytest.mark.parametrize("fmt", ["packed", "zarr3_ocdbt"])
+@pytest.mark.parametrize("fmt", ["zarr3", "zarr3_ocdbt"])
 def test_a_runs_weight_plane_writes_the_configured_store_format(tmp_path, fmt):
-    # relay.store_format reaches the run's store (it once did not: every run wrote zarr3), and the
-    # run's export reads it back in that format.
+    # relay.store_format reaches the run's store (it once did not: every run wrote the default format),
+    # and the run's export reads it back in that format.
     from laminar_jax.config import default_config
     from laminar_jax.runtime.weights import WeightsPlane
 
@@ -278,7 +278,7 @@ def test_a_runs_weight_plane_writes_the_configured_store_format(tmp_path, fmt):
     assert plane.store.format == fmt
     m = plane.store.write(1, _weights(1))
     stored = {p.name for p in (tmp_path / "weights" / m.data).iterdir()}
-    assert "a00000" not in stored and ("packed" in stored) == (fmt == "packed")  # not zarr3's layout
-    assert all(e.key == store_mod.PACKED_KEY for e in m.entries) == (fmt == "packed")
+    assert "packed" not in stored and ("a00000" in stored) == (fmt == "zarr3")  # not the default layout
+    assert not any(e.key == store_mod.PACKED_KEY for e in m.entries)
     assert _same_bits(WeightStore.from_config(cfg.relay, str(tmp_path / "weights")).read(1)["['embed']"],
                       _weights(1)["['embed']"])
