@@ -89,7 +89,11 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
 
     def detection_lands(version):
         # With batches in flight the run could finish on other prompts before the health loop
-        # looks: let the detection land (bounded) before the learner goes on.
+        # looks: let the detection land (bounded) before the learner goes on. The last step also
+        # waits for the watcher's kill itself (CI once saw it land after the run's last hook, and
+        # the run ended on the other actor's samples with the death never detected).
+        if version >= c.runtime.total_steps:
+            _wait(lambda: killed or not watcher.is_alive(), 120, "the watcher to kill an actor", seen)
         if killed:
             name = killed["name"]
             _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
