@@ -408,14 +408,16 @@ def main(argv: list[str]) -> dict:
     lens = np.asarray(wl.max_new)
     print(f"engine bench: preset={args.preset} dtype={args.dtype} device={device} requests={n} slots={slots} "
           f"response len median={np.median(lens):.0f} p99={np.percentile(lens, 99):.0f} max={lens.max()} "
-          f"steps/call={args.steps_per_call} chunk={section.decode_chunk} attention={args.attention} live_buckets={args.live_buckets} kv_pages={pool - 1}")
+          f"steps/call={args.steps_per_call} chunk={section.decode_chunk} attention={args.attention} "
+          f"live_buckets={args.live_buckets} kv_pages={pool - 1}")
     print(f"{'system':<20}{'wall s':>9}{'tokens':>9}{'tok/s':>10}{'p50 lat s':>11}{'p99 lat s':>11}")
     for r in rows:
         print(f"{r['name']:<20}{r['wall_s']:>9.2f}{r['tokens']:>9d}{r['tokens_per_s']:>10.1f}"
               f"{r['p50_latency_s']:>11.2f}{r['p99_latency_s']:>11.2f}")
     result: dict[str, Any] = {
         "bench": "engine", "device": device, "preset": args.preset, "dtype": args.dtype, "requests": n,
-        "attention_impl": args.attention, "live_buckets": args.live_buckets, "kv_pages": pool - 1, "steps_per_call": args.steps_per_call,
+        "attention_impl": args.attention, "live_buckets": args.live_buckets, "kv_pages": pool - 1,
+        "steps_per_call": args.steps_per_call,
         "decode_chunk": section.decode_chunk,
         "torch_threads": hf["torch_threads"] if hf else None,
         "slots": slots, "tokens_per_s": rows[0]["tokens_per_s"], "static_tokens_per_s": rows[1]["tokens_per_s"],

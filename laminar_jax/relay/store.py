@@ -270,13 +270,14 @@ class WeightStore:
 
     def _read_packed(self, m: Manifest, entries: list) -> list[np.ndarray]:
         """The parts holding ``entries`` (all of them for a whole read), in parallel."""
-        P = PACKED_PART_BYTES
-        need = sorted({j for e in entries if e.nbytes for j in range(e.offset // P, (e.offset + e.nbytes - 1) // P + 1)})
+        part = PACKED_PART_BYTES
+        need = sorted({j for e in entries if e.nbytes
+                       for j in range(e.offset // part, (e.offset + e.nbytes - 1) // part + 1)})
         futs = {j: self._kv.read(f"{m.data}{PACKED_KEY}p{j:06d}") for j in need}
         buf = bytearray(m.total_bytes)  # writable arrays, as the zarr formats return
         for j, f in futs.items():
             r = f.result()
-            lo, hi = chunk_span(j, m.total_bytes, P)
+            lo, hi = chunk_span(j, m.total_bytes, part)
             if r.state != "value" or len(r.value) != hi - lo:
                 raise ManifestError(f"{self.url}: version {m.version}: part {j} of its packed data is "
                                     + ("missing" if r.state != "value" else f"{len(r.value)} bytes, not {hi - lo}"))

@@ -133,49 +133,67 @@ def _reader(store: WeightStore, stop: threading.Event, seen: list, errors: list)
             errors.append(repr(e))
 
 
+def _kill_mid_version(url: str, data_dir, store: WeightStore) -> str:
+    """Start a writer, let it commit two versions, SIGKILL it as soon as the next version's data
+    exists without its manifest; returns that data prefix (the writer may still have committed it
+    between the look and the kill: the caller checks)."""
+    writer = subprocess.Popen([sys.executable, "-c", _WRITER, url], stdout=subprocess.PIPE, text=True,
+                              env=child_env())
+    try:
+        first = store.latest() or 0
+        deadline = time.monotonic() + 60
+        while (store.latest() or 0) < first + 2:  # a few versions committed first
+            assert time.monotonic() < deadline and writer.poll() is None, "writer made no progress"
+            time.sleep(0.01)
+        while True:
+            assert time.monotonic() < deadline, "never caught the writer mid-version"
+            committed = set(store.versions())
+            inflight = [d for d in os.listdir(data_dir) if int(d[1:13]) not in committed and os.listdir(data_dir / d)]
+            if inflight:
+                writer.send_signal(signal.SIGKILL)
+                writer.wait(10)
+                return inflight[0]
+            time.sleep(0.001)
+    finally:
+        if writer.poll() is None:
+            writer.kill()
+            writer.wait(10)
+        writer.stdout.close()
+
+
 def test_sigkill_mid_publish_never_exposes_a_partial_version(tmp_path):
     url = str(tmp_path / "store")
     store = WeightStore(url, keep_last=1000)
-    writer = subprocess.Popen([sys.executable, "-c", _WRITER, url], stdout=subprocess.PIPE, text=True,
-                              env=child_env())
     stop, seen, errors = threading.Event(), [], []
     reader = threading.Thread(target=_reader, args=(store, stop, seen, errors), daemon=True)
     reader.start()
     try:
-        deadline = time.monotonic() + 60
-        while (store.latest() or 0) < 2:  # a few versions committed first
-            assert time.monotonic() < deadline and writer.poll() is None, "writer made no progress"
-            time.sleep(0.01)
-        # Kill as soon as the next version's data exists but its manifest does not.
-        while True:
-            assert time.monotonic() < deadline, "never caught the writer mid-version"
-            committed = set(store.versions())
-            inflight = [d for d in os.listdir(tmp_path / "store" / "data")
-                        if int(d[1:13]) not in committed and os.listdir(tmp_path / "store" / "data" / d)]
-            if inflight:
-                writer.send_signal(signal.SIGKILL)
+        # A version's write is short (one 48 MB object in the default format): a writer that
+        # commits between the look and the kill is killed later instead, and another one is tried.
+        for _ in range(5):
+            prefix = _kill_mid_version(url, tmp_path / "store" / "data", store)
+            if int(prefix[1:13]) not in store.versions():
                 break
-            time.sleep(0.001)
-        writer.wait(10)
         time.sleep(0.2)
     finally:
         stop.set()
         reader.join(30)
-        if writer.poll() is None:
-            writer.kill()
-        writer.stdout.close()
-    partial = int(inflight[0][1:13])
+    partial = int(prefix[1:13])
     assert errors == [], errors[:3]
     assert seen, "the reader never read a version"
     assert partial not in store.versions()
     assert store.latest() == max(store.versions()) == partial - 1
     with pytest.raises(VersionNotFound):
         store.read(partial)
-    # A restarted writer republishes that version; gc then removes the dead writer's data.
+    # Every dead writer's data no manifest references (this one's, and any a retry left behind).
+    referenced = {store.manifest(v).data.split("/")[1] for v in store.versions()}
+    dead = sorted(set(os.listdir(tmp_path / "store" / "data")) - referenced)
+    assert prefix in dead
+    # A restarted writer republishes that version; gc then removes the dead writers' data.
     store.write(partial, {"w": np.zeros(3, np.float32)})
     assert store.gc(orphans=False).orphans == ()  # a frequent caller may skip the scan
     report = store.gc()
-    assert report.orphans == (f"data/{inflight[0]}/",)
+    assert sorted(report.orphans) == [f"data/{d}/" for d in dead]
     assert store.read(partial)["w"].shape == (3,)
 
 
