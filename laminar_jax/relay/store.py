@@ -34,7 +34,8 @@ from typing import Any, Mapping, NamedTuple, Optional
 import numpy as np
 
 from laminar_jax.relay.manifest import (Manifest, ManifestError, check_flat, chunk_segments, chunk_span,
-                                        contiguous, crc32_of, dtype_from_name, num_chunks, plan_layout, views)
+                                        contiguous, crc32_of, dtype_from_name, first_array, num_chunks, plan_layout,
+                                        views)
 
 CHUNK_TARGET = 64 << 20  # bytes per zarr chunk: big enough for throughput, small enough to parallelise
 PACKED_PART_BYTES = 64 << 20  # bytes per object of a 'packed' version (written and read in parallel)
@@ -261,10 +262,12 @@ class WeightStore:
         """The version's packed layout as objects of PACKED_PART_BYTES: a few key writes per version
         instead of a zarr array (metadata + chunks) per weight, which dominated small versions."""
         arrays = [(e, flat[e.name]) for e in m.entries]
-        parts = range(num_chunks(m.total_bytes, PACKED_PART_BYTES))
-        futs = [self._kv.write(f"{m.data}{PACKED_KEY}p{j:06d}",
-                               b"".join(chunk_segments(arrays, *chunk_span(j, m.total_bytes, PACKED_PART_BYTES))))
-                for j in parts]
+        offsets = [e.offset for e in m.entries]
+        futs = []
+        for j in range(num_chunks(m.total_bytes, PACKED_PART_BYTES)):
+            start, stop = chunk_span(j, m.total_bytes, PACKED_PART_BYTES)
+            part = b"".join(chunk_segments(arrays, start, stop, first_array(offsets, start)))
+            futs.append(self._kv.write(f"{m.data}{PACKED_KEY}p{j:06d}", part))
         for f in futs:
             f.result()
 
