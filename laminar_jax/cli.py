@@ -36,10 +36,11 @@ def configure_logging() -> None:
 
 
 def finalize_flag(value, usage: str):
-    """The --config flag's value finalized and the compilation cache enabled; None (after printing
+    """The --config flag's value finalized, XLA's CPU threads set and the compilation cache enabled; None (after printing
     `usage` or the config error naming the key) when there is no usable config."""
     from laminar_jax.compile_cache import enable_compilation_cache
     from laminar_jax.config import ConfigError, finalize
+    from laminar_jax.cpu_threads import apply_cpu_threads
 
     if value is None:
         print(usage, file=sys.stderr)
@@ -49,5 +50,6 @@ def finalize_flag(value, usage: str):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return None
+    apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before JAX's CPU backend starts
     enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # before anything compiles
     return cfg

@@ -123,6 +123,8 @@ def mode_config(mode: str, model_dir: str, budget_s: float, run_root: str, args)
     c.runtime.prompts_per_step = args.prompts_per_step
     c.runtime.run_dir = os.path.join(run_root, mode)
     c.runtime.profile = bool(getattr(args, "profile", False))
+    c.runtime.cpu_threads = getattr(args, "cpu_threads", 0)
+    c.runtime.cpu_async_dispatch = not getattr(args, "cpu_inline", False)
     if getattr(args, "decode_steps", None):
         c.rollout.decode_steps_per_call = args.decode_steps
     for key, value in getattr(args, "set", None) or ():
@@ -218,7 +220,15 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--profile", action="store_true", help="CPU-time accounting of each mode (runtime.profile)")
     ap.add_argument("--no-engine-alone", action="store_true",
                     help="skip the run's rollout servers alone (the loop-efficiency figure's denominator)")
+    ap.add_argument("--cpu-threads", type=int, default=0,
+                    help="runtime.cpu_threads for the whole bench process (XLA's CPU pool; 0 = one per core)")
+    ap.add_argument("--cpu-inline", action="store_true", help="runtime.cpu_async_dispatch=False for the whole bench process (each CPU computation on its calling thread)")
     args = ap.parse_args(argv)
+    from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
+
+    if args.cpu_threads < 0:
+        raise SystemExit(f"--cpu-threads: must be >= 0, got {args.cpu_threads}")
+    apply_cpu_threads(args.cpu_threads, not args.cpu_inline)  # one pool per process: before the warm-start starts JAX
     budget = args.budget_s or ((90.0 if args.workload == "agentic" else 30.0) if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
     out = args.out or tempfile.mkdtemp(prefix="laminar_e2e_")
@@ -278,6 +288,7 @@ def main(argv: list[str]) -> dict:
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
         "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],
         "decode_steps_per_call": args.decode_steps,
+        "cpu_threads": args.cpu_threads, "cpu_inline": args.cpu_inline, "xla_cpu_pool_threads": xla_cpu_pool_threads(),
     }
     if alone is not None:
         eff = {m: round(r["gen_tokens_per_s"] / alone["gen_tokens_per_s"], 3)

@@ -14,7 +14,9 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 4: one jitted call
-decodes 4 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md). Every run is a fresh process; runs alternate between systems, --repeats times.
+decodes 4 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md), at
+each XLA CPU thread setting of --ours-threads. Each goal's ratio compares every system at its own
+best setting for that figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
 time over the training window), the batch reward at the budget (mean of the last 3 steps) and a
@@ -52,6 +54,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--sft-steps", type=int, default=None)
     ap.add_argument("--trl-threads", default=None, help="torch thread counts to run TRL with, e.g. 1,2")
     ap.add_argument("--systems", default=",".join(SYSTEMS))
+    ap.add_argument("--ours-threads", default=None,
+                    help="ours: XLA CPU thread settings to run sync and laminar with, e.g. 0,1 (0: XLA's default, "
+                         "a pool of one thread per core and async dispatch; n >= 1: runtime.cpu_threads=n and "
+                         "runtime.cpu_async_dispatch=False, each computation on its calling thread); default: "
+                         "the demo config's")
     ap.add_argument("--decode-steps", type=int, default=4,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
@@ -72,6 +79,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         raise SystemExit(f"--lr: must be > 0, got {a.lr}")
     if any(t < 1 for t in a.trl_threads):
         raise SystemExit(f"--trl-threads: thread counts must be >= 1, got {a.trl_threads}")
+    a.ours_threads = [int(x) for x in a.ours_threads.split(",") if x.strip()] if a.ours_threads else [None]
+    if any(t is not None and t < 0 for t in a.ours_threads):
+        raise SystemExit(f"--ours-threads: runtime.cpu_threads settings must be >= 0, got {a.ours_threads}")
     return a
 
 
@@ -186,6 +196,7 @@ def _copy(src: str, dst: str) -> None:
 def _ours_worker(spec: dict) -> dict:
     import jax
 
+    from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
     from laminar_jax.benchmarks.e2e import _demo_config
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
@@ -206,8 +217,12 @@ def _ours_worker(spec: dict) -> dict:
     c.rollout.max_new_tokens = g["max_new_tokens"]
     c.rollout.decode_steps_per_call = spec["decode_steps"]
     c.learner.lr = spec["lr"]
+    if spec.get("cpu_threads") is not None:
+        c.runtime.cpu_threads = spec["cpu_threads"]
+        c.runtime.cpu_async_dispatch = spec["cpu_threads"] == 0
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
+    apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this process starts JAX
     save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
     s = LocalRun(cfg, cfg.runtime.run_dir).run()
     final = os.path.join(spec["out"], "final")
@@ -216,7 +231,8 @@ def _ours_worker(spec: dict) -> dict:
     cpu = (s["cpu_cores_busy"] or 0.0) * s["rl_wall_s"]
     return {"train_s": s["rl_wall_s"], "cpu_s": cpu, "trained_tokens": s["train_tokens_per_s"] * s["rl_wall_s"],
             "steps": s["steps_this_run"], "reward_at_budget": reward_at_end([r for _, r in s["reward_curve"]]),
-            "heldout_reward": heldout_reward(final), "version": f"laminar_jax (jax {jax.__version__})"}
+            "heldout_reward": heldout_reward(final), "version": f"laminar_jax (jax {jax.__version__}; "
+            f"{xla_cpu_pool_threads()} XLA pool threads, async dispatch {cfg.runtime.cpu_async_dispatch})"}
 
 
 def _worker_main(args: argparse.Namespace) -> None:
@@ -269,19 +285,24 @@ def summarize(runs: list[dict]) -> dict:
             xs = row.pop(f)
             row[f] = {"median": float(np.median(xs)), "min": min(xs), "max": max(xs)} if xs else None
     med = {k: {f: (v[f] or {}).get("median") for f in FIGURES} for k, v in rows.items()}
-    trl = [k for k, v in rows.items() if v["system"] == "trl" and med[k]["train_tps"]]
+
+    def best(system: str, figure: str) -> Optional[str]:
+        """The system's label (thread setting) with the best median of `figure`: each system is
+        compared at its own best setting for that figure."""
+        labels = [k for k, v in rows.items() if v["system"] == system and med[k]["train_tps"]]
+        return max(labels, key=lambda k: med[k][figure]) if labels else None
+
     ratios = {}
-    if "laminar" in med and med["laminar"]["train_tps"]:
-        lam = med["laminar"]
-        if trl:
-            best_cpu = max(trl, key=lambda k: med[k]["tokens_per_cpu_s"])
-            best_tps = max(trl, key=lambda k: med[k]["train_tps"])
-            ratios["laminar_vs_trl_per_cpu_s"] = round(lam["tokens_per_cpu_s"] / med[best_cpu]["tokens_per_cpu_s"], 3)
-            ratios["laminar_vs_trl_tps"] = round(lam["train_tps"] / med[best_tps]["train_tps"], 3)
-            ratios["trl_best_per_cpu_s"], ratios["trl_best_tps"] = best_cpu, best_tps
-        if "sync" in med and med["sync"]["train_tps"]:
-            ratios["laminar_vs_sync_tps"] = round(lam["train_tps"] / med["sync"]["train_tps"], 3)
-            ratios["laminar_vs_sync_per_cpu_s"] = round(lam["tokens_per_cpu_s"] / med["sync"]["tokens_per_cpu_s"], 3)
+    for figure, name in (("tokens_per_cpu_s", "per_cpu_s"), ("train_tps", "tps")):
+        lam = best("laminar", figure)
+        if lam is None:
+            continue
+        for peer in ("trl", "sync"):
+            other = best(peer, figure)
+            if other is not None:
+                ratios[f"laminar_vs_{peer}_{name}"] = round(med[lam][figure] / med[other][figure], 3)
+                ratios[f"{peer}_best_{name}"] = other
+        ratios[f"laminar_best_{name}"] = lam
     return {"rows": rows, "ratios": ratios}
 
 
@@ -313,14 +334,15 @@ def main(argv: list[str]) -> Optional[dict]:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
-    labels = [(s, None) for s in args.systems if s != "trl"]
+    labels = [(s, t) for s in args.systems if s != "trl" for t in args.ours_threads]
     if "trl" in args.systems:
         labels = [("trl", t) for t in args.trl_threads] + labels
     runs = []
     for rep in range(args.repeats):
         for system, threads in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
-            label = system if threads is None else f"trl-{threads}t"
-            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "threads": threads, "label": label,
+            label = system if threads is None else f"{system}-{threads}t" if threads else f"{system}-auto"
+            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label,
+                    "threads" if system == "trl" else "cpu_threads": threads,
                     "decode_steps": args.decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)

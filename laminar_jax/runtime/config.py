@@ -34,6 +34,8 @@ class RuntimeSection:
       address: Ray cluster address for kind='ray' (None starts a local cluster).
       learner_processes: Learner processes joined by jax.distributed into one mesh (kind='ray' only; 1 = the learner runs in the driver process). mesh spans every process's devices.
       learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
+      cpu_threads: XLA's CPU intra-op thread pool size in the run's processes (XLA's PJRT_NPROC; set by the entry point before JAX starts): 0 = XLA's default, one thread per core. At small shapes on a few cores, 1 (with cpu_async_dispatch=False) saves CPU per trained token while the run's own threads (learner, servers) share the cores (docs/BENCHMARKS.md, "XLA's CPU threads"). CPU computations only.
+      cpu_async_dispatch: JAX's asynchronous dispatch of CPU computations (jax_cpu_enable_async_dispatch). False runs each CPU computation on the thread that calls it, which costs less CPU per call and lets the run's threads compute side by side. CPU computations only.
       compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
       eval_every: Learner steps between evaluations on the held-out prompts (data.val_files / data.val_size), run on the rollout servers; the last step is evaluated too. 0 = no evaluation during training.
       eval_before_train: Also evaluate the starting policy, before the first step.
@@ -68,6 +70,8 @@ class RuntimeSection:
     learner_gpus_per_process: int = 1
     learner_resource: Optional[str] = None
     compilation_cache_dir: str = "~/.cache/laminar_jax/jax"
+    cpu_threads: int = 0
+    cpu_async_dispatch: bool = True
     eval_every: int = 0
     eval_before_train: bool = False
     eval_samples: int = 4
@@ -85,6 +89,7 @@ class RuntimeSection:
             expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
         expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")
         expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
+        expect(self.cpu_threads >= 0, f"{prefix}.cpu_threads", self.cpu_threads, ">= 0 (0 = one per core)")
         expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
         expect(self.learner_processes >= 1, f"{prefix}.learner_processes", self.learner_processes, ">= 1")
         expect(self.learner_processes == 1 or self.kind == "ray", f"{prefix}.learner_processes",

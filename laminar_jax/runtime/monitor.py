@@ -13,8 +13,10 @@ import os
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
+from laminar_jax.cpu_threads import xla_cpu_pool_threads
 from laminar_jax.runtime.console import Console
 from laminar_jax.runtime.loggers import make_loggers
 from laminar_jax.runtime.timeline import Timeline
@@ -228,6 +230,9 @@ class Monitor:
             "in_flight_prompts": ledger.get("in_flight", 0),
             "slot_util": round(self.timeline.slot_utilization(), 4),
             "cpu_cores_busy": self.cpu_cores_busy(),
+            # This process's XLA CPU pool (runtime.cpu_threads) and dispatch, as they ran.
+            "xla_cpu_pool_threads": xla_cpu_pool_threads(),
+            "cpu_async_dispatch": bool(jax.config.values.get("jax_cpu_enable_async_dispatch", True)),
             "kv_util": _round(self.timeline.kv_utilization()),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).

@@ -21,10 +21,13 @@ def test_parse_args_quick_defaults_and_errors():
     assert full.lr == 1e-3 and parse_args(["--e2e", "--lr", "1e-4"]).lr == 1e-4
     with pytest.raises(SystemExit, match="--lr"):
         parse_args(["--e2e", "--lr", "0"])
+    assert full.ours_threads == [None] and parse_args(["--e2e", "--ours-threads", "0,1"]).ours_threads == [0, 1]
+    with pytest.raises(SystemExit, match="--ours-threads"):
+        parse_args(["--e2e", "--ours-threads", "-1"])
 
 
 def _run(label, tps, per_cpu, ok=True):
-    system = "trl" if label.startswith("trl") else label
+    system = label.split("-")[0]
     if not ok:
         return {"label": label, "system": system, "ok": False, "reason": "No module named 'trl'", "load_avg": 3.0}
     return {"label": label, "system": system, "ok": True, "load_avg": 3.0, "version": label, "train_tps": tps,
@@ -40,6 +43,19 @@ def test_summarize_medians_and_ratios_against_the_best_trl_setting():
     r = s["ratios"]
     assert r["trl_best_per_cpu_s"] == "trl-1t" and r["trl_best_tps"] == "trl-2t"
     assert r["laminar_vs_trl_per_cpu_s"] == pytest.approx(2950 / 2100, abs=1e-3)
+    assert r["laminar_vs_trl_tps"] == pytest.approx(2600 / 1500, abs=1e-3)
+    assert r["laminar_vs_sync_tps"] == pytest.approx(2600 / 1800, abs=1e-3)
+
+
+def test_summarize_compares_each_system_at_its_best_setting_per_figure():
+    runs = [_run("trl-1t", 1000, 2000), _run("trl-2t", 1500, 1500), _run("sync-auto", 1800, 2500),
+            _run("sync-1t", 1600, 2800), _run("laminar-auto", 2600, 2900), _run("laminar-1t", 2400, 3300)]
+    r = summarize(runs)["ratios"]
+    assert (r["laminar_best_per_cpu_s"], r["trl_best_per_cpu_s"], r["sync_best_per_cpu_s"]) == ("laminar-1t", "trl-1t",
+                                                                                                 "sync-1t")
+    assert (r["laminar_best_tps"], r["trl_best_tps"], r["sync_best_tps"]) == ("laminar-auto", "trl-2t", "sync-auto")
+    assert r["laminar_vs_trl_per_cpu_s"] == pytest.approx(3300 / 2000, abs=1e-3)
+    assert r["laminar_vs_sync_per_cpu_s"] == pytest.approx(3300 / 2800, abs=1e-3)
     assert r["laminar_vs_trl_tps"] == pytest.approx(2600 / 1500, abs=1e-3)
     assert r["laminar_vs_sync_tps"] == pytest.approx(2600 / 1800, abs=1e-3)
 

@@ -71,9 +71,14 @@ def test_sigterm_then_resume_loses_and_repeats_nothing(tmp_path):
     assert proc.returncode == 0, out
     assert first["stopped_early"] and 2 <= first["steps"] < 8
 
-    proc = subprocess.run(_run_cmd(run_dir, 8), capture_output=True, text=True, env=env, timeout=400)
+    # The resumed run computes on its own threads: one XLA CPU thread, no async dispatch.
+    proc = subprocess.run(_run_cmd(run_dir, 8) + ["--config.runtime.cpu_threads=1",
+                                                  "--config.runtime.cpu_async_dispatch=false"],
+                          capture_output=True, text=True, env=env, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     second = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (first["xla_cpu_pool_threads"], first["cpu_async_dispatch"]) == (len(os.sched_getaffinity(0)), True)
+    assert (second["xla_cpu_pool_threads"], second["cpu_async_dispatch"]) == (1, False)
     assert second["steps"] == 8 and second["steps_this_run"] == 8 - first["steps"]
     assert second["lost_prompts"] == 0 and second["duplicated_prompts"] == 0
     # Exactly-once: every step consumed 8 distinct prompts, across the kill.
