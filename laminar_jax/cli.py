@@ -36,8 +36,8 @@ def configure_logging() -> None:
 
 
 def finalize_flag(value, usage: str):
-    """The --config flag's value finalized, XLA's CPU threads set and the compilation cache enabled; None (after printing
-    `usage` or the config error naming the key) when there is no usable config."""
+    """The --config flag's value finalized, XLA's CPU threads set and the compilation cache enabled;
+    None (after printing `usage` or the config error naming the key) when there is no usable config."""
     from laminar_jax.compile_cache import enable_compilation_cache
     from laminar_jax.config import ConfigError, finalize
     from laminar_jax.cpu_threads import apply_cpu_threads

@@ -1,16 +1,14 @@
-"""XLA:CPU's intra-op thread pool size (runtime.cpu_threads), set before the CPU backend starts.
+"""XLA's CPU threads for this process: the intra-op pool's size (runtime.cpu_threads) and JAX's
+asynchronous dispatch of CPU computations (runtime.cpu_async_dispatch), set before JAX starts.
 
 XLA's CPU client sizes its one intra-op pool (the `tf_XLAEigen` threads) when the backend starts:
-one thread per core, or `PJRT_NPROC` when that is set. At the CPU demo's shapes most XLA ops take
-microseconds, and a pool thread per core spends a good part of its CPU handing them around and
-spinning for the next: a learner step of the demo's model took ~20% less CPU (and ~1.4x the wall)
-with one pool thread. A run of several planes (learner, rollout servers) keeps the cores busy with
-its own threads, so on a small CPU one pool thread can cost it little speed and save CPU per token
-(docs/BENCHMARKS.md, "One XLA thread"). 0 keeps XLA's default.
-
-JAX's asynchronous dispatch (runtime.cpu_async_dispatch) hands every CPU computation to another
-thread; off, a computation runs on the thread that calls it, which costs less per call (and with
-one pool thread lets the learner and each server compute side by side on their own threads).
+one thread per core, or `PJRT_NPROC` when that is set. JAX hands each CPU computation to it
+asynchronously unless async dispatch is off, in which case the calling thread runs it (ops that
+the executor finds independent may still go to the pool). At the CPU demo's shapes most ops take
+microseconds, and handing them between threads costs CPU: a small train step took ~19 CPU-ms with
+one pool thread against 23-28 with two, and a run of the demo with one pool thread and no async
+dispatch ~13% less CPU per trained token, at ~10% fewer tokens per second on 2 cores
+(docs/BENCHMARKS.md, "XLA's CPU threads"). The defaults are XLA's.
 
 Entry points call `apply_cpu_threads()` once, before anything touches a JAX device.
 """

@@ -36,8 +36,8 @@ print("POOL_AFTER", xla_cpu_pool_threads())
 def _run(before: int, late: int = 0, dispatch: str = "async") -> tuple[dict, str]:
     env = child_env(JAX_PLATFORMS="cpu")
     env.pop("PJRT_NPROC", None)
-    out = subprocess.run([sys.executable, "-c", _PROG, str(before), str(late), dispatch], capture_output=True, text=True,
-                         timeout=120, env=env)
+    out = subprocess.run([sys.executable, "-c", _PROG, str(before), str(late), dispatch], capture_output=True,
+                         text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     words = " ".join(out.stdout.split()).split(" ")
     return dict(zip(words[::2], words[1::2])), out.stderr

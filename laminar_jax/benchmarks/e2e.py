@@ -222,13 +222,14 @@ def main(argv: list[str]) -> dict:
                     help="skip the run's rollout servers alone (the loop-efficiency figure's denominator)")
     ap.add_argument("--cpu-threads", type=int, default=0,
                     help="runtime.cpu_threads for the whole bench process (XLA's CPU pool; 0 = one per core)")
-    ap.add_argument("--cpu-inline", action="store_true", help="runtime.cpu_async_dispatch=False for the whole bench process (each CPU computation on its calling thread)")
+    ap.add_argument("--cpu-inline", action="store_true",
+                    help="runtime.cpu_async_dispatch=False for the whole bench process (computations on their callers)")
     args = ap.parse_args(argv)
     from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
 
     if args.cpu_threads < 0:
         raise SystemExit(f"--cpu-threads: must be >= 0, got {args.cpu_threads}")
-    apply_cpu_threads(args.cpu_threads, not args.cpu_inline)  # one pool per process: before the warm-start starts JAX
+    apply_cpu_threads(args.cpu_threads, not args.cpu_inline)  # one pool per process, before the warm-start
     budget = args.budget_s or ((90.0 if args.workload == "agentic" else 30.0) if args.quick else 120.0)
     sft_steps = args.sft_steps if args.sft_steps is not None else (100 if args.quick else 300)
     out = args.out or tempfile.mkdtemp(prefix="laminar_e2e_")

@@ -11,7 +11,7 @@ def run(cfg) -> dict:
     """Train according to `cfg` (a finalized laminar_jax.config.Config); returns the summary dict."""
     from laminar_jax.cpu_threads import apply_cpu_threads
 
-    apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # holds if nothing in this process has started JAX yet
+    apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # holds if JAX has not started
     if cfg.runtime.kind == "local":
         from laminar_jax.runtime.local import run_local
 

@@ -157,7 +157,7 @@ class RolloutActor:
 
         section = server_section(cfg, index, generation)
         self.name = name = section.server_id
-        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX backend starts
+        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX starts
         enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()

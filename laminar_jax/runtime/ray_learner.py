@@ -89,7 +89,7 @@ class LearnerProcess:
 
         _use_gloo_on_cpu(jax)
         cfg = finalize(json.loads(self.cfg_json))
-        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX backend starts
+        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX starts
         enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
