@@ -21,6 +21,7 @@ import os
 _log = logging.getLogger(__name__)
 
 ENV = "PJRT_NPROC"  # read by XLA's CPU client when it starts (xla/pjrt/cpu/cpu_client.cc)
+_DISPATCH = "jax_cpu_enable_async_dispatch"  # read by JAX when it creates the CPU client
 
 
 def _backend_started() -> bool:
@@ -40,7 +41,7 @@ def apply_cpu_threads(n: int, async_dispatch: bool = True) -> bool:
     False (logged) when this process's backend already started, which keeps its pool and dispatch."""
     import jax
 
-    dispatch_now = jax.config.values.get("jax_cpu_enable_async_dispatch", True)
+    dispatch_now = cpu_async_dispatch()
     if (n <= 0 or os.environ.get(ENV) == str(n)) and dispatch_now == async_dispatch:
         return True
     if _backend_started():
@@ -50,8 +51,15 @@ def apply_cpu_threads(n: int, async_dispatch: bool = True) -> bool:
         return False
     if n > 0:
         os.environ[ENV] = str(n)
-    jax.config.update("jax_cpu_enable_async_dispatch", async_dispatch)
+    jax.config.update(_DISPATCH, async_dispatch)
     return True
+
+
+def cpu_async_dispatch() -> bool:
+    """Whether JAX dispatches this process's CPU computations asynchronously (its current setting)."""
+    import jax
+
+    return bool(jax.config.values.get(_DISPATCH, True))
 
 
 def xla_cpu_pool_threads() -> int:

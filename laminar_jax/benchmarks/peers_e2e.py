@@ -196,7 +196,7 @@ def _copy(src: str, dst: str) -> None:
 def _ours_worker(spec: dict) -> dict:
     import jax
 
-    from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
+    from laminar_jax.cpu_threads import apply_cpu_threads
     from laminar_jax.benchmarks.e2e import _demo_config
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
@@ -232,7 +232,7 @@ def _ours_worker(spec: dict) -> dict:
     return {"train_s": s["rl_wall_s"], "cpu_s": cpu, "trained_tokens": s["train_tokens_per_s"] * s["rl_wall_s"],
             "steps": s["steps_this_run"], "reward_at_budget": reward_at_end([r for _, r in s["reward_curve"]]),
             "heldout_reward": heldout_reward(final), "version": f"laminar_jax (jax {jax.__version__}; "
-            f"{xla_cpu_pool_threads()} XLA pool threads, async dispatch {cfg.runtime.cpu_async_dispatch})"}
+            f"{s['xla_cpu_pool_threads']} XLA pool threads, async dispatch {s['cpu_async_dispatch']})"}
 
 
 def _worker_main(args: argparse.Namespace) -> None:

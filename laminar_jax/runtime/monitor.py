@@ -13,10 +13,9 @@ import os
 import time
 from typing import Optional
 
-import jax
 import numpy as np
 
-from laminar_jax.cpu_threads import xla_cpu_pool_threads
+from laminar_jax.cpu_threads import cpu_async_dispatch, xla_cpu_pool_threads
 from laminar_jax.runtime.console import Console
 from laminar_jax.runtime.loggers import make_loggers
 from laminar_jax.runtime.timeline import Timeline
@@ -232,7 +231,7 @@ class Monitor:
             "cpu_cores_busy": self.cpu_cores_busy(),
             # This process's XLA CPU pool (runtime.cpu_threads) and dispatch, as they ran.
             "xla_cpu_pool_threads": xla_cpu_pool_threads(),
-            "cpu_async_dispatch": bool(jax.config.values.get("jax_cpu_enable_async_dispatch", True)),
+            "cpu_async_dispatch": cpu_async_dispatch(),
             "kv_util": _round(self.timeline.kv_utilization()),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).

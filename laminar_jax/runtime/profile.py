@@ -40,8 +40,6 @@ import threading
 import time
 from typing import Iterator, Optional
 
-from laminar_jax.cpu_threads import xla_cpu_pool_threads
-
 _CLK = os.sysconf("SC_CLK_TCK")
 
 # Phases whose XLA-thread CPU is theirs while they are active (they dispatch and wait for programs).
@@ -287,7 +285,7 @@ class Profiler:
             "cores_busy": round(total / wall, 3), "trained_tokens": trained_tokens, "generated_tokens": generated_tokens,
             "cpu_ms_per_1k_trained_tokens": round(1e6 * total / max(trained_tokens, 1), 1),
             "python_threads_cpu_s": round(py_total, 2), "xla_threads_cpu_s": round(native_total, 2),
-            "io_threads_cpu_s": round(sum(io.values()), 2), "xla_cpu_pool_threads": xla_cpu_pool_threads(),
+            "io_threads_cpu_s": round(sum(io.values()), 2),
             "python_share": round(py_total / process, 4) if process > 0 else None,
             "gil_wait_s": round(gil, 2), "run_queue_wait_s": round(delay, 2),
             "gil_wait_in": list(PY_ONLY),
