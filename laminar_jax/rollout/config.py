@@ -31,6 +31,7 @@ class RolloutSection:
       decode_chunk: Rows per decode chunk; 0 = off (every slot goes through the model on every step). With c > 0, generate() gathers only the slots that hold a sequence into chunks of c rows and loops over as many chunks as needed (a dynamic trip count), so decode cost follows the live slots; every chunk has the same shape, so a sequence's tokens and log-probs do not depend on how many others are live (or on num_slots). Small c suits CPUs; accelerators want 0 or a large c.
       decode_row_buckets: Smaller decode batches for calls with few live slots; () = off. With buckets (e.g. (4, 8, 16) for 32 slots), a generate() call whose slots holding a sequence fit a bucket gathers just those into a batch of that many rows (one compiled program per bucket), so a long-tail step costs what its live rows cost, with one weight read. XLA's matmuls may give a row different bits at different row counts (fp32 on CPU below 32 rows), so a sequence's tokens can then depend on how many others are live: moves between servers are no longer output-identical, and the runtime refuses it with scheduler repack in laminar mode. Offline generation (LLM) uses it; every bucket must be < the rows of one call (decode_chunk, or num_slots).
       prefill_rows: Most prompts one prefill call takes; 1 = one prompt per call. With n > 1, the prompts a server admits in one step are prefilled together, up to n per call (one [B, T] forward: one weight read for all; B rounded up to a power of two, T the largest prompt's bucket), so a batch of admissions costs far less than one call each. Their KV then equals the one-prompt path's to float rounding, not bit for bit. Offline generation (LLM) uses it.
+      share_prompt_kv: Admit a prompt that a live sequence on this server already holds (the samples of a GRPO group) by copying that sequence's prompt KV pages instead of prefilling it again. The KV is the same bits the prompt's own prefill writes (with prefill_rows=1), so outputs do not change; False prefills every sequence.
       live_buckets: Live-page bucket policy (attention_impl='live_pages' compiles one generate() per bucket): 'fine' = powers of two from 16 plus 1.5x midpoints from 64 (least padded attention), 'pow2' = powers of two, 'pow4' = powers of four (fewest programs; up to 4x the live pages attended).
       warmup_live_buckets: How many of the smallest live-page buckets warmup() compiles; 0 = all. The others compile on first use (a one-off pause mid-run).
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
@@ -56,6 +57,7 @@ class RolloutSection:
     decode_chunk: int = 0
     decode_row_buckets: tuple[int, ...] = ()
     prefill_rows: int = 1
+    share_prompt_kv: bool = True
     live_buckets: Literal["fine", "pow2", "pow4"] = "fine"
     warmup_live_buckets: int = 0
     batching: Literal["continuous", "static"] = "continuous"

@@ -90,6 +90,8 @@ class Engine:
         self.page_size = section.page_size
         self.pages_per_seq = section.pages_per_seq
         self.buckets = section.buckets()
+        # share_prompt() copies this many pages: the most a prompt's KV (all but its last token) fills.
+        self._prompt_pages = max(1, min(pages_needed(self.buckets[-1] - 1, self.page_size), self.pages_per_seq))
         self.allocator = PageAllocator(section.num_pages)
         self.slot_pages: dict[int, list[int]] = {}
         self._attend = backends[section.attention_impl]
@@ -288,6 +290,36 @@ class Engine:
         leaves, progs = self._bind(params)
         return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows, *init_cols)
 
+    def share_prompt(self, decode_state: DecodeState, src_slot: int, slot: int, prompt_ids,
+                     init: SlotInit) -> DecodeState:
+        """Admit a prompt that ``src_slot`` already holds without prefilling it again: copy the
+        source's prompt KV pages into this slot's own pages, activate the slot.
+
+        A GRPO group's samples share one prompt, so all but one of its prefills become page copies.
+        The KV is the source's bit for bit (prefill is deterministic, so also what this slot's own
+        prefill_insert() would write); the copied pages may carry the source's later tokens past the
+        prompt, which this slot never attends (its length is the prompt's) and overwrites as it
+        decodes. The source must hold ``prompt_ids`` with its prompt KV in place (any live
+        single-turn sequence does, finished or not, until free_resource()); raises OutOfPages
+        (state untouched) like insert().
+        """
+        if slot in self.slot_pages:
+            raise ValueError(f"slot {slot} is occupied; free_resource({slot}) first")
+        if src_slot not in self.slot_pages:
+            raise ValueError(f"share_prompt: source slot {src_slot} holds no sequence")
+        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+        n = len(ids)
+        m = pages_needed(n - 1, self.page_size)  # pages holding the prompt's KV (the last token is fed later)
+        if n < 1 or m > self._prompt_pages:
+            raise ValueError(f"share_prompt: prompt of {n} tokens; must be in [1, {self.buckets[-1]}]")
+        pages = self.allocator.allocate(self.reserve_pages(n, init.max_new))
+        src, dst = np.zeros((2, self._prompt_pages), np.int32)  # padding copies the null page onto itself
+        src[:m], dst[:m] = self.slot_pages[src_slot][:m], pages[:m]
+        self.slot_pages[slot] = pages
+        self._cached_hi[slot] = n - 1
+        return self._settle(_share_prompt_jit(decode_state, src, dst, np.int32(slot), self._page_row(pages),
+                                              np.int32(n - 1), np.int32(ids[-1]), *self._init_arrays(init)))
+
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
         leaves, _ = self._bind(params)
@@ -359,11 +391,14 @@ class Engine:
         state = self.init_decode_state()
         free_slot = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
         init = SlotInit(np.zeros(self._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
+        shared = False  # share_prompt() is one program for every prompt: compiled once
         for b in self.buckets:
             if free_slot is None or self.allocator.num_free < self.reserve_pages(b, 1):
                 jax.block_until_ready(self.prefill(params, np.zeros((1, b), np.int32), 1))
                 continue
             state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
+            if not shared:
+                state, shared = self._warmup_share_prompt(state, free_slot, b, init)
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
             state = self._warmup_prefill_rows(params, state, b, init)
@@ -376,6 +411,17 @@ class Engine:
             bucket = self._row_cover(small) if self.uses_live_pages else 0
             state, out = self._generate_program(small)(leaves, state, rows[:small], np.int32(1), bucket)
         jax.block_until_ready(out)
+
+    def _warmup_share_prompt(self, state: DecodeState, src_slot: int, bucket: int,
+                             init: SlotInit) -> tuple[DecodeState, bool]:
+        """Compile share_prompt() from src_slot's prompt if a slot and pages are free; (state, compiled)."""
+        dst = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
+        if dst is None or self.allocator.num_free < self.reserve_pages(bucket, 1):
+            return state, False
+        state = self.share_prompt(state, src_slot, dst, np.zeros(bucket, np.int32), init)
+        state = self.deactivate(state, dst)
+        self.free_resource(dst)
+        return state, True
 
     def _warmup_prefill_rows(self, params: Any, state: DecodeState, bucket: int, init: SlotInit) -> DecodeState:
         """Compile prefill_insert_rows at every padded batch size up to section.prefill_rows, for one
@@ -587,6 +633,13 @@ def _insert_rows_impl(spec: _Spec, params, state, tokens, lengths, slots, page_r
     return _set_slot(state, slots, page_rows, lengths - 1, last, *init)
 
 
+def _share_prompt_impl(state, src, dst, slot, page_row, num_cached, last_token, *init):
+    """Copy pages src[i] -> dst[i] in every layer's K and V pools, then set the slot."""
+    kp = tuple(p.at[dst].set(p[src]) for p in state.k_pages)
+    vp = tuple(p.at[dst].set(p[src]) for p in state.v_pages)
+    return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
+
+
 def _deactivate_impl(state, slot):
     return state._replace(active=state.active.at[slot].set(False))
 
@@ -726,6 +779,7 @@ _insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
 _deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
 _read_pages_jit = jax.jit(_read_pages_impl)
 _write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
+_share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
 _attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
                       donate_argnums=(0,))
 

@@ -108,6 +108,8 @@ class ServerStats:
       rejected_overlong: Prompts rejected for length.
       truncated_overlong: Prompts truncated for length.
       aborted: Sequences aborted by a forced weight swap.
+      prompts_prefilled: Admissions that ran a prefill.
+      prompts_shared: Admissions that copied a live sequence's prompt KV instead (rollout.share_prompt_kv).
     """
 
     server_id: str
@@ -124,6 +126,8 @@ class ServerStats:
     rejected_overlong: int
     truncated_overlong: int
     aborted: int
+    prompts_prefilled: int = 0
+    prompts_shared: int = 0
 
 
 _MAGIC = b"LJSEQ1\n"

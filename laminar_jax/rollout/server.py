@@ -75,6 +75,7 @@ class _Live:
     parked_at: int = 0  # the output read (count) that parked it: its slot may go once the next is read
     pages: Optional[list] = None  # KV pages held while it waits without a slot (TurnSpec.release_slot)
     resume: Optional[tuple] = None  # (observation ids, next turn's budget) waiting for a free slot
+    prompt_key: Optional[bytes] = None  # set while its slot's pages hold its prompt KV for others to share
 
 
 @dataclasses.dataclass
@@ -83,6 +84,7 @@ class _Admission:
     prompt: np.ndarray
     sampling: SamplingParams
     key_data: np.ndarray
+    prompt_key: Optional[bytes] = None  # the prompt's bytes, when its KV may be shared (share_prompt_kv)
 
 
 class RolloutServer:
@@ -110,6 +112,7 @@ class RolloutServer:
         self._released: dict[str, _Live] = {}  # waiting episodes without a slot (TurnSpec.release_slot), by uid
         self._resume: collections.deque = collections.deque()  # uids of released episodes with their observation
         self._n_consumed = 0  # generate() outputs read so far
+        self._holders: dict[bytes, list[int]] = {}  # prompt bytes -> slots holding its KV (share_prompt_kv)
 
     @property
     def device_ids(self) -> tuple:
@@ -166,7 +169,9 @@ class RolloutServer:
                              f"(at most {room} new tokens fit)")
         # The section default (rollout.max_new_tokens) is documented as a cap: it shrinks to fit.
         sp = dataclasses.replace(sp, max_new_tokens=min(sp.max_new_tokens, room))
-        return _Admission(req, prompt, sp, self._key_data(req))
+        # Episodes extend their context past the prompt and move their pages: they neither share nor lend.
+        key = prompt.tobytes() if s.share_prompt_kv and req.turn is None else None
+        return _Admission(req, prompt, sp, self._key_data(req), key)
 
     def _key_data(self, req: Request) -> np.ndarray:
         if req.key is not None:
@@ -241,27 +246,55 @@ class RolloutServer:
             self._head = None
             pages_free -= need
             starts.append((slot, adm))
+        # A prompt a live slot holds (or one prefilled just before in this pass) is copied, not prefilled.
+        fresh, shared, keys = [], [], set(self._holders)
+        for start in starts:
+            key = start[1].prompt_key
+            (shared if key is not None and key in keys else fresh).append(start)
+            keys.add(key)
         n = self.section.prefill_rows
         if n > 1:  # calls pad to their longest prompt's bucket: group prompts of like length
-            starts.sort(key=lambda start: len(start[1].prompt))
-        for i in range(0, len(starts), n):
-            self._start(starts[i:i + n])
+            fresh.sort(key=lambda start: len(start[1].prompt))
+        for i in range(0, len(fresh), n):
+            self._start(fresh[i:i + n])
+        for slot, adm in shared:
+            src = self._holders[adm.prompt_key][0]
+            self._state = self.engine.share_prompt(self._state, src, slot, adm.prompt, _slot_init(adm))
+            self._counts["prompts_shared"] += 1
+            self._occupy(slot, adm)
 
     def _start(self, starts: list[tuple[int, _Admission]]) -> None:
         """Prefill and insert admissions (one engine call: one prompt, or several with prefill_rows > 1)."""
-        inits = [SlotInit(adm.key_data, adm.sampling.temperature, adm.sampling.top_k, adm.sampling.top_p,
-                          adm.sampling.max_new_tokens, np.asarray(adm.sampling.stop_token_ids, np.int32))
-                 for _, adm in starts]
+        inits = [_slot_init(adm) for _, adm in starts]
         if len(starts) == 1:
             self._state = self.engine.prefill_insert(self._params, self._state, starts[0][0], starts[0][1].prompt,
                                                      inits[0])
         else:
             self._state = self.engine.prefill_insert_rows(self._params, self._state, [s for s, _ in starts],
                                                           [adm.prompt for _, adm in starts], inits)
+        self._counts["prompts_prefilled"] += len(starts)
         for slot, adm in starts:
-            sp = adm.sampling
-            self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
-                                      mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens)
+            self._occupy(slot, adm)
+
+    def _occupy(self, slot: int, adm: _Admission) -> None:
+        """Host books of an admitted sequence; its prompt KV becomes shareable (share_prompt_kv)."""
+        sp = adm.sampling
+        self._slots[slot] = _Live(adm.request, adm.prompt, sp, adm.key_data, self._version, [], [],
+                                  mask=[] if adm.request.turn is not None else None, turn_end=sp.max_new_tokens,
+                                  prompt_key=adm.prompt_key)
+        if adm.prompt_key is not None:
+            self._holders.setdefault(adm.prompt_key, []).append(slot)
+
+    def _vacate(self, slot: int) -> _Live:
+        """Empty a slot's host books (its pages are the caller's to free or keep); returns what it held."""
+        live, self._slots[slot] = self._slots[slot], None
+        if live.prompt_key is not None:
+            holders = self._holders[live.prompt_key]
+            holders.remove(slot)
+            if not holders:
+                del self._holders[live.prompt_key]
+            live.prompt_key = None
+        return live
 
     def _consume(self, out) -> None:
         """Read one generate() output (blocks on the device) and retire finished sequences."""
@@ -292,8 +325,7 @@ class RolloutServer:
             self._rate_sum -= self._rate.popleft()[1]
 
     def _retire(self, slot: int, reason: str) -> None:
-        live = self._slots[slot]
-        self._slots[slot] = None
+        live = self._vacate(slot)
         self.engine.free_resource(slot)
         self._emit(live, reason)
 
@@ -400,7 +432,7 @@ class RolloutServer:
             if (live is not None and live.waiting and live.request.turn.release_slot
                     and self._n_consumed > live.parked_at and live.request.uid not in self._released):
                 self._state, live.pages = self.engine.detach(self._state, slot)
-                self._slots[slot] = None
+                self._vacate(slot)
                 self._released[live.request.uid] = live
 
     def _resume_released(self) -> None:
@@ -515,7 +547,7 @@ class RolloutServer:
             self._state = self.engine.deactivate(self._state, slot)
             num_cached = len(live.prompt) + len(live.tokens) - 1
             k, v = self.engine.read_slot(self._state, slot, num_cached)
-            self._slots[slot] = None
+            self._vacate(slot)
             self.engine.free_resource(slot)
             r = live.request
             return SequenceState(
@@ -610,7 +642,14 @@ class RolloutServer:
                 queue_length=self._queue.qsize() + (self._head is not None),
                 pending_version=None if self._pending is None else self._pending[0],
                 completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
-                truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"])
+                truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"],
+                prompts_prefilled=self._counts["prompts_prefilled"], prompts_shared=self._counts["prompts_shared"])
+
+
+def _slot_init(adm: _Admission) -> SlotInit:
+    sp = adm.sampling
+    return SlotInit(adm.key_data, sp.temperature, sp.top_k, sp.top_p, sp.max_new_tokens,
+                    np.asarray(sp.stop_token_ids, np.int32))
 
 
 def _episode_books(live: _Live) -> dict:

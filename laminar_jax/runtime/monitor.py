@@ -89,6 +89,12 @@ def _tool_call_ids(cfg) -> tuple:
     return tuple(load_tokenizer(cfg.model.tokenizer).encode(TOOL_CALL_START))
 
 
+def _shared_frac(servers: list) -> Optional[float]:
+    shared = sum(s.prompts_shared for s in servers)
+    total = shared + sum(s.prompts_prefilled for s in servers)
+    return round(shared / total, 4) if total else None
+
+
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
     return None if x is None else round(float(x), nd)
 
@@ -233,6 +239,9 @@ class Monitor:
             "xla_cpu_pool_threads": xla_cpu_pool_threads(),
             "cpu_async_dispatch": cpu_async_dispatch(),
             "kv_util": _round(self.timeline.kv_utilization()),
+            # Admissions that copied a live sample's prompt KV instead of prefilling (rollout.share_prompt_kv),
+            # over the servers alive at the end.
+            "prompts_shared_frac": _shared_frac(stats.servers),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).
             "gen_tokens_per_s": round(generated / rl_wall, 2) if generated else None,
