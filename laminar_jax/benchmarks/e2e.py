@@ -283,6 +283,7 @@ def main(argv: list[str]) -> dict:
         "learner_busy": {m: r["learner_busy_frac"] for m, r in results.items()},
         "cpu_cores_busy": {m: r["cpu_cores_busy"] for m, r in results.items()},
         "repack_moves": {m: r["repack_moves"] for m, r in results.items()},
+        "prompts_shared_frac": {m: r["prompts_shared_frac"] for m, r in results.items()},
         "reward_at_budget": {m: reward_at(r["reward_curve"], budget) for m, r in results.items()},
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),

@@ -290,35 +290,55 @@ class Engine:
         leaves, progs = self._bind(params)
         return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows, *init_cols)
 
-    def share_prompt(self, decode_state: DecodeState, src_slot: int, slot: int, prompt_ids,
-                     init: SlotInit) -> DecodeState:
-        """Admit a prompt that ``src_slot`` already holds without prefilling it again: copy the
-        source's prompt KV pages into this slot's own pages, activate the slot.
+    def share_prompt(self, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
+                     inits: list[SlotInit]) -> DecodeState:
+        """Admit prompts that other slots already hold without prefilling them again: copy each
+        source's prompt KV pages into the new slot's own pages, activate the slots; one call for all.
 
         A GRPO group's samples share one prompt, so all but one of its prefills become page copies.
-        The KV is the source's bit for bit (prefill is deterministic, so also what this slot's own
+        The KV is the source's bit for bit (prefill is deterministic, so also what the slot's own
         prefill_insert() would write); the copied pages may carry the source's later tokens past the
-        prompt, which this slot never attends (its length is the prompt's) and overwrites as it
-        decodes. The source must hold ``prompt_ids`` with its prompt KV in place (any live
-        single-turn sequence does, finished or not, until free_resource()); raises OutOfPages
-        (state untouched) like insert().
+        prompt, which the new slot never attends (its length is the prompt's) and overwrites as it
+        decodes. Each source must hold its prompt with the prompt KV in place (a live single-turn
+        sequence does, finished or not, until free_resource()), and be none of ``slots``. The batch
+        is padded to a power of two (padding rows copy the null page onto itself and set no slot).
+        Raises OutOfPages (state and allocator untouched) when the pool cannot hold them all.
         """
-        if slot in self.slot_pages:
-            raise ValueError(f"slot {slot} is occupied; free_resource({slot}) first")
-        if src_slot not in self.slot_pages:
-            raise ValueError(f"share_prompt: source slot {src_slot} holds no sequence")
-        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
-        n = len(ids)
-        m = pages_needed(n - 1, self.page_size)  # pages holding the prompt's KV (the last token is fed later)
-        if n < 1 or m > self._prompt_pages:
-            raise ValueError(f"share_prompt: prompt of {n} tokens; must be in [1, {self.buckets[-1]}]")
-        pages = self.allocator.allocate(self.reserve_pages(n, init.max_new))
-        src, dst = np.zeros((2, self._prompt_pages), np.int32)  # padding copies the null page onto itself
-        src[:m], dst[:m] = self.slot_pages[src_slot][:m], pages[:m]
-        self.slot_pages[slot] = pages
-        self._cached_hi[slot] = n - 1
-        return self._settle(_share_prompt_jit(decode_state, src, dst, np.int32(slot), self._page_row(pages),
-                                              np.int32(n - 1), np.int32(ids[-1]), *self._init_arrays(init)))
+        if not (len(src_slots) == len(slots) == len(prompts) == len(inits) >= 1):
+            raise ValueError(f"got {len(src_slots)} sources, {len(slots)} slots, {len(prompts)} prompts, "
+                             f"{len(inits)} inits")
+        if len(set(slots)) != len(slots) or any(s in self.slot_pages for s in slots):
+            raise ValueError(f"slots {slots}: must be distinct and free")
+        for src in src_slots:
+            if src not in self.slot_pages:
+                raise ValueError(f"share_prompt: source slot {src} holds no sequence")
+        ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
+        for x in ids:
+            if not 1 <= len(x) <= self.buckets[-1]:
+                raise ValueError(f"share_prompt: prompt of {len(x)} tokens; must be in [1, {self.buckets[-1]}]")
+        b = 1 << (len(ids) - 1).bit_length()
+        src, dst = np.zeros((2, b, self._prompt_pages), np.int32)  # padding: the null page onto itself
+        rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
+        cached, last = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        taken: list[list[int]] = []
+        try:
+            for x, init in zip(ids, inits):
+                taken.append(self.allocator.allocate(self.reserve_pages(len(x), init.max_new)))
+        except OutOfPages:
+            for pages in taken:
+                self.allocator.free(pages)
+            raise
+        for i, (source, slot, x, pages) in enumerate(zip(src_slots, slots, ids, taken)):
+            m = pages_needed(len(x) - 1, self.page_size)  # pages holding the prompt's KV (the last token is fed later)
+            src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
+            rows[i], slot_ids[i], cached[i], last[i] = self._page_row(pages), slot, len(x) - 1, x[-1]
+            self.slot_pages[slot] = pages
+            self._cached_hi[slot] = len(x) - 1
+        per_row = [self._init_arrays(init) for init in inits]
+        per_row += [per_row[0]] * (b - len(per_row))  # padding rows: any values (their slot is dropped)
+        init_cols = [np.stack(col) for col in zip(*per_row)]
+        return self._settle(_share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
+                                              cached, last, *init_cols))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
@@ -414,14 +434,20 @@ class Engine:
 
     def _warmup_share_prompt(self, state: DecodeState, src_slot: int, bucket: int,
                              init: SlotInit) -> tuple[DecodeState, bool]:
-        """Compile share_prompt() from src_slot's prompt if a slot and pages are free; (state, compiled)."""
-        dst = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
-        if dst is None or self.allocator.num_free < self.reserve_pages(bucket, 1):
-            return state, False
-        state = self.share_prompt(state, src_slot, dst, np.zeros(bucket, np.int32), init)
-        state = self.deactivate(state, dst)
-        self.free_resource(dst)
-        return state, True
+        """Compile share_prompt() at every padded batch size (one program each, for every prompt)
+        from src_slot's prompt, as far as free slots and pages allow; (state, compiled)."""
+        b, compiled = 1, False
+        while b // 2 + 1 < self.num_slots:  # the fewest rows that pad to b, besides the source
+            free = [s for s in range(self.num_slots) if s not in self.slot_pages][:b // 2 + 1]
+            if len(free) < b // 2 + 1 or self.allocator.num_free < len(free) * self.reserve_pages(bucket, 1):
+                break
+            state = self.share_prompt(state, [src_slot] * len(free), free, [np.zeros(bucket, np.int32)] * len(free),
+                                      [init] * len(free))
+            for slot in free:
+                state = self.deactivate(state, slot)
+                self.free_resource(slot)
+            b, compiled = b * 2, True
+        return state, compiled
 
     def _warmup_prefill_rows(self, params: Any, state: DecodeState, bucket: int, init: SlotInit) -> DecodeState:
         """Compile prefill_insert_rows at every padded batch size up to section.prefill_rows, for one

@@ -257,11 +257,13 @@ class RolloutServer:
             fresh.sort(key=lambda start: len(start[1].prompt))
         for i in range(0, len(fresh), n):
             self._start(fresh[i:i + n])
-        for slot, adm in shared:
-            src = self._holders[adm.prompt_key][0]
-            self._state = self.engine.share_prompt(self._state, src, slot, adm.prompt, _slot_init(adm))
-            self._counts["prompts_shared"] += 1
-            self._occupy(slot, adm)
+        if shared:
+            self._state = self.engine.share_prompt(self._state, [self._holders[adm.prompt_key][0] for _, adm in shared],
+                                                   [slot for slot, _ in shared], [adm.prompt for _, adm in shared],
+                                                   [_slot_init(adm) for _, adm in shared])
+            self._counts["prompts_shared"] += len(shared)
+            for slot, adm in shared:
+                self._occupy(slot, adm)
 
     def _start(self, starts: list[tuple[int, _Admission]]) -> None:
         """Prefill and insert admissions (one engine call: one prompt, or several with prefill_rows > 1)."""

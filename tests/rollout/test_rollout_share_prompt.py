@@ -19,7 +19,7 @@ def _groups(n_prompts=3, group=4):
     at different steps, so later samples of a group find an earlier one still live or gone."""
     out = []
     for p in range(n_prompts):
-        prompt = [1] + list(range(3 + 7 * p, 3 + 7 * p + 9 + 3 * p))  # 10, 13, 16 tokens: 2 pages at page_size 8
+        prompt = [1] + list(range(3 + 7 * p, 3 + 7 * p + 9 + 3 * (p % 3)))  # 10, 13, 16 tokens: 2 pages at page_size 8
         for j in range(group):
             out.append(Request(uid=f"g{p}/{j}", prompt_ids=prompt, prompt_uid=f"g{p}", sample_index=j,
                                seed=100 * p + j, sampling=SamplingParams(
@@ -72,36 +72,36 @@ def test_a_prompt_whose_holders_left_is_prefilled_again():
 
 
 def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
-    one, two = make_server(), make_server()
+    one, two = (make_server(dataclasses.replace(SECTION, num_slots=8)) for _ in range(2))
     params, eng = one._params, one.engine
-    init = SlotInit(np.arange(2, dtype=np.uint32), 0.7, 5, 0.9, 9, np.array([3], np.int32))
-    other = init._replace(key_data=np.arange(2, dtype=np.uint32) + 5)
-    prompt = np.arange(3, 14, dtype=np.int32)  # 11 tokens: the KV of 10 fills 2 pages at page_size 8
-    a = eng.prefill_insert(params, eng.init_decode_state(), 0, prompt, init)
-    a = eng.share_prompt(a, 0, 2, prompt, other)
-    b = two.engine.prefill_insert(params, two.engine.init_decode_state(), 0, prompt, init)
-    b = two.engine.prefill_insert(params, b, 2, prompt, other)
+    inits = [SlotInit(np.arange(2, dtype=np.uint32) + 5 * i, 0.7, 5, 0.9, 9, np.array([3], np.int32)) for i in range(4)]
+    long, short = np.arange(3, 14, dtype=np.int32), np.arange(20, 25, dtype=np.int32)  # KV in 2 pages and 1
+    a = eng.prefill_insert(params, eng.init_decode_state(), 0, long, inits[0])
+    a = eng.prefill_insert(params, a, 1, short, inits[1])
+    a = eng.share_prompt(a, [0, 1, 0], [3, 2, 5], [long, short, long], inits[2:] + inits[:1])  # padded to 4 rows
+    b = two.engine.init_decode_state()
+    for slot, prompt, init in zip((0, 1, 3, 2, 5), (long, short, long, short, long), inits + inits[:1]):
+        b = two.engine.prefill_insert(params, b, slot, prompt, init)
     assert eng.slot_pages == two.engine.slot_pages and eng._cached_hi == two.engine._cached_hi
     a, b = jax.device_get(a), jax.device_get(b)
-    m = pages_needed(len(prompt) - 1, eng.page_size)
     for f in a._fields:
-        if f in ("k_pages", "v_pages"):  # the prompt's positions of slot 2's pages; the rest is unwritten
-            for x, y in zip(getattr(a, f), getattr(b, f)):
-                pages = eng.slot_pages[2][:m]
-                np.testing.assert_array_equal(np.asarray(x)[pages].reshape(-1, *x.shape[2:])[:len(prompt) - 1],
-                                              np.asarray(y)[pages].reshape(-1, *y.shape[2:])[:len(prompt) - 1])
-        else:
+        if f not in ("k_pages", "v_pages"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
+            continue
+        for slot, n in ((3, len(long)), (2, len(short)), (5, len(long))):  # the prompt's positions; the rest is unwritten
+            pages = eng.slot_pages[slot][:pages_needed(n - 1, eng.page_size)]
+            for x, y in zip(getattr(a, f), getattr(b, f)):
+                x, y = (np.asarray(z)[pages].reshape(-1, *z.shape[2:])[:n - 1] for z in (x, y))
+                np.testing.assert_array_equal(x, y)
     state = eng.init_decode_state()
-    with pytest.raises(ValueError, match="slot 0 is occupied"):
-        eng.share_prompt(state, 2, 0, prompt, init)
-    with pytest.raises(ValueError, match="source slot 1 holds no sequence"):
-        eng.share_prompt(state, 1, 3, prompt, init)
-    free = eng.allocator.num_free
-    eng.allocator.allocate(free)  # nothing left: OutOfPages, allocator and slots as before
+    with pytest.raises(ValueError, match="distinct and free"):
+        eng.share_prompt(state, [2], [0], [long], inits[:1])
+    with pytest.raises(ValueError, match="source slot 4 holds no sequence"):
+        eng.share_prompt(state, [4], [6], [long], inits[:1])
+    eng.allocator.allocate(eng.allocator.num_free - 3)  # room for one sequence, not two: nothing changes
     with pytest.raises(OutOfPages):
-        eng.share_prompt(state, 0, 3, prompt, init)
-    assert 3 not in eng.slot_pages and eng.allocator.num_free == 0
+        eng.share_prompt(state, [0, 0], [6, 7], [long, long], inits[:2])
+    assert 6 not in eng.slot_pages and 7 not in eng.slot_pages and eng.allocator.num_free == 3
 
 
 def test_episodes_neither_share_nor_lend():
@@ -121,3 +121,25 @@ def test_the_switch_is_a_config_key():
 
     assert SECTION.share_prompt_kv and not OFF.share_prompt_kv
     assert "share_prompt_kv" in {f.name for f in dataclasses.fields(Config().rollout)}
+
+
+def test_warmup_compiles_every_share_batch_the_server_meets():
+    from jax import monitoring
+
+    server = make_server(dataclasses.replace(SECTION, num_slots=8, num_pages=80))
+    server.warmup()
+    compiles = []
+
+    def listen(event, secs, **kw):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        out = _run(server, _groups(n_prompts=4, group=8))  # 7 and fewer copies per admission pass
+    finally:
+        unregister = getattr(monitoring, "_unregister_event_duration_listener_by_callback", None)
+        if unregister is not None:
+            unregister(listen)
+    assert len(out) == 32 and server.stats().prompts_shared >= 20
+    assert not compiles, f"{len(compiles)} programs compiled after warmup"
