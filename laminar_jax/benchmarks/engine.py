@@ -13,6 +13,10 @@ bandwidth, compares it with the roofline (bytes of weights + live KV read per st
 
     python -m laminar_jax.benchmarks.engine --quick
     python -m laminar_jax.benchmarks.engine --preset qwen2.5-0.5b --dtype bfloat16   # GPU
+
+``--group G`` gives every prompt G requests (a GRPO group: same prompt, own response lengths) and
+adds, alternating with the continuous run, the same run with ``rollout.share_prompt_kv=False``
+(every sample prefilled): ``share_gain`` is the tokens/s ratio, with CPU-seconds per 1k tokens of both.
 """
 
 from __future__ import annotations
@@ -48,9 +52,15 @@ def make_workload(n: int, median: int, cap: int, vocab: int, seed: int = 0,
     return Workload(prompts, lengths.tolist())
 
 
-def _summary(name: str, wall: float, latencies: list, tokens: int) -> dict:
+def grouped(wl: Workload, group: int) -> Workload:
+    """The same response lengths, every ``group`` consecutive requests on one prompt."""
+    return Workload([wl.prompts[i // group] for i in range(len(wl.prompts))], wl.max_new)
+
+
+def _summary(name: str, wall: float, latencies: list, tokens: int, cpu_s: float = 0.0) -> dict:
     lat = np.asarray(latencies)
     return {"name": name, "wall_s": wall, "tokens": tokens, "tokens_per_s": tokens / wall,
+            "cpu_ms_per_1k_tokens": 1e6 * cpu_s / max(tokens, 1),
             "p50_latency_s": float(np.percentile(lat, 50)), "p99_latency_s": float(np.percentile(lat, 99))}
 
 
@@ -75,7 +85,7 @@ def run_engine(model, section, wl: Workload, name: str) -> dict:
         warm.step()
     server = RolloutServer(engine, params)
     reqs = requests("r")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     for r in reqs:
         server.submit(r)
     latencies, tokens = [], 0
@@ -83,9 +93,9 @@ def run_engine(model, section, wl: Workload, name: str) -> dict:
         for t in server.step():
             latencies.append(time.perf_counter() - t0)
             tokens += len(t.response_ids)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert tokens == sum(wl.max_new), (tokens, sum(wl.max_new))
-    return _summary(name, wall, latencies, tokens)
+    return _summary(name, wall, latencies, tokens, cpu)
 
 
 def run_hf(hf_dir: str, wl: Workload, batch: int) -> dict:
@@ -357,6 +367,9 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--pool-frac", type=float, default=0.5,
                     help="KV pool size as a fraction of slots x pages_per_seq (admission waits when short)")
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--group", type=int, default=1,
+                    help="requests per prompt (GRPO group); > 1 also runs share_prompt_kv=False alongside")
+    ap.add_argument("--repeats", type=int, default=2, help="alternating runs of each side of --group's comparison")
     ap.add_argument("--profile", action="store_true",
                     help="only the decode-step profile (matmul vs measured peak, attention, sampling, host) "
                          "at --profile-rows live rows, for float32 and bfloat16 unless --dtype is given")
@@ -385,6 +398,8 @@ def main(argv: list[str]) -> dict:
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     wl = make_workload(n, median, cap, min(cfg.vocab_size, 500))
+    if args.group > 1:
+        wl = grouped(wl, args.group)
     page = 16
     max_total = 32 + cap
     pool = max(int(args.pool_frac * slots * (-(-max_total // page))), -(-max_total // page)) + 1
@@ -395,6 +410,21 @@ def main(argv: list[str]) -> dict:
                              decode_chunk=(32 if slots >= 64 else 0) if args.chunk is None else args.chunk)
     dev = jax.devices()[0]
     device = f"{dev.platform}:{getattr(dev, 'device_kind', '')}"
+    share = None
+    if args.group > 1:  # alternating: share on, off, on, off, ...; medians
+        runs: dict = {"on": [], "off": []}
+        for _ in range(args.repeats):
+            runs["on"].append(run_engine(model, section, wl, "engine_continuous"))
+            runs["off"].append(run_engine(model, dataclasses.replace(section, share_prompt_kv=False), wl,
+                                          "engine_prefill_each"))
+        share = {k: {f: float(np.median([r[f] for r in v])) for f in ("tokens_per_s", "cpu_ms_per_1k_tokens")}
+                 | {"tokens_per_s_runs": [round(r["tokens_per_s"], 1) for r in v]} for k, v in runs.items()}
+        share["share_gain"] = share["on"]["tokens_per_s"] / share["off"]["tokens_per_s"]
+        print(f"shared prompt KV, groups of {args.group}: {share['on']['tokens_per_s']:.1f} tok/s "
+              f"({share['on']['cpu_ms_per_1k_tokens']:.0f} CPU-ms per 1k tokens) vs every sample prefilled "
+              f"{share['off']['tokens_per_s']:.1f} ({share['off']['cpu_ms_per_1k_tokens']:.0f}): "
+              f"{share['share_gain']:.2f}x; medians of {args.repeats}, load average "
+              f"{[round(x, 2) for x in os.getloadavg()]}")
     rows = [run_engine(model, section, wl, "engine_continuous"),
             # Static batches need the full pool: reserving pages for a whole batch of long requests at once.
             run_engine(model, dataclasses.replace(section, batching="static",
@@ -426,6 +456,7 @@ def main(argv: list[str]) -> dict:
         "ratio_vs_static": rows[0]["tokens_per_s"] / rows[1]["tokens_per_s"],
         "p50_latency_s": rows[0]["p50_latency_s"], "p99_latency_s": rows[0]["p99_latency_s"],
         "static_p99_latency_s": rows[1]["p99_latency_s"],
+        "group": args.group, "share_prompt_kv": share, "load_avg": [round(x, 2) for x in os.getloadavg()],
     }
     step = decode_step_b64(model, section, getattr(dev, "device_kind", ""), context=128 if args.quick else 512)
     frac = step["decode_roofline_frac"]

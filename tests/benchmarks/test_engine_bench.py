@@ -1,0 +1,21 @@
+"""bench engine --group: GRPO-shaped requests, side by side with every sample prefilled."""
+
+import json
+
+from laminar_jax.benchmarks import engine as bench
+
+
+def test_grouped_workload_keeps_lengths_and_shares_prompts_in_runs_of_group():
+    wl = bench.make_workload(12, 4, 40, 100)
+    g = bench.grouped(wl, 4)
+    assert g.max_new == wl.max_new
+    assert all(g.prompts[i] == wl.prompts[i // 4] for i in range(12))
+
+
+def test_group_flag_runs_both_sides_and_reports_the_gain(capsys):
+    out = bench.main(["--quick", "--preset", "tiny", "--requests", "16", "--slots", "4", "--median", "4",
+                      "--skip-hf", "--group", "4", "--repeats", "1"])
+    share = out["share_prompt_kv"]
+    assert out["group"] == 4 and share["share_gain"] > 0
+    assert share["on"]["cpu_ms_per_1k_tokens"] > 0 and share["off"]["cpu_ms_per_1k_tokens"] > 0
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["share_prompt_kv"] == share
