@@ -8,8 +8,9 @@ pages each slot owns.
 
 Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate per
 live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
-export/import page copies; with ``rollout.decode_row_buckets`` one generate per row bucket, with
-``rollout.prefill_rows`` > 1 one batched prefill per prompt bucket and padded batch size.
+export/import page copies and one shared-prompt copy (``share_prompt``) per padded batch size; with
+``rollout.decode_row_buckets`` one generate per row bucket, with ``rollout.prefill_rows`` > 1 one
+batched prefill per prompt bucket and padded batch size.
 
 Row buckets: a generate() call whose slots with a sequence fit a bucket runs just those rows
 (gathered like a compaction chunk, as straight-line code), so a long tail of a few sequences pays
@@ -404,14 +405,15 @@ class Engine:
         return max((sum(per_slot[i:i + chunk]) for i in range(0, len(per_slot), chunk)), default=0)
 
     def warmup(self, params: Any) -> None:
-        """Compile every prefill_insert bucket (what the server admits with) and every generate variant now.
+        """Compile every prefill_insert bucket (what the server admits with), the share_prompt batch
+        sizes and every generate variant now.
 
         Runs on a throwaway state; a busy engine (no free slot or pages) compiles prefill() instead.
         """
         state = self.init_decode_state()
         free_slot = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
         init = SlotInit(np.zeros(self._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
-        shared = False  # share_prompt() is one program for every prompt: compiled once
+        shared = False  # share_prompt()'s programs serve every prompt bucket: compiled from the first
         for b in self.buckets:
             if free_slot is None or self.allocator.num_free < self.reserve_pages(b, 1):
                 jax.block_until_ready(self.prefill(params, np.zeros((1, b), np.int32), 1))
