@@ -46,12 +46,16 @@ def _layout(server):
 def parity(section):
     reqs = [request(i, max_new=16, prompt_len=3 + i, temperature=0.0) for i in range(5)]
     reqs += [request(10 + i, max_new=16, prompt_len=6, temperature=0.9, top_k=40) for i in range(2)]
-    res, layouts = {}, {}
+    # Two more samples of the last prompt (a GRPO group): admitted by copying its KV pages on every width.
+    reqs += [dataclasses.replace(reqs[-1], uid=f"p11/{j}", sample_index=j, seed=50 + j) for j in (1, 2)]
+    res, layouts, shared = {}, {}, {}
     for tp in (1, 2, 4):
         s = _server(tp, section)
         res[tp] = _run(s, reqs)
         layouts[tp] = _layout(s)
-    return {"results": {str(k): v for k, v in res.items()}, "layouts": {str(k): v for k, v in layouts.items()}}
+        shared[tp] = s.stats().prompts_shared
+    return {"results": {str(k): v for k, v in res.items()}, "layouts": {str(k): v for k, v in layouts.items()},
+            "shared": {str(k): v for k, v in shared.items()}}
 
 
 def moves():
