@@ -2,11 +2,11 @@
 
 import numpy as np
 from flax import nnx
-from jax import monitoring
 
 from laminar_jax.learner import Learner, LearnerSection
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.types import Trajectory
+from tests.compile_events import count_compiles
 
 
 def _batch(seed: int, length: int, n: int = 8, group: int = 4):
@@ -23,19 +23,8 @@ def _batch(seed: int, length: int, n: int = 8, group: int = 4):
 def test_warmup_compiles_every_bucket_ahead():
     section = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=2, seq_len_buckets=(16, 32, 64))
     learner = Learner(section, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with count_compiles() as compiles:
         _check(learner, compiles)
-    finally:
-        unregister = getattr(monitoring, "_unregister_event_duration_listener_by_callback", None)
-        if unregister is not None:
-            unregister(listen)
 
 
 def _check(learner, compiles):

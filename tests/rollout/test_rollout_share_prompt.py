@@ -124,22 +124,11 @@ def test_the_switch_is_a_config_key():
 
 
 def test_warmup_compiles_every_share_batch_the_server_meets():
-    from jax import monitoring
+    from tests.compile_events import count_compiles
 
     server = make_server(dataclasses.replace(SECTION, num_slots=8, num_pages=80))
     server.warmup()
-    compiles = []
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
+    with count_compiles() as compiles:
         out = _run(server, _groups(n_prompts=4, group=8))  # 7 and fewer copies per admission pass
-    finally:
-        unregister = getattr(monitoring, "_unregister_event_duration_listener_by_callback", None)
-        if unregister is not None:
-            unregister(listen)
     assert len(out) == 32 and server.stats().prompts_shared >= 20
     assert not compiles, f"{len(compiles)} programs compiled after warmup"

@@ -193,30 +193,19 @@ def test_buffer_actor_ownership_requeue_and_admission():
 def test_ray_run_warms_up_so_the_first_step_compiles_nothing(tmp_path):
     """As the local runtime: the learner (here in the driver) and every actor's engine compile before
     the RL clock; the first learner step and the generation around it compile nothing."""
-    from jax import monitoring
-
     from laminar_jax.runtime.ray_runtime import RayRun
+    from tests.compile_events import count_compiles
 
     c = demo()
     c.runtime.update(kind="ray", num_servers=1, total_steps=2, run_dir=str(tmp_path / "run"), progress=False)
-    compiles, marks = [], {}
-
-    def listen(event, secs, **kw):
-        if event == "/jax/core/compile/backend_compile_duration":
-            compiles.append(event)
-
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
+    marks = {}
+    with count_compiles() as compiles:
         run = RayRun(finalize(c), c.runtime.run_dir)
         warm_up = run._warm_up
         run._warm_up = lambda: (warm_up(), marks.update(warm=len(compiles)))
         run.on_step_hooks.append(lambda v: v == 1 and marks.update(
             step1=len(compiles), actors=[s["compiles"] for s in run.fleet.snapshots().values()]))
         s = run.run()
-    finally:
-        unregister = getattr(monitoring, "_unregister_event_duration_listener_by_callback", None)
-        if unregister is not None:
-            unregister(listen)
     assert s["steps"] == 2 and marks["warm"] > 0
     assert marks["step1"] == marks["warm"], f"the first step compiled {marks['step1'] - marks['warm']} programs"
     assert marks["actors"] == [0], marks
