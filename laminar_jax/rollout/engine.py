@@ -271,25 +271,14 @@ class Engine:
         ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
         t = max(self.bucket_for(len(x)) for x in ids)
         b = 1 << (len(ids) - 1).bit_length()
+        taken = self._allocate_all(ids, inits)
         tokens, lengths = np.zeros((b, t), np.int32), np.ones((b,), np.int32)
-        rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
-        taken: list[list[int]] = []
-        try:
-            for i, (x, init) in enumerate(zip(ids, inits)):
-                taken.append(self.allocator.allocate(self.reserve_pages(len(x), init.max_new)))
-                tokens[i, :len(x)], lengths[i], slot_ids[i], rows[i] = x, len(x), slots[i], self._page_row(taken[-1])
-        except OutOfPages:
-            for pages in taken:
-                self.allocator.free(pages)
-            raise
-        for slot, pages, x in zip(slots, taken, ids):
-            self.slot_pages[slot] = pages
-            self._cached_hi[slot] = len(x) - 1
-        per_row = [self._init_arrays(init) for init in inits]
-        per_row += [per_row[0]] * (b - len(per_row))  # padding rows: any values (their slot is dropped)
-        init_cols = [np.stack(col) for col in zip(*per_row)]
+        for i, x in enumerate(ids):
+            tokens[i, :len(x)], lengths[i] = x, len(x)
+        rows, slot_ids = self._claim_rows(b, slots, taken, ids)
         leaves, progs = self._bind(params)
-        return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows, *init_cols)
+        return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows,
+                                         *self._init_columns(inits, b))
 
     def share_prompt(self, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
                      inits: list[SlotInit]) -> DecodeState:
@@ -318,28 +307,16 @@ class Engine:
             if not 1 <= len(x) <= self.buckets[-1]:
                 raise ValueError(f"share_prompt: prompt of {len(x)} tokens; must be in [1, {self.buckets[-1]}]")
         b = 1 << (len(ids) - 1).bit_length()
+        taken = self._allocate_all(ids, inits)
         src, dst = np.zeros((2, b, self._prompt_pages), np.int32)  # padding: the null page onto itself
-        rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
         cached, last = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
-        taken: list[list[int]] = []
-        try:
-            for x, init in zip(ids, inits):
-                taken.append(self.allocator.allocate(self.reserve_pages(len(x), init.max_new)))
-        except OutOfPages:
-            for pages in taken:
-                self.allocator.free(pages)
-            raise
-        for i, (source, slot, x, pages) in enumerate(zip(src_slots, slots, ids, taken)):
+        for i, (source, x, pages) in enumerate(zip(src_slots, ids, taken)):
             m = pages_needed(len(x) - 1, self.page_size)  # pages holding the prompt's KV (the last token is fed later)
             src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
-            rows[i], slot_ids[i], cached[i], last[i] = self._page_row(pages), slot, len(x) - 1, x[-1]
-            self.slot_pages[slot] = pages
-            self._cached_hi[slot] = len(x) - 1
-        per_row = [self._init_arrays(init) for init in inits]
-        per_row += [per_row[0]] * (b - len(per_row))  # padding rows: any values (their slot is dropped)
-        init_cols = [np.stack(col) for col in zip(*per_row)]
+            cached[i], last[i] = len(x) - 1, x[-1]
+        rows, slot_ids = self._claim_rows(b, slots, taken, ids)
         return self._settle(_share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
-                                              cached, last, *init_cols))
+                                              cached, last, *self._init_columns(inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
@@ -569,6 +546,34 @@ class Engine:
                                     np.int32(max_new)))
 
     # ---------------------------------------------------------------- helpers
+
+    def _allocate_all(self, ids: list, inits: list[SlotInit]) -> list[list[int]]:
+        """Each prompt's pages for its whole life, or none: OutOfPages leaves the allocator as it was."""
+        taken: list[list[int]] = []
+        try:
+            for x, init in zip(ids, inits):
+                taken.append(self.allocator.allocate(self.reserve_pages(len(x), init.max_new)))
+        except OutOfPages:
+            for pages in taken:
+                self.allocator.free(pages)
+            raise
+        return taken
+
+    def _claim_rows(self, b: int, slots: list[int], taken: list[list[int]], ids: list) -> tuple[np.ndarray, np.ndarray]:
+        """Give each slot its pages (prompt KV cached up to its last token); the batch's page rows
+        i32[b, pages_per_seq] and slot ids i32[b], padding rows naming no slot (num_slots) and the null page."""
+        rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
+        for i, (slot, pages, x) in enumerate(zip(slots, taken, ids)):
+            rows[i], slot_ids[i] = self._page_row(pages), slot
+            self.slot_pages[slot] = pages
+            self._cached_hi[slot] = len(x) - 1
+        return rows, slot_ids
+
+    def _init_columns(self, inits: list[SlotInit], b: int) -> list[np.ndarray]:
+        """The inits' arrays stacked per field over b rows (padding rows repeat the first: their slot is dropped)."""
+        per_row = [self._init_arrays(init) for init in inits]
+        per_row += [per_row[0]] * (b - len(per_row))
+        return [np.stack(col) for col in zip(*per_row)]
 
     def _page_row(self, pages: list[int]) -> np.ndarray:
         row = np.zeros((self.pages_per_seq,), np.int32)
