@@ -67,8 +67,10 @@ def test_packed_step_equals_unpacked(kind):
         for k in ("loss", "pg_loss", "entropy", "reward_mean"):
             np.testing.assert_allclose(m_packed[k], m_plain[k], rtol=2e-5, atol=1e-6, err_msg=k)
     a, b = plain.policy_params(), packed.policy_params()
+    # atol: Adam divides each gradient by its own running scale, so a weight whose gradient is near
+    # zero moves by up to lr per step on float rounding alone (packed rows sum in another order).
     for name in a:
-        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-6, err_msg=name)
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
     assert any(not np.array_equal(a[n], Learner(LearnerSection(**base), model()).policy_params()[n]) for n in a)
 
 
