@@ -9,8 +9,9 @@ Where does every CPU-second of the process go? Three sources, combined in `Profi
 2. A sampler thread reads every thread's CPU (/proc/self/task/*/stat, utime+stime) every `tick_s`.
    Threads that are not Python threads are XLA's (its compute and intra-op pools, which run the
    programs a Python thread dispatched): their CPU of each tick is split between the *device*
-   phases active at that tick (decode, learner train/log-prob passes, host copies), equally per
-   active phase instance; with none active it is 'xla: no phase active'. Python threads outside any
+   phases active at that tick (decode, learner train/log-prob passes, host copies) in proportion
+   to each phase's rate in the ticks where it ran alone (`split_native`); with none active it is
+   'xla: no phase active'. Python threads outside any
    phase are charged by thread name (relay, publisher, reward pool, dispatcher, ...), and so are
    tensorstore's I/O threads (`ts_pool_worker`: weight-store writes, checkpoints), which are
    native but not XLA's (until this was noticed their CPU was split between the device phases).
@@ -22,9 +23,9 @@ running: waiting for the GIL (or for a lock held by a thread that waits for the 
 measured there only, so it is a lower bound for the whole process.
 
 Errors: /proc clocks tick at 10 ms (per thread, summed over many ticks: about +-10 ms per thread
-in total); the split of XLA threads' CPU between concurrent device phases is an assumption (equal
-shares per active phase: with 4 servers decoding while the learner trains, a learner pass and a
-decode step count the same); a thread that exits between two ticks loses its last tick's CPU (the
+in total); the split of XLA threads' CPU between concurrent device phases is an estimate (each
+phase is assumed to load XLA's threads as much with others active as alone; the report's
+`xla_solo` gives each phase's solo ticks and rate, so a rate from few ticks can be judged); a thread that exits between two ticks loses its last tick's CPU (the
 process total from /proc/self/stat does not, so 'unaccounted' shows what was lost).
 
 One profiler is active per process at a time (`start()` installs it, `stop()` removes it): the
@@ -38,7 +39,7 @@ import contextlib
 import os
 import threading
 import time
-from typing import Iterator, Optional
+from typing import Iterator, Optional, Sequence
 
 _CLK = os.sysconf("SC_CLK_TCK")
 
@@ -117,6 +118,37 @@ def _run_delay(tid: int) -> float:
         return 0.0
 
 
+def split_native(ticks: dict[tuple[tuple[str, int], ...], Sequence[float]]) -> dict[str, float]:
+    """XLA threads' CPU charged to device phases, from the sampler's ticks grouped by the device
+    phases active (names with instance counts): {active: (XLA CPU summed over those ticks, ticks)}.
+
+    Ticks with one kind of phase active (its *solo* ticks) charge that phase everything and give
+    its rate: XLA CPU per tick per active instance. Ticks with several kinds split their CPU in
+    proportion to instances x solo rate, so a learner pass that keeps XLA's pool busy weighs more
+    than a decode step that runs mostly on its own thread (an equal split per instance had charged
+    most of a laminar run's learner passes to decode: the pool's CPU measured across the learner's
+    passes was 2-3x what the equal split gave them). A phase never seen alone gets the mean of the
+    known non-zero rates (equal shares when none is known). Ticks with no phase active go to
+    'xla: no phase active'.
+    """
+    rates = {active[0][0]: native / active[0][1] / count
+             for active, (native, count) in ticks.items() if len(active) == 1 and count}
+    known = [r for r in rates.values() if r > 0]
+    fallback = sum(known) / len(known) if known else 1.0
+    out: dict[str, float] = {}
+    for active, (native, _) in ticks.items():
+        if not active:
+            out["xla: no phase active"] = out.get("xla: no phase active", 0.0) + native
+            continue
+        weights = {k: n * rates.get(k, fallback) for k, n in active}
+        total = sum(weights.values())
+        if total <= 0:
+            weights, total = {k: float(n) for k, n in active}, float(sum(n for _, n in active))
+        for k, w in weights.items():
+            out[k] = out.get(k, 0.0) + native * w / total
+    return out
+
+
 class _Acc:
     __slots__ = ("cpu", "wall", "delay", "calls")
 
@@ -131,7 +163,9 @@ class Profiler:
         self._lock = threading.Lock()
         self._phases: dict[str, _Acc] = {}
         self._active: dict[str, int] = {}  # device phase -> instances active now
-        self._native: dict[str, float] = {}  # XLA threads' CPU by the phase it is charged to
+        self._native: dict[str, float] = {}  # XLA threads' CPU by the phase it is charged to (see split_native)
+        # Sampler ticks by the device phases active (name, instances): [XLA CPU summed, ticks]
+        self._ticks: dict[tuple[tuple[str, int], ...], list] = {}
         self._threads: dict[int, tuple[str, float]] = {}  # tid -> (name, CPU seconds at the last tick)
         self._seen: dict[int, tuple[str, float]] = {}  # tid -> (name, CPU at start)
         self._local = threading.local()
@@ -225,13 +259,10 @@ class Profiler:
         if native <= 0:
             return
         with self._lock:
-            active = {k: n for k, n in self._active.items() if n > 0}
-        total = sum(active.values())
-        if not total:
-            self._native["xla: no phase active"] = self._native.get("xla: no phase active", 0.0) + native
-            return
-        for k, n in active.items():
-            self._native[k] = self._native.get(k, 0.0) + native * n / total
+            active = tuple(sorted((k, n) for k, n in self._active.items() if n > 0))
+            acc = self._ticks.setdefault(active, [0.0, 0])
+            acc[0] += native
+            acc[1] += 1
 
     # ------------------------------------------------------------------ the report
     def thread_cpu(self) -> dict[str, float]:
@@ -245,6 +276,8 @@ class Profiler:
     def report(self, trained_tokens: int, generated_tokens: int = 0) -> dict:
         """The `profile` block of the summary (seconds, shares of process CPU, CPU-ms per 1k trained tokens)."""
         wall = max(self.t1 - self.t0, 1e-9)
+        with self._lock:
+            self._native = split_native(self._ticks)
         process = self.cpu1 - self.cpu0
         children = max(self.children1 - self.children0, 0.0)
         by_thread = self.thread_cpu()
@@ -289,6 +322,8 @@ class Profiler:
             "python_share": round(py_total / process, 4) if process > 0 else None,
             "gil_wait_s": round(gil, 2), "run_queue_wait_s": round(delay, 2),
             "gil_wait_in": list(PY_ONLY),
+            "xla_solo": {active[0][0]: {"ticks": count, "xla_ms_per_tick": round(1e3 * native / active[0][1] / count, 2)}
+                         for active, (native, count) in sorted(self._ticks.items()) if len(active) == 1 and count},
             "rows": rows,
             "phases": {k: {"cpu_s": round(a.cpu, 3), "wall_s": round(a.wall, 3), "calls": a.calls,
                            "xla_cpu_s": round(self._native.get(k, 0.0), 3)} for k, a in sorted(self._phases.items())},

@@ -96,6 +96,37 @@ def _rows_case():
     assert 0.0 <= rep["gil_wait_s"] <= phases["dispatch"]["wall_s"]
 
 
+def test_split_native_weights_concurrent_phases_by_their_solo_rates():
+    """Pure logic: ticks where the learner ran alone show it loads XLA's threads 4x as much per
+    instance as a decode step does alone, so a tick with both gives the learner 4/5 (2 decode
+    instances: 4/6), not the equal split's 1/2 (1/3)."""
+    ticks = {
+        (("learner.train", 1),): (0.40, 10),  # 40 ms of XLA CPU per tick alone
+        (("decode", 1),): (0.10, 10),  # 10 ms
+        (("decode", 1), ("learner.train", 1)): (0.50, 10),
+        (("decode", 2), ("learner.train", 1)): (0.60, 10),
+        (): (0.07, 3),
+    }
+    out = profile.split_native(ticks)
+    assert out["learner.train"] == pytest.approx(0.40 + 0.50 * 4 / 5 + 0.60 * 4 / 6)
+    assert out["decode"] == pytest.approx(0.10 + 0.50 * 1 / 5 + 0.60 * 2 / 6)
+    assert out["xla: no phase active"] == pytest.approx(0.07)
+    assert sum(out.values()) == pytest.approx(sum(v for v, _ in ticks.values()))
+
+
+def test_split_native_without_solo_ticks_falls_back_to_known_rates_then_equal_shares():
+    # publish.host_copy never ran alone: it gets the mean of the known rates (here decode's).
+    out = profile.split_native({(("decode", 1),): (0.2, 10), (("decode", 1), ("publish.host_copy", 1)): (0.2, 5)})
+    assert out["publish.host_copy"] == pytest.approx(0.1) and out["decode"] == pytest.approx(0.3)
+    # Nothing ever ran alone: equal shares per instance.
+    out = profile.split_native({(("decode", 2), ("learner.train", 1)): (0.3, 4)})
+    assert out["decode"] == pytest.approx(0.2) and out["learner.train"] == pytest.approx(0.1)
+    # A phase alone with no XLA CPU at all keeps its zero rate; a tick of it with an unknown phase
+    # still splits by instances rather than dividing by zero.
+    out = profile.split_native({(("pull", 1),): (0.0, 5), (("pull", 1), ("decode", 1)): (0.4, 2)})
+    assert out["pull"] == 0.0 and out["decode"] == pytest.approx(0.4)
+
+
 def test_tensorstore_io_threads_are_charged_to_the_store_row_not_to_device_phases():
     _in_fresh_interpreter("_io_case")
 
