@@ -91,6 +91,8 @@ def _rows_case():
     # gets any of their CPU (what lands after the last call, e.g. pool threads spinning, is 'no phase').
     assert rows["decode and prefill"]["xla_s"] > 0
     assert all(r["xla_s"] == 0 for name, r in rows.items() if name not in ("decode and prefill", "xla: no phase active"))
+    # Decode ran alone: the report gives its solo ticks and rate (what concurrent ticks are split by).
+    assert rep["xla_solo"]["decode"]["ticks"] >= 1 and rep["xla_solo"]["decode"]["xla_ms_per_tick"] > 0
     assert rep["cpu_ms_per_1k_trained_tokens"] == pytest.approx(1e3 * (rep["process_cpu_s"] + rep["children_cpu_s"]),
                                                                 rel=0.02, abs=2)
     assert 0.0 <= rep["gil_wait_s"] <= phases["dispatch"]["wall_s"]
