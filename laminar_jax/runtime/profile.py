@@ -354,9 +354,10 @@ def active() -> Optional[Profiler]:
 
 
 def instrument_learner(learner) -> None:
-    """Time the learner's log-prob pass and train step as phases of their own. Each waits for its
-    result inside the phase (profile runs only): with jax's asynchronous dispatch the pass would
-    otherwise end before its program ran, and its XLA CPU would land on whatever phase came next."""
+    """Time the learner's log-prob pass and train step (with its mini-batch gather) as phases of
+    their own. Each waits for its result inside the phase (profile runs only): with jax's
+    asynchronous dispatch the pass would otherwise end before its program ran, and its XLA CPU
+    would land on whatever phase came next."""
     import jax
 
     def timed(fn, name):
@@ -367,3 +368,4 @@ def instrument_learner(learner) -> None:
 
     learner._prepare = timed(learner._prepare, "learner.logprob")
     learner._train_step = timed(learner._train_step, "learner.train")
+    learner._select = timed(learner._select, "learner.train")  # a mini-batch's rows, gathered for its update
