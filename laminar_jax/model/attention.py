@@ -45,8 +45,8 @@ def gqa_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> 
     g = h // hkv
     # Heads first, a KV head's G query heads stacked along the rows: both products are then plain
     # batched matmuls [B*Hkv] x [G*T, D] x [D, S] in the layout their outputs keep. Transposing
-    # q/k/v (O(T*D)) instead of the scores (O(T*S)) halves the attention's cost of a training step
-    # on XLA:CPU, whose backward otherwise transposes every score-sized tensor.
+    # q/k/v (O(T*D)) instead of the scores (O(T*S)) cut a training step's attention (forward and
+    # backward) by ~40% on XLA:CPU, whose backward otherwise transposed every score-sized tensor.
     qg = q.reshape(b, t, hkv, g, d).transpose(0, 2, 3, 1, 4).reshape(b, hkv, g * t, d)
     kt, vt = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # [B, Hkv, S, D]
     scores = jnp.einsum("bkqd,bksd->bkqs", qg.astype(jnp.float32), kt.astype(jnp.float32))

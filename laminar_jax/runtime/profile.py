@@ -25,8 +25,9 @@ measured there only, so it is a lower bound for the whole process.
 Errors: /proc clocks tick at 10 ms (per thread, summed over many ticks: about +-10 ms per thread
 in total); the split of XLA threads' CPU between concurrent device phases is an estimate (each
 phase is assumed to load XLA's threads as much with others active as alone; the report's
-`xla_solo` gives each phase's solo ticks and rate, so a rate from few ticks can be judged); a thread that exits between two ticks loses its last tick's CPU (the
-process total from /proc/self/stat does not, so 'unaccounted' shows what was lost).
+`xla_solo` gives each phase's solo ticks and rate, so a rate from few ticks can be judged); a
+thread that exits between two ticks loses its last tick's CPU (the process total from
+/proc/self/stat does not, so 'unaccounted' shows what was lost).
 
 One profiler is active per process at a time (`start()` installs it, `stop()` removes it): the
 phase markers sit in code that does not hold a reference to the run that owns it (rollout workers,
@@ -124,10 +125,10 @@ def split_native(ticks: dict[tuple[tuple[str, int], ...], Sequence[float]]) -> d
 
     Ticks with one kind of phase active (its *solo* ticks) charge that phase everything and give
     its rate: XLA CPU per tick per active instance. Ticks with several kinds split their CPU in
-    proportion to instances x solo rate, so a learner pass that keeps XLA's pool busy weighs more
-    than a decode step that runs mostly on its own thread (an equal split per instance had charged
-    most of a laminar run's learner passes to decode: the pool's CPU measured across the learner's
-    passes was 2-3x what the equal split gave them). A phase never seen alone gets the mean of the
+    proportion to instances x solo rate, so a learner pass, which keeps XLA's pool busy, weighs more
+    than a decode step of a small model, which leaves it idle between calls (an equal split per
+    instance had charged most of a laminar run's learner passes to decode: the pool's CPU measured
+    across the learner's passes was 2-3x what the equal split gave them). A phase never seen alone gets the mean of the
     known non-zero rates (equal shares when none is known). Ticks with no phase active go to
     'xla: no phase active'.
     """
