@@ -119,6 +119,13 @@ def _run_delay(tid: int) -> float:
         return 0.0
 
 
+def solo_rates(ticks: dict[tuple[tuple[str, int], ...], Sequence[float]]) -> dict[str, tuple[int, float]]:
+    """{phase: (its solo ticks, XLA CPU seconds per tick per active instance)} for every phase seen
+    running alone (one kind of device phase active), from ticks grouped as in `split_native`."""
+    return {active[0][0]: (count, native / active[0][1] / count)
+            for active, (native, count) in sorted(ticks.items()) if len(active) == 1 and count}
+
+
 def split_native(ticks: dict[tuple[tuple[str, int], ...], Sequence[float]]) -> dict[str, float]:
     """XLA threads' CPU charged to device phases, from the sampler's ticks grouped by the device
     phases active (names with instance counts): {active: (XLA CPU summed over those ticks, ticks)}.
@@ -128,12 +135,11 @@ def split_native(ticks: dict[tuple[tuple[str, int], ...], Sequence[float]]) -> d
     proportion to instances x solo rate, so a learner pass, which keeps XLA's pool busy, weighs more
     than a decode step of a small model, which leaves it idle between calls (an equal split per
     instance had charged most of a laminar run's learner passes to decode: the pool's CPU measured
-    across the learner's passes was 2-3x what the equal split gave them). A phase never seen alone gets the mean of the
-    known non-zero rates (equal shares when none is known). Ticks with no phase active go to
-    'xla: no phase active'.
+    across the learner's passes was 2-3x what the equal split gave them). A phase never seen alone
+    gets the mean of the known non-zero rates (equal shares when none is known). Ticks with no phase
+    active go to 'xla: no phase active'.
     """
-    rates = {active[0][0]: native / active[0][1] / count
-             for active, (native, count) in ticks.items() if len(active) == 1 and count}
+    rates = {k: rate for k, (_, rate) in solo_rates(ticks).items()}
     known = [r for r in rates.values() if r > 0]
     fallback = sum(known) / len(known) if known else 1.0
     out: dict[str, float] = {}
@@ -164,7 +170,6 @@ class Profiler:
         self._lock = threading.Lock()
         self._phases: dict[str, _Acc] = {}
         self._active: dict[str, int] = {}  # device phase -> instances active now
-        self._native: dict[str, float] = {}  # XLA threads' CPU by the phase it is charged to (see split_native)
         # Sampler ticks by the device phases active (name, instances): [XLA CPU summed, ticks]
         self._ticks: dict[tuple[tuple[str, int], ...], list] = {}
         self._threads: dict[int, tuple[str, float]] = {}  # tid -> (name, CPU seconds at the last tick)
@@ -278,7 +283,8 @@ class Profiler:
         """The `profile` block of the summary (seconds, shares of process CPU, CPU-ms per 1k trained tokens)."""
         wall = max(self.t1 - self.t0, 1e-9)
         with self._lock:
-            self._native = split_native(self._ticks)
+            ticks = {k: tuple(v) for k, v in self._ticks.items()}
+        native = split_native(ticks)  # XLA threads' CPU by the phase it is charged to
         process = self.cpu1 - self.cpu0
         children = max(self.children1 - self.children0, 0.0)
         by_thread = self.thread_cpu()
@@ -294,10 +300,10 @@ class Profiler:
             py = sum(phase_py.get(k, 0.0) for k in keys)
             py += sum(v for t, v in unmarked.items() for k in keys if k.startswith("thread:") and t.startswith(k))
             used |= {t for t in unmarked for k in keys if k.startswith("thread:") and t.startswith(k)}
-            xla = sum(self._native.get(k, 0.0) for k in keys)
+            xla = sum(native.get(k, 0.0) for k in keys)
             child = children if "children" in keys else 0.0
             rows.append(self._row(row, py, xla + child, wall, trained_tokens, sum(io.get(k, 0.0) for k in keys)))
-        xla_idle = self._native.get("xla: no phase active", 0.0)
+        xla_idle = native.get("xla: no phase active", 0.0)
         rows.append(self._row("xla: no phase active", 0.0, xla_idle, wall, trained_tokens))
         # Phase-marked threads (servers, learner) outside their phases, and other Python threads.
         sampler = unmarked.get("thread:profile-sampler", 0.0)
@@ -323,11 +329,10 @@ class Profiler:
             "python_share": round(py_total / process, 4) if process > 0 else None,
             "gil_wait_s": round(gil, 2), "run_queue_wait_s": round(delay, 2),
             "gil_wait_in": list(PY_ONLY),
-            "xla_solo": {active[0][0]: {"ticks": count, "xla_ms_per_tick": round(1e3 * native / active[0][1] / count, 2)}
-                         for active, (native, count) in sorted(self._ticks.items()) if len(active) == 1 and count},
+            "xla_solo": {k: {"ticks": n, "xla_ms_per_tick": round(1e3 * rate, 2)} for k, (n, rate) in solo_rates(ticks).items()},
             "rows": rows,
             "phases": {k: {"cpu_s": round(a.cpu, 3), "wall_s": round(a.wall, 3), "calls": a.calls,
-                           "xla_cpu_s": round(self._native.get(k, 0.0), 3)} for k, a in sorted(self._phases.items())},
+                           "xla_cpu_s": round(native.get(k, 0.0), 3)} for k, a in sorted(self._phases.items())},
             "threads": {k: round(v, 2) for k, v in sorted(by_thread.items(), key=lambda kv: -kv[1]) if v >= 0.01},
         }
 
