@@ -45,7 +45,7 @@ from typing import Iterator, Optional, Sequence
 _CLK = os.sysconf("SC_CLK_TCK")
 
 # Phases whose XLA-thread CPU is theirs while they are active (they dispatch and wait for programs).
-DEVICE_PHASES = ("decode", "learner.train", "learner.logprob", "publish.host_copy", "pull")
+DEVICE_PHASES = ("decode", "learner.train", "learner.select", "learner.logprob", "publish.host_copy", "pull")
 # Phases that run Python only (their off-CPU time that is not run-queue delay is GIL or lock wait).
 PY_ONLY = ("dispatch",)
 
@@ -56,7 +56,7 @@ IO_THREADS = ("native:ts_pool_worker",)
 # The report's rows: (row, phases and thread-name prefixes charged to it).
 ROWS = (
     ("decode and prefill", ("decode",)),
-    ("learner fwd/bwd + optimizer", ("learner.train",)),
+    ("learner fwd/bwd + optimizer", ("learner.train", "learner.select")),  # select: a mini-batch's rows
     ("log-prob recomputation", ("learner.logprob",)),
     ("learner host work (collate, place, metrics)", ("learner.host",)),
     ("publish (host copy, store write, relay)", ("publish.host_copy", "thread:publish", "thread:relay",
@@ -374,4 +374,4 @@ def instrument_learner(learner) -> None:
 
     learner._prepare = timed(learner._prepare, "learner.logprob")
     learner._train_step = timed(learner._train_step, "learner.train")
-    learner._select = timed(learner._select, "learner.train")  # a mini-batch's rows, gathered for its update
+    learner._select = timed(learner._select, "learner.select")  # a mini-batch's rows, charged with the updates
