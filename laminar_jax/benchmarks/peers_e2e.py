@@ -13,8 +13,8 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
-mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 4: one jitted call
-decodes 4 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md), at
+mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 8: one jitted call
+decodes 8 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md), at
 each XLA CPU thread setting of --ours-threads. Each goal's ratio compares every system at its own
 best setting for that figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
@@ -59,7 +59,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "a pool of one thread per core and async dispatch; n >= 1: runtime.cpu_threads=n and "
                          "runtime.cpu_async_dispatch=False, each computation on its calling thread); default: "
                          "the demo config's")
-    ap.add_argument("--decode-steps", type=int, default=4,
+    ap.add_argument("--decode-steps", type=int, default=8,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
