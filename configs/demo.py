@@ -26,8 +26,9 @@ def get_config(variant: str = ""):
     c.rollout.max_total_len = 192
     c.rollout.temperature = 1.0
     # 8 tokens per slot per generate() call: each call's Python (dispatch, reading outputs, admission)
-    # is paid once per 8 tokens; laminar spent ~7% less CPU per trained token than at 4 (16 left slots
-    # idle longer). docs/BENCHMARKS.md, "8 tokens per generate call".
+    # is paid once per 8 tokens; laminar spent ~7% less CPU per trained token than at 4 (at 16, finished
+    # sequences held their slots longer and the gain was gone). docs/BENCHMARKS.md, "8 tokens per
+    # generate call".
     c.rollout.decode_steps_per_call = 8
 
     c.learner.adv_estimator = "grpo"
