@@ -13,8 +13,7 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
-mode's policy) and `rollout.decode_steps_per_call` = --decode-steps (default 8: one jitted call
-decodes 8 tokens per slot, which cuts the Python dispatch per token; see docs/BENCHMARKS.md), at
+mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
 each XLA CPU thread setting of --ours-threads. Each goal's ratio compares every system at its own
 best setting for that figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
@@ -59,8 +58,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "a pool of one thread per core and async dispatch; n >= 1: runtime.cpu_threads=n and "
                          "runtime.cpu_async_dispatch=False, each computation on its calling thread); default: "
                          "the demo config's")
-    ap.add_argument("--decode-steps", type=int, default=8,
-                    help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread count)")
+    ap.add_argument("--decode-steps", type=int, default=None,
+                    help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread "
+                         "count); default: the demo config's")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     ap.add_argument("--out", default=None)
@@ -215,7 +215,8 @@ def _ours_worker(spec: dict) -> dict:
     c.runtime.prompts_per_step, c.runtime.samples_per_prompt = g["prompts_per_step"], g["samples_per_prompt"]
     c.learner.mini_batches = g["updates_per_step"]
     c.rollout.max_new_tokens = g["max_new_tokens"]
-    c.rollout.decode_steps_per_call = spec["decode_steps"]
+    if spec["decode_steps"]:
+        c.rollout.decode_steps_per_call = spec["decode_steps"]
     c.learner.lr = spec["lr"]
     if spec.get("cpu_threads") is not None:
         c.runtime.cpu_threads = spec["cpu_threads"]
@@ -330,6 +331,8 @@ def main(argv: list[str]) -> Optional[dict]:
     if args.worker:
         _worker_main(args)
         return None
+    from laminar_jax.benchmarks.e2e import _demo_config
+
     out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
@@ -355,7 +358,7 @@ def main(argv: list[str]) -> Optional[dict]:
     summary = summarize(runs)
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
-              "decode_steps_per_call": args.decode_steps, "lr": args.lr,
+              "decode_steps_per_call": args.decode_steps or _demo_config().rollout.decode_steps_per_call, "lr": args.lr,
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(result))
