@@ -40,6 +40,10 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     # Every batch is dispatched at the start (4 steps): both actors generate at version 0 for
     # seconds, the window in which the watcher below moves a sequence and kills an actor.
     c.runtime.max_inflight_batches = 5
+    # One token per generate call, so a sequence stays live for many calls: at the demo's 8 the
+    # version-0 tails were gone before the watcher saw two actors at one version with work to move
+    # (CI, on a loaded machine: no move in the whole run).
+    c.rollout.decode_steps_per_call = 1
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved, seen, errors = [], [], []
@@ -92,11 +96,18 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
         # looks: let the detection land (bounded) before the learner goes on. The last step also
         # waits for the watcher's kill itself (CI once saw it land after the run's last hook, and
         # the run ended on the other actor's samples with the death never detected).
-        if version >= c.runtime.total_steps:
-            _wait(lambda: killed or not watcher.is_alive(), 120, "the watcher to kill an actor", seen)
-        if killed:
-            name = killed["name"]
-            _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
+        try:
+            if version >= c.runtime.total_steps:
+                _wait(lambda: killed or not watcher.is_alive(), 120, "the watcher to kill an actor", seen)
+            if killed:
+                name = killed["name"]
+                _wait(lambda: any(f.get("server") == name for f in run.failures), 60, f"the health loop to detect {name}")
+        except AssertionError:
+            # Stop the watcher before the run tears its cluster down: a Ray call from it after the
+            # shutdown would start a new local cluster in this process, which took later tests down.
+            done.set()
+            watcher.join(timeout=10)
+            raise
 
     run.on_step_hooks.append(detection_lands)
     try:
