@@ -44,6 +44,9 @@ def test_notebook_is_a_plain_library_client():
     assert not any(("def " in c.source or "class " in c.source) for c in code), "no logic of its own"
 
 
+# Slow (~100 s on 2 cores: the notebook trains laminar and sync, each compiling its own programs); the
+# same runs are covered in the default tier by tests/runtime/test_local_runtime.py.
+@pytest.mark.slow
 def test_notebook_runs_headless(tmp_path, monkeypatch):
     data_dir = tmp_path / "jupyter"
     _kernelspec(str(data_dir))

@@ -31,6 +31,9 @@ def test_agentic_short_run_trains_on_multi_turn_episodes(tmp_path):
     assert os.path.exists(tmp_path / "run" / "timeline.png")
 
 
+# Slow (~55 s on 2 cores); multi-turn episodes through the runtime stay in the default tier above,
+# the calculator's tool calls in tests/env (its environment's own tests).
+@pytest.mark.slow
 def test_calculator_short_run_warm_starts_on_traces_then_trains_on_episodes(tmp_path):
     """The calculator demo's quick variant: the warm-start on [turn, tool message, turn] traces and
     the RL episodes against the calculator run end to end (a handful of steps: no learning asserted)."""
