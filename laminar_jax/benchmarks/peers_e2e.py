@@ -215,8 +215,7 @@ def _ours_worker(spec: dict) -> dict:
     c.runtime.prompts_per_step, c.runtime.samples_per_prompt = g["prompts_per_step"], g["samples_per_prompt"]
     c.learner.mini_batches = g["updates_per_step"]
     c.rollout.max_new_tokens = g["max_new_tokens"]
-    if spec["decode_steps"]:
-        c.rollout.decode_steps_per_call = spec["decode_steps"]
+    c.rollout.decode_steps_per_call = spec["decode_steps"]
     c.learner.lr = spec["lr"]
     if spec.get("cpu_threads") is not None:
         c.runtime.cpu_threads = spec["cpu_threads"]
@@ -333,6 +332,7 @@ def main(argv: list[str]) -> Optional[dict]:
         return None
     from laminar_jax.benchmarks.e2e import _demo_config
 
+    decode_steps = args.decode_steps or _demo_config().rollout.decode_steps_per_call
     out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
@@ -346,7 +346,7 @@ def main(argv: list[str]) -> Optional[dict]:
             label = system if threads is None else f"{system}-{threads}t" if threads else f"{system}-auto"
             spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label,
                     "threads" if system == "trl" else "cpu_threads": threads,
-                    "decode_steps": args.decode_steps, "lr": args.lr,
+                    "decode_steps": decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)
             r.update(system=system, label=label, repeat=rep)
@@ -358,7 +358,7 @@ def main(argv: list[str]) -> Optional[dict]:
     summary = summarize(runs)
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
-              "decode_steps_per_call": args.decode_steps or _demo_config().rollout.decode_steps_per_call, "lr": args.lr,
+              "decode_steps_per_call": decode_steps, "lr": args.lr,
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     print(json.dumps(result))
