@@ -1,9 +1,38 @@
-"""Test-wide setup: the repo root on sys.path, and JAX on CPU with deterministic behaviour."""
+"""Test-wide setup: the repo root on sys.path, JAX on CPU, and one persistent compilation cache for
+the session.
+
+Many tests build the demo's learner and engines afresh, so the same programs were compiled again and
+again; a cache in a temporary directory (empty at the start of every session, removed at its end)
+loads them instead. Tests that count compiles count cache loads as well (tests/compile_events.py).
+Child processes are not affected: they take their cache from their own config.
+"""
 
 import os
+import shutil
 import sys
+import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+_CACHE_DIR = None
+
+
+def pytest_configure(config):
+    global _CACHE_DIR
+    if os.environ.get("LAMINAR_TEST_COMPILATION_CACHE", "1") == "0":
+        return
+    import jax
+
+    _CACHE_DIR = tempfile.mkdtemp(prefix="laminar-test-jaxcache-")
+    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
+    # Programs compiled in well under 0.2 s are cheaper to compile than to write and read back.
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+def pytest_unconfigure(config):
+    if _CACHE_DIR is not None:
+        shutil.rmtree(_CACHE_DIR, ignore_errors=True)
