@@ -4,7 +4,7 @@ the session.
 Many tests build the demo's learner and engines afresh, so the same programs were compiled again and
 again; a cache in a temporary directory (empty at the start of every session, removed at its end)
 loads them instead. Tests that count compiles count cache loads as well (tests/compile_events.py).
-Child processes are not affected: they take their cache from their own config.
+Child processes inherit it through JAX's environment variables.
 """
 
 import os
@@ -27,10 +27,14 @@ def pytest_configure(config):
     import jax
 
     _CACHE_DIR = tempfile.mkdtemp(prefix="laminar-test-jaxcache-")
-    jax.config.update("jax_compilation_cache_dir", _CACHE_DIR)
     # Programs compiled in well under 0.2 s are cheaper to compile than to write and read back.
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.2)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    settings = {"jax_compilation_cache_dir": _CACHE_DIR, "jax_persistent_cache_min_compile_time_secs": 0.2,
+                "jax_persistent_cache_min_entry_size_bytes": 0}
+    for name, value in settings.items():
+        jax.config.update(name, value)
+        # Child processes (multi-device meshes, multi-process learners) read JAX's settings from the
+        # environment; an entry point that sets runtime.compilation_cache_dir overrides it.
+        os.environ[name.upper()] = str(value)
 
 
 def pytest_unconfigure(config):

@@ -21,6 +21,7 @@ print("HITS", len(hits))
 
 def _run(spec, home):
     env = child_env(JAX_PLATFORMS="cpu", HOME=str(home))
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the test session's own cache (tests/conftest.py)
     out = subprocess.run([sys.executable, "-c", _PROG, spec], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if line[:4] in ("DIR ", "HITS"))
