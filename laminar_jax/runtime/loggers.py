@@ -15,11 +15,31 @@ from typing import Optional
 from laminar_jax.configlib import ConfigError
 
 
+def _summary_writer_class():
+    """tensorboardX's SummaryWriter, imported without torch.
+
+    tensorboardX imports torch whenever it is installed, only to recognise torch tensors; this
+    logger writes Python floats, and importing torch cost ~1.7 s of every run's start-up where it is
+    installed (the test and peers extras). A None entry in sys.modules makes that import fail as if
+    torch were absent; it is removed again at once, so later imports of torch work as usual.
+    """
+    import sys
+
+    if "tensorboardX.writer" in sys.modules or "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+        return SummaryWriter
+    sys.modules["torch"] = None  # type: ignore[assignment]
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        if sys.modules.get("torch", 0) is None:
+            del sys.modules["torch"]
+    return SummaryWriter
+
+
 class TensorBoardLogger:
     def __init__(self, run_dir: str):
-        from tensorboardX import SummaryWriter
-
-        self.writer = SummaryWriter(os.path.join(run_dir, "tb"))
+        self.writer = _summary_writer_class()(os.path.join(run_dir, "tb"))
 
     def add_scalar(self, tag: str, value: float, step: int) -> None:
         self.writer.add_scalar(tag, value, step)
