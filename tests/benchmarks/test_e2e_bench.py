@@ -39,6 +39,7 @@ def test_agentic_workload_releases_slots_and_admits_two_versions_behind():
     assert not repo_config("agentic_demo", "short").env.release_slot_while_waiting
 
 
+@pytest.mark.slow  # the run's servers fed for a budget (~18 s on 2 cores); the servers are tested in tests/rollout
 def test_engine_alone_drives_the_runs_own_servers_and_counts_finished_tokens(tmp_path):
     """The loop-efficiency denominator: the laminar mode's servers (count, slots, tokens per call from
     the bench's arguments) run fed for the budget, then every thread has stopped."""

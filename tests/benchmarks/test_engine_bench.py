@@ -2,6 +2,8 @@
 
 import json
 
+import pytest
+
 from laminar_jax.benchmarks import engine as bench
 
 
@@ -12,6 +14,7 @@ def test_grouped_workload_keeps_lengths_and_shares_prompts_in_runs_of_group():
     assert all(g.prompts[i] == wl.prompts[i // 4] for i in range(12))
 
 
+@pytest.mark.slow  # a whole bench run (~27 s on 2 cores); the workload it builds is checked above
 def test_group_flag_runs_both_sides_and_reports_the_gain(capsys):
     out = bench.main(["--quick", "--preset", "tiny", "--requests", "16", "--slots", "4", "--median", "4",
                       "--skip-hf", "--group", "4", "--repeats", "1"])
