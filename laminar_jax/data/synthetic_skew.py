@@ -116,18 +116,41 @@ def parse_prompt(prompt: str) -> tuple[str, int]:
 
 
 def levenshtein(a: str, b: str, limit: Optional[int] = None) -> int:
-    """Edit distance (insert/delete/substitute cost 1); returns ``limit`` early once it is exceeded."""
+    """Edit distance (insert/delete/substitute cost 1), capped at ``limit`` when one is given.
+
+    Why not the textbook table: this is the task's reward, scored for every trajectory, and a
+    Python double loop costs O(len(a) * len(b)) interpreted steps (~1.5 ms at 64 x 64 characters).
+    Myers' bit-vector algorithm (Hyyro's form for the global distance) keeps a column of the table
+    as two bit masks of len(a) bits and advances it by one character of b in a few integer
+    operations; Python's integers hold any length. Same distances (tests/data/test_synthetic_skew.py
+    checks it against the table on random strings).
+    """
     if len(a) < len(b):
         a, b = b, a
-    prev = list(range(len(b) + 1))
-    for i, ca in enumerate(a, 1):
-        cur = [i] + [0] * len(b)
-        for j, cb in enumerate(b, 1):
-            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
-        if limit is not None and min(cur) >= limit:
-            return limit
-        prev = cur
-    return prev[-1]
+    m = len(a)
+    if not b:
+        d = m
+    else:
+        full, top = (1 << m) - 1, 1 << (m - 1)
+        peq: dict = {}
+        for i, c in enumerate(a):
+            peq[c] = peq.get(c, 0) | (1 << i)
+        pv, mv, d = full, 0, m  # column 0 of the table: 0, 1, ..., m (every vertical step +1)
+        for c in b:
+            eq = peq.get(c, 0)
+            xv = eq | mv
+            xh = (((eq & pv) + pv) ^ pv) | eq
+            ph = mv | (~(xh | pv) & full)
+            mh = pv & xh
+            if ph & top:
+                d += 1
+            elif mh & top:
+                d -= 1
+            ph = ((ph << 1) | 1) & full  # row 0 of the table grows by 1 per character of b
+            mh = (mh << 1) & full
+            pv = mh | (~(xv | ph) & full)
+            mv = ph & xv
+    return d if limit is None else min(d, limit)
 
 
 def skew_reward(response: str, ground_truth: Any, extra_info: Any = None) -> float:

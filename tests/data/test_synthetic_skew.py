@@ -58,6 +58,30 @@ def test_levenshtein_matches_definition():
     assert sk.levenshtein("abcdef", "ab", limit=2) == 2
 
 
+def _table_distance(a, b):
+    """The textbook dynamic-programming table, as the reference for the bit-vector version."""
+    prev = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        cur = [i] + [0] * len(b)
+        for j, cb in enumerate(b, 1):
+            cur[j] = min(prev[j] + 1, cur[j - 1] + 1, prev[j - 1] + (ca != cb))
+        prev = cur
+    return prev[-1]
+
+
+def test_levenshtein_equals_the_table_on_random_strings():
+    rng = np.random.default_rng(0)
+    for n in range(1500):
+        alphabet = "ab" if n % 2 else "abcde*=9"
+        a, b = ("".join(rng.choice(list(alphabet), int(rng.integers(0, hi)))) for hi in (30, 30))
+        if n % 50 == 0:  # longer than a machine word
+            a, b = ("".join(rng.choice(list(alphabet), int(rng.integers(60, 150)))) for _ in range(2))
+        d = _table_distance(a, b)
+        assert sk.levenshtein(a, b) == d, (a, b)
+        limit = int(rng.integers(1, 20))
+        assert sk.levenshtein(a, b, limit=limit) == min(d, limit), (a, b, limit)
+
+
 def test_sft_examples_are_deterministic_and_correct():
     a, b = sk.sft_examples(300, seed=7), sk.sft_examples(300, seed=7)
     assert a == b and a != sk.sft_examples(300, seed=8)
