@@ -13,6 +13,10 @@ from typing import Optional
 
 _log = logging.getLogger(__name__)
 
+# JAX's monitoring events, one per program that was not in memory: an XLA compile, or a load from
+# the persistent cache (no compile event then). What "compiled after warm-up" counts.
+COMPILE_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+
 
 def resolve_cache_dir(spec: Optional[str]) -> Optional[str]:
     """'' or None: off; otherwise the path with ~ and $VARS expanded, made absolute."""

@@ -8,7 +8,7 @@ import contextlib
 
 from jax import monitoring
 
-_EVENTS = ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec")
+from laminar_jax.compile_cache import COMPILE_EVENTS
 
 
 @contextlib.contextmanager
@@ -17,7 +17,7 @@ def count_compiles():
     compiles: list = []
 
     def listen(event, secs, **kw):
-        if event in _EVENTS:
+        if event in COMPILE_EVENTS:
             compiles.append(event)
 
     monitoring.register_event_duration_secs_listener(listen)

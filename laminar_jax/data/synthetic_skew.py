@@ -160,7 +160,7 @@ def skew_reward(response: str, ground_truth: Any, extra_info: Any = None) -> flo
         raise ValueError("synthetic_skew ground_truth must be a non-empty target response")
     response = response.strip()
     t = len(target)
-    if len(response) >= 2 * t:  # distance >= len(response) - t >= t: no credit, skip the O(n^2) DP
+    if len(response) >= 2 * t:  # distance >= len(response) - t >= t: no credit, skip the distance
         return 0.0
     return max(0.0, 1.0 - levenshtein(response, target, limit=t) / t)
 

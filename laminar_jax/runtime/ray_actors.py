@@ -14,6 +14,7 @@ import time
 import traceback
 from typing import Optional
 
+from laminar_jax.compile_cache import COMPILE_EVENTS
 from laminar_jax.threads import Worker
 
 
@@ -197,8 +198,7 @@ class RolloutActor:
         jax.monitoring.register_event_duration_secs_listener(self._count_compile)
 
     def _count_compile(self, event: str, duration: float, **kwargs) -> None:
-        # A load from the persistent compilation cache is a program the warm-up missed too.
-        if event in ("/jax/core/compile/backend_compile_duration", "/jax/compilation_cache/cache_retrieval_time_sec"):
+        if event in COMPILE_EVENTS:  # a load from the persistent cache is a program the warm-up missed too
             self.compiles += 1
 
     def start(self) -> None:
