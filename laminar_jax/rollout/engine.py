@@ -70,7 +70,7 @@ from laminar_jax.rollout.paged import (
     StepOutput,
     pages_needed,
 )
-from laminar_jax.rollout.sampling import sample_tokens
+from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens
 from laminar_jax.rollout import tp as tpl
 
 MAX_STOP_IDS = 8
@@ -115,7 +115,8 @@ class Engine:
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
-                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings)
+                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
+                           vocab_size=model_cfg.vocab_size)
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -604,6 +605,7 @@ class _Spec(NamedTuple):
     chunk: int  # rows per decode chunk; 0 = no compaction
     state_shardings: Any = None  # DecodeState of NamedShardings (TP layout), None = one device
     one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
+    vocab_size: int = 0  # the logits' width (sizes _call_noise)
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -688,8 +690,12 @@ def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
-def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[DecodeState, StepOutput]:
-    """One token for every active slot: feed last_token at position lengths, sample, retire finished slots."""
+def _step(spec: _Spec, model, state: DecodeState, live_bucket: int,
+          noise: Optional[jax.Array] = None) -> tuple[DecodeState, StepOutput]:
+    """One token for every active slot: feed last_token at position lengths, sample, retire finished slots.
+
+    ``noise``: f32[S, V], this step's Gumbel draws (``_call_noise``); None draws them here.
+    """
     meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size, kv_dtype=spec.kv_dtype)
     overflow = jnp.zeros((), bool)
     if live_bucket:
@@ -698,8 +704,9 @@ def _step(spec: _Spec, model, state: DecodeState, live_bucket: int) -> tuple[Dec
     backend = functools.partial(spec.attend, meta=meta)
     cache = list(zip(state.k_pages, state.v_pages))
     logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
-    keys = jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.keys), state.num_generated)
-    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p)
+    keys = None if noise is not None else jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.keys),
+                                                                         state.num_generated)
+    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise)
     emitted = state.active
     stopped = emitted & jnp.any(tok[:, None] == state.stop_ids, axis=-1)
     n_gen = state.num_generated + emitted.astype(jnp.int32)
@@ -747,16 +754,42 @@ def _chunked_step(spec: _Spec, model, state: DecodeState, rows, n_chunks, live_b
     return jax.lax.fori_loop(0, n_chunks, body, (state, zeros))
 
 
+# Largest f32[steps, slots, vocab] of Gumbel draws a generate call makes up front (_call_noise).
+_CALL_NOISE_BYTES = 32 << 20
+
+
+def _call_noise(spec: _Spec, state: DecodeState) -> Optional[jax.Array]:
+    """f32[steps, S, V]: every Gumbel draw a multi-step call can use, drawn before its first step; or None.
+
+    Why: drawn inside the scan, each step runs threefry's loop twice (the key's fold_in and the
+    bits) over a handful of rows, and at the demo's size those small ops cost as much as the
+    model's. A slot active at step t of the call has generated num_generated + t tokens before it
+    (admission happens between calls), so its key there is fold_in(key_s, num_generated + t): the
+    same draw as in-step, since threefry is elementwise in the keys. Rows that are inactive at a
+    step ignore theirs. Calls whose draws would exceed _CALL_NOISE_BYTES (large vocabularies) and
+    all-greedy batches draw in-step as before (the latter draw nothing).
+    """
+    k, s = spec.steps_per_call, state.lengths.shape[0]
+    vocab = spec.vocab_size
+    if spec.chunk or k == 1 or not 0 < k * s * vocab * 4 <= _CALL_NOISE_BYTES:
+        return None
+    counts = state.num_generated[None, :] + jnp.arange(k, dtype=state.num_generated.dtype)[:, None]  # [k, S]
+    base = jax.random.wrap_key_data(state.keys)  # [S]
+    keys = jax.vmap(lambda c: jax.vmap(jax.random.fold_in)(base, c))(counts)
+    return jax.lax.cond(jnp.any(state.temperature > 0.0), lambda: gumbel_noise(keys, vocab),
+                        lambda: jnp.zeros((k, s, vocab), jnp.float32))
+
+
 def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int):
     model = nnx.merge(spec.graphdef, params)
     if spec.chunk:
-        step = lambda s: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
+        step = lambda s, _: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
     else:
-        step = lambda s: _step(spec, model, s, live_bucket)  # noqa: E731
+        step = lambda s, noise: _step(spec, model, s, live_bucket, noise)  # noqa: E731
     if spec.steps_per_call == 1:
-        state, out = step(state)
+        state, out = step(state, None)
         return tpl.constrain(state, spec.state_shardings), jax.tree.map(lambda x: x[None], out)
-    state, out = jax.lax.scan(lambda s, _: step(s), state, None, length=spec.steps_per_call)
+    state, out = jax.lax.scan(step, state, _call_noise(spec, state), length=spec.steps_per_call)
     return tpl.constrain(state, spec.state_shardings), out
 
 

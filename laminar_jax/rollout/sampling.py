@@ -104,17 +104,25 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, idx, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
-def _categorical(key: jax.Array, logits: jax.Array) -> jax.Array:
-    """jax.random.categorical(key, logits) for one row (gumbel-max with the same draw), via first_argmax."""
-    return first_argmax(jax.random.gumbel(key, logits.shape, logits.dtype) + logits)
+def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
+    """f32[..., V]: the Gumbel draw of each typed key in ``keys`` (any shape), as jax.random.categorical makes it.
+
+    Elementwise in the keys, so drawing a whole call's [steps, rows] keys at once gives each
+    (sequence, token) the same draw as drawing it in its own step.
+    """
+    draw = lambda k: jax.random.gumbel(k, (vocab,), jnp.float32)  # noqa: E731
+    for _ in range(keys.ndim):
+        draw = jax.vmap(draw)
+    return draw(keys)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array) -> tuple[jax.Array, jax.Array]:
+                  top_p: jax.Array, noise: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits f32[B, V]; keys: typed PRNG keys [B] (already folded with the token index);
-    temperature f32[B] (0 = greedy); top_k i32[B]; top_p f32[B].
+    temperature f32[B] (0 = greedy); top_k i32[B]; top_p f32[B]. ``noise``: f32[B, V], the rows'
+    ``gumbel_noise(keys)`` drawn beforehand (keys then unused); the tokens are the same either way.
     Returns (tokens i32[B], behaviour log-probs f32[B]); see the module docstring for the log-prob.
     """
     logits = logits.astype(jnp.float32)
@@ -126,9 +134,13 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     kept = jnp.where(keep, logits, -jnp.inf)
     # All-greedy batches skip the draw (threefry bits for every [row, vocab] entry); greedy rows
     # ignore `drawn`, so each row's token and log-prob are the same on either branch.
-    drawn = jax.lax.cond(jnp.any(~greedy),
-                         lambda: jax.vmap(_categorical)(keys, kept / temp[:, None]),
-                         lambda: jnp.zeros(logits.shape[:1], jnp.int32))
+    # Gumbel-max: the same draw as jax.random.categorical(key, kept / temp).
+    if noise is None:
+        drawn = jax.lax.cond(jnp.any(~greedy),
+                             lambda: first_argmax(gumbel_noise(keys, logits.shape[-1]) + kept / temp[:, None]),
+                             lambda: jnp.zeros(logits.shape[:1], jnp.int32))
+    else:
+        drawn = first_argmax(noise + kept / temp[:, None])
     tokens = jnp.where(greedy, first_argmax(logits), drawn)
     lp = token_logprobs(jnp.where(greedy[:, None], logits, kept), tokens, temp[:, None])
     return tokens, lp

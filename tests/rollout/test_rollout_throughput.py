@@ -74,10 +74,32 @@ def _mixed_requests():
             + [request(9, max_new=17, temperature=0.0)])
 
 
+@pytest.fixture
+def in_step_draws(monkeypatch):
+    """Multi-step calls draw their Gumbel noise inside each step (as calls too large for
+    engine._CALL_NOISE_BYTES do) instead of up front; programs compiled either way are dropped."""
+    from laminar_jax.rollout import engine as engine_mod
+    engine_mod._programs.cache_clear()
+    monkeypatch.setattr(engine_mod, "_CALL_NOISE_BYTES", 0)
+    yield
+    engine_mod._programs.cache_clear()
+
+
 @pytest.mark.parametrize("steps", [2, 3])
 def test_multi_step_decode_equals_single_step_token_for_token(steps):
     """k decode steps per call (a lax.scan): same tokens, log-probs and finish reasons as k = 1,
-    including slots that finish in the middle of a call (max_new not a multiple of k, stop ids)."""
+    including slots that finish in the middle of a call (max_new not a multiple of k, stop ids).
+    The call draws its sampling noise before its first step (engine._call_noise)."""
+    _check_multi_step_equals_single_step(steps, up_front=True)
+
+
+def test_multi_step_decode_drawing_in_each_step_equals_single_step(in_step_draws):
+    _check_multi_step_equals_single_step(3, up_front=False)
+
+
+def _check_multi_step_equals_single_step(steps, up_front):
+    from laminar_jax.rollout.engine import _call_noise
+
     reqs = _mixed_requests()
     one = make_server()
     for r in reqs:
@@ -99,6 +121,7 @@ def test_multi_step_decode_equals_single_step_token_for_token(steps):
         assert got[r.uid].finish_reason == ref[r.uid].finish_reason
     s = multi.stats()
     assert s.slots_used == 0 and s.kv_pages_used == 0 and s.completed == len(reqs)
+    assert (_call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
 
 
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
