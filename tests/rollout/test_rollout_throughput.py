@@ -35,28 +35,44 @@ def _paged_batch(seed=0, b=5, n=6, page=4, pool=40, hkv=2, g=2, d=8):
     return q, k, v, cache, meta, live_count
 
 
+def _compiled(attend, q, k, v, cache, meta):
+    """attend(q, k, v, cache, meta=meta) as one jitted program, as the engine runs it (op-by-op
+    dispatch of this file's calls took ~14 s)."""
+    def run(q, k, v, cache, table, positions, active, live):
+        return attend(q, k, v, cache, meta=meta._replace(page_table=table, positions=positions, active=active,
+                                                          live=live))
+    return jax.jit(run)(q, k, v, cache, meta.page_table, meta.positions, meta.active, meta.live)
+
+
+def _live_list(meta, num_entries):
+    """live_page_list(meta, num_entries), jitted like _compiled."""
+    def run(table, positions, active):
+        return live_page_list(meta._replace(page_table=table, positions=positions, active=active), num_entries)
+    return jax.jit(run)(meta.page_table, meta.positions, meta.active)
+
+
 def test_live_pages_is_bit_identical_for_every_bucket_and_matches_the_reference():
     q, k, v, cache, meta, live = _paged_batch()
     b, n = meta.page_table.shape
     outs = []
     for bucket in (live, live + 3, 32, b * n):
-        m = meta._replace(live=live_page_list(meta, bucket))
+        m = meta._replace(live=_live_list(meta, bucket))
         assert int(m.live.count) == live
-        out, (kp, _) = live_pages(q, k, v, cache, meta=m)
+        out, (kp, _) = _compiled(live_pages, q, k, v, cache, m)
         outs.append(np.asarray(out))
     for o in outs[1:]:
         np.testing.assert_array_equal(o, outs[0])  # the bucket only adds exact zeros
-    ref, (kr, _) = gather_gqa(q, k, v, cache, meta=meta)
+    ref, (kr, _) = _compiled(gather_gqa, q, k, v, cache, meta)
     act = np.asarray(meta.active)
     np.testing.assert_allclose(outs[0][act], np.asarray(ref)[act], atol=2e-6)
     np.testing.assert_array_equal(np.asarray(kp), np.asarray(kr))  # same token writes
     # A too-small bucket is detected (the engine reports it as StepOutput.overflow).
-    assert int(live_page_list(meta, live - 1).count) > live - 1
+    assert int(_live_list(meta, live - 1).count) > live - 1
 
 
 def test_live_pages_output_does_not_depend_on_physical_pages_or_company():
     q, k, v, cache, meta, _ = _paged_batch(seed=1)
-    base = np.asarray(live_pages(q, k, v, cache, meta=meta._replace(live=live_page_list(meta, 64)))[0])
+    base = np.asarray(_compiled(live_pages, q, k, v, cache, meta._replace(live=_live_list(meta, 64)))[0])
     # Move slot 0 to other physical pages (copy its KV), and kill every other slot.
     table = np.asarray(meta.page_table).copy()
     used = int(meta.positions[0]) // meta.page_size + 1
@@ -65,7 +81,8 @@ def test_live_pages_output_does_not_depend_on_physical_pages_or_company():
     kc[new], vc[new] = kc[table[0, :used]], vc[table[0, :used]]
     table[0, :used] = new
     alone = meta._replace(page_table=jnp.asarray(table), active=jnp.asarray(np.arange(len(table)) == 0))
-    out = live_pages(q, k, v, (jnp.asarray(kc), jnp.asarray(vc)), meta=alone._replace(live=live_page_list(alone, 16)))[0]
+    out = _compiled(live_pages, q, k, v, (jnp.asarray(kc), jnp.asarray(vc)),
+                    alone._replace(live=_live_list(alone, 16)))[0]
     np.testing.assert_array_equal(np.asarray(out)[0], base[0])
 
 
