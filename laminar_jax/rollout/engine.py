@@ -70,7 +70,7 @@ from laminar_jax.rollout.paged import (
     StepOutput,
     pages_needed,
 )
-from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens
+from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens, token_keys
 from laminar_jax.rollout import tp as tpl
 
 MAX_STOP_IDS = 8
@@ -704,8 +704,7 @@ def _step(spec: _Spec, model, state: DecodeState, live_bucket: int,
     backend = functools.partial(spec.attend, meta=meta)
     cache = list(zip(state.k_pages, state.v_pages))
     logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
-    keys = None if noise is not None else jax.vmap(jax.random.fold_in)(jax.random.wrap_key_data(state.keys),
-                                                                         state.num_generated)
+    keys = None if noise is not None else token_keys(state.keys, state.num_generated)
     tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise)
     emitted = state.active
     stopped = emitted & jnp.any(tok[:, None] == state.stop_ids, axis=-1)
@@ -772,11 +771,10 @@ def _call_noise(spec: _Spec, state: DecodeState) -> Optional[jax.Array]:
     """
     k, s = spec.steps_per_call, state.lengths.shape[0]
     vocab = spec.vocab_size
-    if spec.chunk or k == 1 or not 0 < k * s * vocab * 4 <= _CALL_NOISE_BYTES:
+    if spec.chunk or not 0 < k * s * vocab * 4 <= _CALL_NOISE_BYTES:
         return None
     counts = state.num_generated[None, :] + jnp.arange(k, dtype=state.num_generated.dtype)[:, None]  # [k, S]
-    base = jax.random.wrap_key_data(state.keys)  # [S]
-    keys = jax.vmap(lambda c: jax.vmap(jax.random.fold_in)(base, c))(counts)
+    keys = token_keys(state.keys, counts)
     return jax.lax.cond(jnp.any(state.temperature > 0.0), lambda: gumbel_noise(keys, vocab),
                         lambda: jnp.zeros((k, s, vocab), jnp.float32))
 

@@ -104,6 +104,16 @@ def first_argmax(x: jax.Array) -> jax.Array:
     return jnp.min(jnp.where(hit, idx, x.shape[-1]), axis=-1).astype(jnp.int32)
 
 
+def token_keys(key_data: jax.Array, counts: jax.Array) -> jax.Array:
+    """The key schedule: typed keys fold_in(key_s, t) for each sequence's raw key ``key_data``
+    (u32[S, K]) and token index ``counts`` (i32[..., S]; leading axes, e.g. a call's steps, share
+    the sequences' keys)."""
+    fold = jax.vmap(jax.random.fold_in)
+    for _ in range(counts.ndim - 1):
+        fold = jax.vmap(fold, in_axes=(None, 0))
+    return fold(jax.random.wrap_key_data(key_data), counts)
+
+
 def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
     """f32[..., V]: the Gumbel draw of each typed key in ``keys`` (any shape), as jax.random.categorical makes it.
 

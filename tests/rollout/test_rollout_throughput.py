@@ -13,6 +13,7 @@ from laminar_jax.rollout.attention import (
     live_page_list,
     live_pages,
 )
+from laminar_jax.rollout import engine as engine_mod
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
 
 
@@ -95,7 +96,6 @@ def _mixed_requests():
 def in_step_draws(monkeypatch):
     """Multi-step calls draw their Gumbel noise inside each step (as calls too large for
     engine._CALL_NOISE_BYTES do) instead of up front; programs compiled either way are dropped."""
-    from laminar_jax.rollout import engine as engine_mod
     engine_mod._programs.cache_clear()
     monkeypatch.setattr(engine_mod, "_CALL_NOISE_BYTES", 0)
     yield
@@ -115,8 +115,6 @@ def test_multi_step_decode_drawing_in_each_step_equals_single_step(in_step_draws
 
 
 def _check_multi_step_equals_single_step(steps, up_front):
-    from laminar_jax.rollout.engine import _call_noise
-
     reqs = _mixed_requests()
     one = make_server()
     for r in reqs:
@@ -138,7 +136,7 @@ def _check_multi_step_equals_single_step(steps, up_front):
         assert got[r.uid].finish_reason == ref[r.uid].finish_reason
     s = multi.stats()
     assert s.slots_used == 0 and s.kv_pages_used == 0 and s.completed == len(reqs)
-    assert (_call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
+    assert (engine_mod._call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
 
 
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
