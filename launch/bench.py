@@ -10,7 +10,8 @@
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
 
-Each prints a table and, as its last line, one JSON object with the figures.
+Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
+last line, one JSON object with the figures and the same machine description under "machine".
 """
 
 import importlib
@@ -30,6 +31,9 @@ def main(argv):
         print(__doc__.strip(), file=sys.stderr)
         print(f"\nerror: expected one of {', '.join(NAMES)}, got {argv[0] if argv else 'nothing'}", file=sys.stderr)
         return 2
+    from laminar_jax.benchmarks.machine import describe, summary_line
+
+    print(summary_line(describe()), flush=True)  # figures compare only across the same CPU (machine.py)
     mod = importlib.import_module(f"laminar_jax.benchmarks.{argv[0]}")
     mod.main(argv[1:])  # prints its table, then its JSON line last
     return 0

@@ -37,11 +37,12 @@ the cores each mode got.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import time
+
+from laminar_jax.benchmarks.machine import emit
 
 MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
 
@@ -307,8 +308,7 @@ def main(argv: list[str]) -> dict:
                       **{k: {m: r.get(k) for m, r in results.items()}
                          for k in ("turns_per_trajectory", "env_latency_p50_s", "env_latency_p99_s", "env_failures",
                                    "env_wait_share")})
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 def print_profile(mode: str, p: dict) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import tempfile
@@ -31,6 +30,8 @@ import time
 from typing import Any
 
 import numpy as np
+
+from laminar_jax.benchmarks.machine import emit
 
 # Peak HBM bandwidth (bytes/s) by device kind substring.
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 0.3e12}
@@ -380,8 +381,7 @@ def main(argv: list[str]) -> dict:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]
         result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7)
-        print(json.dumps(result))
-        return result
+        return emit(result)
 
     import jax
     import jax.numpy as jnp
@@ -463,8 +463,7 @@ def main(argv: list[str]) -> dict:
     print(f"decode step @b64, context {step['decode_context']}: {step['decode_step_s_b64'] * 1e3:.2f} ms"
           + ("" if frac is None else f" vs roofline {step['decode_roofline_s'] * 1e3:.2f} ms -> {frac:.2f}"))
     result.update(step)
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

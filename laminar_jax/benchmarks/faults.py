@@ -9,12 +9,13 @@ and whether any prompt was lost or trained on twice.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import tempfile
 import threading
 import time
+
+from laminar_jax.benchmarks.machine import emit
 
 
 def chaos_config(steps: int, run_dir: str):
@@ -86,8 +87,7 @@ def main(argv: list[str]) -> dict:
               "reward_last": summary["reward_last"], "steps": summary["steps"],
               "completed": summary["steps"] == steps and not summary["stopped_early"],
               "wall_s": round(time.time() - t0, 1)}
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

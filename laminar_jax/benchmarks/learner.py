@@ -30,7 +30,6 @@ peak_mem_gb: the device's peak bytes in use (`memory_stats()`, GPU); null where 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -40,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from laminar_jax.benchmarks.machine import emit
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
 from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.logprobs import chunk_positions
@@ -245,8 +245,7 @@ def main(argv: list[str]) -> dict:
     args = ap.parse_args(argv)
     if args.attention_speed:
         result = attention_speed(args.seq or 4096, block=args.attention_chunk or 512)
-        print(json.dumps(result))
-        return result
+        return emit(result)
     quick = args.quick or not on_gpu
     preset = args.preset or ("small" if quick else "qwen2.5-0.5b")
     batch = args.batch or (8 if quick else 16)
@@ -266,8 +265,7 @@ def main(argv: list[str]) -> dict:
         result = memory_plan(cfg, section, batch, seq, dtype)
         result.update(plan_fit(result, args.device_gb, args.devices))
         print(fit_line(result))
-        print(json.dumps(result))
-        return result
+        return emit(result)
     t0 = time.perf_counter()
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32)
     learner = Learner(section, model)
@@ -321,8 +319,7 @@ def main(argv: list[str]) -> dict:
     print(f"{'metric':<16} value")
     for k, v in rows:
         print(f"{k:<16} {v:.4g}" if isinstance(v, float) else f"{k:<16} {v}")
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

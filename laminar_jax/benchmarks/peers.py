@@ -35,6 +35,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from laminar_jax.benchmarks.machine import emit
+
 SYSTEMS = ("laminar", "laminar-fixed", "vllm")  # laminar-fixed: all slots every step, one prompt per prefill
 OURS = SYSTEMS[:2]
 
@@ -273,8 +275,7 @@ def main(argv: list[str]) -> Optional[dict]:
             for k, v in summary["rows"].items()}
     result = {"bench": "peers", **meta, "rows": rows, "ratio_vs_vllm": summary["ratio_vs_vllm"],
               "greedy_identical_frac": summary["greedy_identical_frac"], "trl": "bench.py peers --e2e"}
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from laminar_jax.benchmarks.machine import emit
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
@@ -361,8 +362,7 @@ def main(argv: list[str]) -> Optional[dict]:
               "decode_steps_per_call": decode_steps, "lr": args.lr,
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

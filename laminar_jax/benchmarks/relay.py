@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import shutil
 import statistics
@@ -28,6 +27,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from laminar_jax.benchmarks.machine import emit
 from laminar_jax.relay.chain import start_local_chain
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
@@ -373,8 +373,7 @@ def main(argv: list[str]) -> dict:
               f"({result['fresh_range'][0]:.3f}..{result['fresh_range'][1]:.3f}); "
               f"fresh / kept {result['fresh_vs_kept']}")
         print(f"load average after: {os.getloadavg()}")
-        print(json.dumps(result))
-        return result
+        return emit(result)
     if args.auth_overhead:
         print(f"load average before: {os.getloadavg()}", flush=True)
         result = bench_auth(args.chain_mb or 64, int(args.link_mb_s * MB), args.reps)
@@ -384,8 +383,7 @@ def main(argv: list[str]) -> dict:
                       f"(auth {v['auth_range'][0]:.4g}..{v['auth_range'][1]:.4g}, "
                       f"plain {v['plain_range'][0]:.4g}..{v['plain_range'][1]:.4g})")
         print(f"load average after: {os.getloadavg()}")
-        print(json.dumps(result))
-        return result
+        return emit(result)
     sizes = [int(s) for s in args.sizes_mb.split(",")] if args.sizes_mb else ([100] if args.quick else [100, 500, 2000])
     chain_mb = args.chain_mb or (128 if args.quick else 512)
     chain_versions = args.chain_versions or (5 if args.quick else 3)
@@ -417,8 +415,7 @@ def main(argv: list[str]) -> dict:
               "chain_runs_s": {str(k): v for k, v in chain_all.items()}, "chain_bytes": chain_mb * MB,
               "chunk_bytes": chunk, "link_bytes_per_s": link_rate, "sizes": rows,
               "quick": args.quick, "load_avg": list(os.getloadavg()), "wall_s": time.perf_counter() - t_start}
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 def _print_table(rows: list[dict], chain: dict, chain_mb: int, chunk: int, link: float) -> None:

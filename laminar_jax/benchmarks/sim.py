@@ -24,6 +24,8 @@ import tempfile
 import threading
 import time
 
+from laminar_jax.benchmarks.machine import emit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOC = os.path.join(ROOT, "docs", "SIMULATION.md")
 BEGIN, END = "<!-- sim-table:begin -->", "<!-- sim-table:end -->"
@@ -268,8 +270,7 @@ def main(argv: list[str]) -> dict:
             meta += (f" One simulated hour of laminar 7B on 1024 GPUs took {result['hour_1024_wall_s']:.1f} s wall "
                      f"({result['hour_1024_cpu_s']:.1f} s CPU, load average {result['hour_1024_loadavg']:.1f}).")
         _write_doc(table, meta)
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ import sys
 import tempfile
 import time
 
+from laminar_jax.benchmarks.machine import emit
+
 EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
           "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
           "/jax/core/compile/backend_compile_duration": "backend_s"}
@@ -97,8 +99,7 @@ def main(argv=None) -> dict:
         shutil.rmtree(cache, ignore_errors=True)
     result = {"bench": "startup", "config": config, "sets": args.set, "runs": rows,
               "warm_over_cold_compile": rows[-1]["compile_s"] / max(rows[0]["compile_s"], 1e-9) if rows else None}
-    print(json.dumps(result))
-    return result
+    return emit(result)
 
 
 if __name__ == "__main__":

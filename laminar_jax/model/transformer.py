@@ -36,9 +36,10 @@ def _low_precision(dtype) -> bool:
 class Linear(nnx.Linear):
     """nnx.Linear whose low-precision (bf16/f16) products accumulate in float32, then cast back to dtype.
 
-    Why: XLA:CPU runs a bf16 x bf16 -> f32 dot on the CPU's bf16 instructions (AVX-512 BF16),
-    ~3x faster than f32, while a bf16 -> bf16 dot is emulated and slower than f32. f32 accumulation
-    is also the more accurate product. Float32 models are unchanged (no preferred type is set).
+    Why: on a CPU with AVX-512 BF16, XLA:CPU runs a bf16 x bf16 -> f32 dot on those instructions,
+    ~3x faster than f32, while a bf16 -> bf16 dot is emulated and slower than f32. (On AVX2 alone
+    both are emulated; see docs/MODELS.md.) f32 accumulation is also the more accurate product.
+    Float32 models are unchanged (no preferred type is set).
     """
 
     def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
