@@ -43,7 +43,10 @@ def test_demo_short_on_ray_survives_a_killed_buffer_actor(tmp_path):
     assert s["consumed_prompts"] == rt.total_steps * rt.prompts_per_step
     restarts = [f for f in s["failures"] if "buffer" in f]
     assert len(restarts) == 1 and "ActorDied" in restarts[0]["buffer"], s["failures"]
-    assert restarts[0]["trained_since_checkpoint"] == rt.prompts_per_step  # step 3's prompts
+    # Step 3's prompts, and step 4's too when the learner took that batch before the death was seen
+    # (CI saw both); step 4's checkpoint snapshots the buffer, so no later batch can count.
+    since = restarts[0]["trained_since_checkpoint"]
+    assert since in (rt.prompts_per_step, 2 * rt.prompts_per_step), restarts[0]
     assert s["ray"]["buffer_restarts"] == 1
     print(f"buffer actor restart: {restarts[0]}")
     # The rollout actors were not replaced: they kept running across the restart.
