@@ -55,10 +55,14 @@ from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout.attention import (
     BACKENDS,
     DecodeMeta,
+    from_pool,
     live_page_list,
+    pool_shape,
     prefill_dense,
     scatter_pages,
+    scatter_tokens,
     storage_dtype,
+    to_pool,
 )
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.paged import (
@@ -167,7 +171,7 @@ class Engine:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
 
     def _state_shardings(self, mesh) -> DecodeState:
-        kv = tuple(tpl.kv_sharding(mesh) for _ in range(self.model_cfg.num_layers))
+        kv = tuple(tpl.pool_sharding(mesh) for _ in range(self.model_cfg.num_layers))
         rep = tpl.replicated(mesh)
         return DecodeState(kv, kv, *([rep] * (len(DecodeState._fields) - 2)))
 
@@ -184,11 +188,13 @@ class Engine:
 
     def _zero_state(self) -> DecodeState:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
-        shape = (self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
         store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
-        zeros = lambda: tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))  # noqa: E731
+
+        def zeros(key):
+            shape = pool_shape(self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim, key=key)
+            return tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))
         return DecodeState(
-            k_pages=zeros(), v_pages=zeros(),
+            k_pages=zeros(True), v_pages=zeros(False),
             page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
             last_token=jnp.zeros((s,), jnp.int32), num_generated=jnp.zeros((s,), jnp.int32),
             max_new=jnp.zeros((s,), jnp.int32), active=jnp.zeros((s,), bool),
@@ -640,10 +646,15 @@ def _prompt_positions(page_size: int, page_rows, lengths, t: int):
 def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
     page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
     page, off = page[0], off[0]
-    kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
-    vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
-    state = state._replace(k_pages=kp, v_pages=vp)
+    state = _scatter_prompt_kv(state, k, v, page, off)
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
+
+
+def _scatter_prompt_kv(state, k, v, page, off):
+    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools at (page, off) i32[..., T]."""
+    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True) for p, x in zip(state.k_pages, k))
+    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False) for p, x in zip(state.v_pages, v))
+    return state._replace(k_pages=kp, v_pages=vp)
 
 
 def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
@@ -661,9 +672,7 @@ def _insert_rows_impl(spec: _Spec, params, state, tokens, lengths, slots, page_r
     slot >= num_slots, page row of zeros, so their KV goes to the null page and no slot changes)."""
     k, v = _prefill_rows_impl(spec, params, tokens, lengths)
     page, off = _prompt_positions(spec.page_size, page_rows, lengths, tokens.shape[1])
-    kp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_pages(p, (page, off), x, x.dtype) for p, x in zip(state.v_pages, v))
-    state = state._replace(k_pages=kp, v_pages=vp)
+    state = _scatter_prompt_kv(state, k, v, page, off)
     last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
     return _set_slot(state, slots, page_rows, lengths - 1, last, *init)
 
@@ -680,12 +689,14 @@ def _deactivate_impl(state, slot):
 
 
 def _read_pages_impl(state, page_row):
-    return jnp.stack([p[page_row] for p in state.k_pages]), jnp.stack([p[page_row] for p in state.v_pages])
+    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the pool layouts undone)."""
+    return (from_pool(jnp.stack([p[page_row] for p in state.k_pages]), key=True),
+            from_pool(jnp.stack([p[page_row] for p in state.v_pages]), key=False))
 
 
 def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.k_pages, k))  # k in kv_dtype
-    vp = tuple(scatter_pages(p, dst, x, x.dtype) for p, x in zip(state.v_pages, v))
+    kp = tuple(scatter_pages(p, dst, to_pool(x, key=True), x.dtype) for p, x in zip(state.k_pages, k))  # kv_dtype
+    vp = tuple(scatter_pages(p, dst, to_pool(x, key=False), x.dtype) for p, x in zip(state.v_pages, v))
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 

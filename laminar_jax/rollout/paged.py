@@ -59,8 +59,8 @@ class DecodeState(NamedTuple):
     or sampled token) is fed at position ``lengths`` on the next step.
     """
 
-    k_pages: tuple  # L x f[P, page, Hkv, D]
-    v_pages: tuple  # L x f[P, page, Hkv, D]
+    k_pages: tuple  # L x f[P, Hkv, D, page] (layouts: rollout.attention, "pool layouts")
+    v_pages: tuple  # L x f[P, Hkv, page, D]
     page_table: jax.Array  # i32[S, pages_per_seq]; 0 = null page
     lengths: jax.Array  # i32[S]: tokens whose KV is cached
     last_token: jax.Array  # i32[S]: token fed at the next step

@@ -6,7 +6,8 @@ Megatron layout, expressed as shardings and left to GSPMD to partition:
   - the embedding (and an untied LM head) over the vocabulary ('vocab'),
   - norms replicated.
 So each device computes its own heads' attention against its own KV heads, and the layer does one
-all-reduce after o and one after down. KV pages f[P, page, Hkv, D] are split on Hkv, which is why
+all-reduce after o and one after down. The KV pools (K f[P, Hkv, D, page], V f[P, Hkv, page, D]) are
+split on Hkv, which is why
 the KV-head count must divide by the TP width. The page table and the per-slot sampling state
 are replicated: every device runs the same host-visible bookkeeping.
 
@@ -62,9 +63,14 @@ def param_shardings_list(params: Any, mesh: Mesh) -> list:
     return jax.tree.leaves(param_shardings(params, mesh, TP_RULES))
 
 
-def kv_sharding(mesh: Mesh, ndim: int = 4) -> NamedSharding:
-    """KV arrays split on their KV-head axis (third from last: [..., page, Hkv, D])."""
+def kv_sharding(mesh: Mesh, ndim: int = 5) -> NamedSharding:
+    """Exported KV pages f[..., page, Hkv, D] split on their KV-head axis (second from last)."""
     return NamedSharding(mesh, P(*([None] * (ndim - 2)), TP_AXIS, None))
+
+
+def pool_sharding(mesh: Mesh) -> NamedSharding:
+    """A KV pool (K f[P, Hkv, D, page], V f[P, Hkv, page, D]; see rollout.attention) split on Hkv."""
+    return NamedSharding(mesh, P(None, TP_AXIS, None, None))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -31,7 +31,7 @@ def _paged_batch(seed=0, b=5, n=6, page=4, pool=40, hkv=2, g=2, d=8):
     meta = DecodeMeta(jnp.asarray(table), jnp.asarray(positions), jnp.asarray(active), page)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
     q, k, v = f(b, 1, hkv * g, d), f(b, 1, hkv, d), f(b, 1, hkv, d)
-    cache = (f(pool, page, hkv, d), f(pool, page, hkv, d))
+    cache = (f(pool, hkv, d, page), f(pool, hkv, page, d))  # the pools' layouts (rollout.attention)
     live_count = int(sum(positions[i] // page + 1 for i in range(b) if active[i]))
     return q, k, v, cache, meta, live_count
 

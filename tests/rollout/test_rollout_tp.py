@@ -45,7 +45,7 @@ def test_tp_matches_single_device(check):
     # Weights, KV and every state array on the server's own devices; KV split on the KV-head axis (4 heads).
     for tp, devs, heads in (("1", [0], 4), ("2", [2, 3], 2), ("4", [4, 5, 6, 7], 1)):
         assert lay[tp]["params"] == lay[tp]["kv"] == lay[tp]["state"] == devs
-        assert lay[tp]["kv_shard"][0][2] == heads
+        assert lay[tp]["kv_shard"][0][1] == heads  # K pool f[P, Hkv, D, page]
 
 
 def test_sequence_moves_across_tp_widths():
