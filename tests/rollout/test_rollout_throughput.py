@@ -9,9 +9,15 @@ import pytest
 
 from laminar_jax.rollout.attention import (
     DecodeMeta,
+    as_stored,
+    from_pool,
+    from_stored,
     gather_gqa,
     live_page_list,
     live_pages,
+    pool_shape,
+    scatter_tokens,
+    to_pool,
 )
 from laminar_jax.rollout import engine as engine_mod
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
@@ -69,6 +75,25 @@ def test_live_pages_is_bit_identical_for_every_bucket_and_matches_the_reference(
     np.testing.assert_array_equal(np.asarray(kp), np.asarray(kr))  # same token writes
     # A too-small bucket is detected (the engine reports it as StepOutput.overflow).
     assert int(_live_list(meta, live - 1).count) > live - 1
+
+
+@pytest.mark.parametrize("key", [True, False])
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16])
+def test_pool_layout_round_trips_and_token_writes_land_where_the_page_layout_puts_them(key, kv_dtype):
+    rng = np.random.default_rng(3)
+    pages = rng.standard_normal((7, 4, 2, 8)).astype(np.float32)  # [P, page, Hkv, D]
+    pool = as_stored(to_pool(jnp.asarray(pages, kv_dtype), key=key), kv_dtype)
+    assert pool.shape == pool_shape(7, 4, 2, 8, key=key)
+    np.testing.assert_array_equal(np.asarray(from_pool(from_stored(pool, kv_dtype), key=key), np.float32),
+                                  np.asarray(jnp.asarray(pages, kv_dtype), np.float32))
+    # Tokens written at (page, offset) read back at pages[page, offset] through the inverse layout.
+    page, off = jnp.asarray([[3, 3], [5, 0]]), jnp.asarray([[0, 2], [3, 1]])
+    new = jnp.asarray(rng.standard_normal((2, 2, 2, 8)), kv_dtype)  # [..., Hkv, D]
+    back = np.asarray(from_pool(from_stored(scatter_tokens(pool, page, off, new, kv_dtype, key=key), kv_dtype),
+                                key=key), np.float32)
+    want = np.array(jnp.asarray(pages, kv_dtype), np.float32)  # a writable copy
+    want[np.asarray(page), np.asarray(off)] = np.asarray(new, np.float32)
+    np.testing.assert_array_equal(back, want)
 
 
 def test_live_pages_output_does_not_depend_on_physical_pages_or_company():
