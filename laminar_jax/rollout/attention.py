@@ -198,14 +198,15 @@ def gather_gqa(q, k, v, layer_cache, *, meta: DecodeMeta):
 
 
 def _page_partials(q, k_pages, v_pages, meta: DecodeMeta):
-    """Softmax partials of every physical page against the query of the slot that owns it.
+    """Softmax partials of every physical page against the query of the slot that owns it
+    (k_pages f32[P, Hkv, D, page], v_pages f32[P, Hkv, page, D]: the pools' layouts).
 
     Returns m f32[P, Hkv, G] (max score), l f32[P, Hkv, G] (sum of exp), acc f32[P, Hkv, G, D]
     (exp-weighted sum of values). Pages owned by no active slot, and positions past the owner's
     length, are masked (m = NEG_INF, so they get weight exactly 0 when combined).
     """
     b, _, h, d = q.shape
-    p, page, hkv, _ = k_pages.shape
+    p, hkv, _, page = k_pages.shape
     n = meta.page_table.shape[1]
     # owner[p] = the active slot whose page table holds p (pages are never shared); first = its logical index.
     rows = jnp.where(meta.active[:, None], meta.page_table, p)  # out of range -> dropped
@@ -214,14 +215,14 @@ def _page_partials(q, k_pages, v_pages, meta: DecodeMeta):
     owned = (owner < b) & (jnp.arange(p) > 0)
     own = jnp.minimum(owner, b - 1)
     qg = q.reshape(b, hkv, h // hkv, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d)))
-    scores = jnp.sum(k_pages.astype(jnp.float32)[:, :, :, None, :] * qg[own][:, None], axis=-1)  # [P, page, Hkv, G]
+    scores = jnp.einsum("pkgd,pkdt->pkgt", qg[own], k_pages.astype(jnp.float32))  # [P, Hkv, G, page]
     pos = index[:, None] * page + jnp.arange(page)[None, :]  # i32[P, page] logical positions
-    valid = owned[:, None] & (pos <= meta.positions[own][:, None])
-    scores = jnp.where(valid[:, :, None, None], scores, NEG_INF)
-    m = jnp.max(scores, axis=1)
-    e = jnp.where(valid[:, :, None, None], jnp.exp(scores - m[:, None]), 0.0)
-    acc = jnp.sum(e[..., None] * v_pages.astype(jnp.float32)[:, :, :, None, :], axis=1)
-    return m, jnp.sum(e, axis=1), acc
+    valid = (owned[:, None] & (pos <= meta.positions[own][:, None]))[:, None, None, :]
+    scores = jnp.where(valid, scores, NEG_INF)
+    m = jnp.max(scores, axis=-1)
+    e = jnp.where(valid, jnp.exp(scores - m[..., None]), 0.0)
+    acc = jnp.einsum("pkgt,pktd->pkgd", e, v_pages.astype(jnp.float32))
+    return m, jnp.sum(e, axis=-1), acc
 
 
 def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
@@ -235,8 +236,7 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     the pool size (rollout.num_pages), not num_slots x max_total_len.
     """
     k_pages, v_pages = write_kv(layer_cache, k, v, meta)
-    m, l, acc = _page_partials(q, from_pool(from_stored(k_pages, meta.kv_dtype), key=True),
-                               from_pool(from_stored(v_pages, meta.kv_dtype), key=False), meta)
+    m, l, acc = _page_partials(q, from_stored(k_pages, meta.kv_dtype), from_stored(v_pages, meta.kv_dtype), meta)
     m, l, acc = m[meta.page_table], l[meta.page_table], acc[meta.page_table]  # [B, n, Hkv, G(, D)]
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # exact 0 for masked entries

@@ -6,10 +6,9 @@ Megatron layout, expressed as shardings and left to GSPMD to partition:
   - the embedding (and an untied LM head) over the vocabulary ('vocab'),
   - norms replicated.
 So each device computes its own heads' attention against its own KV heads, and the layer does one
-all-reduce after o and one after down. The KV pools (K f[P, Hkv, D, page], V f[P, Hkv, page, D]) are
-split on Hkv, which is why
-the KV-head count must divide by the TP width. The page table and the per-slot sampling state
-are replicated: every device runs the same host-visible bookkeeping.
+all-reduce after o and one after down. The KV pools (K f[P, Hkv, D, page], V f[P, Hkv, page, D])
+are split on Hkv, which is why the KV-head count must divide by the TP width. The page table and
+the per-slot sampling state are replicated: every device runs the same host-visible bookkeeping.
 
 The layout never leaves the devices: read_slot() gathers pages to plain host arrays
 (f[L, n, page, Hkv, D]), so a live sequence moves between engines of any TP width.
