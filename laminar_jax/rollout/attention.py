@@ -25,6 +25,7 @@ from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from laminar_jax.model.attention import NEG_INF, gqa_attention
 
@@ -108,18 +109,25 @@ def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
 # 39 ms bf16), and 42 ms (27 ms) in these layouts. ([Hkv, page, D] for both, tried before: no gain.)
 
 
+# Where each axis of a pool's page comes from in the token layout (page, Hkv, D) = (0, 1, 2).
+_PAGE_AXES = {True: (1, 2, 0), False: (1, 0, 2)}  # key: K [Hkv, D, page]; value: V [Hkv, page, D]
+
+
 def pool_shape(num_pages: int, page: int, hkv: int, d: int, *, key: bool) -> tuple[int, ...]:
-    return (num_pages, hkv, d, page) if key else (num_pages, hkv, page, d)
+    dims = (page, hkv, d)
+    return (num_pages, *(dims[a] for a in _PAGE_AXES[key]))
 
 
 def to_pool(x: jax.Array, *, key: bool) -> jax.Array:
     """Pages f[..., page, Hkv, D] -> the pool's layout (K: [..., Hkv, D, page], V: [..., Hkv, page, D])."""
-    return jnp.moveaxis(x, -3, -1) if key else jnp.swapaxes(x, -3, -2)
+    lead = x.ndim - 3
+    return jnp.transpose(x, (*range(lead), *(lead + a for a in _PAGE_AXES[key])))
 
 
 def from_pool(x: jax.Array, *, key: bool) -> jax.Array:
     """The inverse of to_pool: pool-layout pages -> f[..., page, Hkv, D]."""
-    return jnp.moveaxis(x, -1, -3) if key else jnp.swapaxes(x, -3, -2)
+    lead = x.ndim - 3
+    return jnp.transpose(x, (*range(lead), *(lead + int(a) for a in np.argsort(_PAGE_AXES[key]))))
 
 
 def gather_pages(pages: jax.Array, idx: jax.Array, kv_dtype) -> jax.Array:
@@ -135,8 +143,9 @@ def scatter_pages(pages: jax.Array, idx, values: jax.Array, kv_dtype) -> jax.Arr
 def scatter_tokens(pages: jax.Array, page: jax.Array, offset: jax.Array, values: jax.Array, kv_dtype, *,
                    key: bool) -> jax.Array:
     """Write token values f[..., Hkv, D] at (page, offset) (i32[...] each) of a K or V pool."""
-    idx = (page, slice(None), slice(None), offset) if key else (page, slice(None), offset, slice(None))
-    return pages.at[idx].set(as_stored(values, kv_dtype))
+    within = [slice(None)] * 3
+    within[_PAGE_AXES[key].index(0)] = offset  # the page's token axis
+    return pages.at[(page, *within)].set(as_stored(values, kv_dtype))
 
 
 def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta, *, key: bool) -> jax.Array:
