@@ -1,7 +1,7 @@
 """Weights as flat dicts: the one naming of pytree leaves, and the one way to start host copies.
 
 Used by every plane that moves weights (the learner publishes, the relay plane stores and serves,
-rollout servers and exports load): a leaf is named by its path with dots, `layers.0.attn.q_proj.kernel`
+rollout servers and exports load): a leaf is named by its path with dots, `layers.0.attn.q_proj.weight`
 (dict keys and attribute names as they are, sequence indices as numbers; nnx's `.value` wrapper
 is skipped). Names are deterministic (jax orders dict keys) and the same in every process.
 """

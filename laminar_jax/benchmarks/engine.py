@@ -245,16 +245,18 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
 
 
 def _matmul_fn(model, rows: int):
-    """A jitted pass through every weight matmul of one decode step ([rows, in] x [in, out], the model's own
-    Linear modules, plus the head), and its FLOPs."""
+    """A jitted pass through every weight matmul of one decode step ([rows, in] x [out, in]^T, the model's
+    own Linear modules, plus the head), and its FLOPs."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, nnx.Linear)]
+    from laminar_jax.model.transformer import Linear
+
+    linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
     graphdef, params = nnx.split(model)
     c = model.cfg
-    flops = 2 * rows * (sum(m.kernel[...].size for m in linears) + c.vocab_size * c.hidden_size)
+    flops = 2 * rows * (sum(m.weight[...].size for m in linears) + c.vocab_size * c.hidden_size)
 
     x = jax.random.normal(jax.random.key(0), (rows, max(c.hidden_size, c.intermediate_size,
                                                         c.num_heads * c.head_dim)), jnp.float32)
@@ -264,7 +266,7 @@ def _matmul_fn(model, rows: int):
         # Every product is returned whole: a reduction of it would let XLA simplify the dot away.
         m = nnx.merge(graphdef, params)
         outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype))]
-        for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, nnx.Linear)]:
+        for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, Linear)]:
             outs.append(lin(x[:, :lin.in_features].astype(m.dtype)))
         return outs
 

@@ -66,8 +66,13 @@ class Checkpointer:
         meta = self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
         paths = _leaf_paths(like)
         if meta.get("leaf_paths") != paths:
+            hint = ""
+            if any(p.endswith("'kernel']") for p in meta.get("leaf_paths", [])):
+                # Linear weights were stored [in, out] as 'kernel' before they took HF's [out, in] 'weight'.
+                hint = ("; it stores Linear weights as 'kernel' [in, out], written before they became 'weight' "
+                        "[out, in]: export it to HF with the version that wrote it, then start from that directory")
             raise LayoutMismatch(f"checkpoint {self.directory} step {step}: state layout differs from the live "
-                             f"learner ({len(meta.get('leaf_paths', []))} vs {len(paths)} leaves)")
+                                 f"learner ({len(meta.get('leaf_paths', []))} vs {len(paths)} leaves){hint}")
         leaves, treedef = jax.tree.flatten(like)
         abstract = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                     for i, x in enumerate(leaves)}

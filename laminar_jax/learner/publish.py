@@ -25,7 +25,7 @@ class Publisher(Protocol):
     """Receives host copies of the policy weights. Implemented by the relay plane."""
 
     def publish(self, version: int, params: dict[str, np.ndarray]) -> None:
-        """params: flat {'layers.0.self_attn.q_proj.kernel': np.ndarray, ...}; version strictly increasing."""
+        """params: flat {'layers.0.self_attn.q_proj.weight': np.ndarray, ...}; version strictly increasing."""
         ...
 
 

@@ -36,14 +36,13 @@ def _as_dtype(d: Any):
     return _DTYPES[d] if isinstance(d, str) else d
 
 
-def hf_name(path: tuple) -> tuple[str, bool]:
-    """NNX state path -> (HF tensor name, transpose?). Kernels are [in, out] here, [out, in] in HF."""
+def hf_name(path: tuple) -> str:
+    """NNX state path -> HF tensor name. Every tensor has HF's layout here too (Linear weights [out, in])."""
     parts = [str(p) for p in path]
-    leaf = parts[-1]
-    suffix = {"kernel": "weight", "embedding": "weight", "weight": "weight", "bias": "bias"}[leaf]
+    suffix = {"embedding": "weight", "weight": "weight", "bias": "bias"}[parts[-1]]
     stem = ".".join(parts[:-1])
     prefix = "" if parts[0] in ("lm_head", "value_head") else "model."
-    return f"{prefix}{stem}.{suffix}", leaf == "kernel"
+    return f"{prefix}{stem}.{suffix}"
 
 
 def _flat_items(tree: dict, prefix: tuple = ()) -> Iterable[tuple[tuple, Any]]:
@@ -120,21 +119,20 @@ def from_pretrained(path: str, dtype: Any = jnp.float32, param_dtype: Any = None
     index = _TensorIndex(path)
     try:
         for p, leaf in list(_flat_items(pure)):
-            name, transpose = hf_name(p)
+            name = hf_name(p)
             if p[0] == "value_head" and name not in index.where:
                 continue  # filled from a fresh init below
             arr = index.get(name)
-            arr = arr.T if transpose else arr
             if tuple(arr.shape) != tuple(leaf.shape):
                 raise ValueError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {tuple(leaf.shape)}")
             _set_path(pure, p, jnp.asarray(np.asarray(arr).astype(leaf.dtype)))
-        used = {hf_name(p)[0] for p, _ in _flat_items(pure)}
+        used = {hf_name(p) for p, _ in _flat_items(pure)}
         extra = [k for k in index.where if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
         if extra:
             log.warning("%s: ignored %d tensors not used by the model, e.g. %s", path, len(extra), extra[:3])
     finally:
         index.close()
-    if value_head and "value_head" in pure and isinstance(pure["value_head"]["kernel"], jax.ShapeDtypeStruct):
+    if value_head and "value_head" in pure and isinstance(pure["value_head"]["weight"], jax.ShapeDtypeStruct):
         fresh = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, value_head=True)
         pure["value_head"] = nnx.to_pure_dict(nnx.state(fresh))["value_head"]
     nnx.replace_by_pure_dict(state, pure)
@@ -150,11 +148,11 @@ def save_pretrained(model: Transformer, path: str, dtype: Optional[str] = None,
     for p, leaf in _flat_items(pure):
         if p[0] == "value_head" and not include_value_head:
             continue
-        name, transpose = hf_name(p)
+        name = hf_name(p)
         arr = np.asarray(jax.device_get(leaf))
         if dtype is not None:
             arr = arr.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
-        tensors[name] = np.ascontiguousarray(arr.T if transpose else arr)
+        tensors[name] = np.ascontiguousarray(arr)
     out_dtype = dtype or str(next(iter(tensors.values())).dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(model.cfg, torch_dtype=out_dtype), f, indent=2)

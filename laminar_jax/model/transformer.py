@@ -2,7 +2,7 @@
 
 Parameters carry logical axis names (metadata ``out_sharding``) so the learner can map them
 onto a mesh: 'vocab', 'embed', 'heads', 'kv_heads', 'mlp', 'norm', 'head_dim'.
-Kernels are stored [in, out] (HF stores [out, in]; loading transposes).
+Linear weights are stored [out, in] and named `weight`, as HF stores them (see `Linear`).
 
 Training-path knobs (the decode path `forward_cached` never uses them): `forward(..., remat=...)`
 rematerializes each decoder layer in the backward pass (see REMAT_POLICIES), and
@@ -33,27 +33,44 @@ def _low_precision(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype).itemsize < 4
 
 
-class Linear(nnx.Linear):
-    """nnx.Linear whose low-precision (bf16/f16) products accumulate in float32, then cast back to dtype.
+class Linear(nnx.Module):
+    """y = x . W^T + b with W stored [out, in] (HF's and torch's layout), named ``weight``.
 
-    Why: on a CPU with AVX-512 BF16, XLA:CPU runs a bf16 x bf16 -> f32 dot on those instructions,
-    ~3x faster than f32, while a bf16 -> bf16 dot is emulated and slower than f32. (On AVX2 alone
-    both are emulated; see docs/MODELS.md.) f32 accumulation is also the more accurate product.
-    Float32 models are unchanged (no preferred type is set).
+    Why [out, in]: the product then contracts both operands' minor axis, which XLA:CPU's small-row
+    kernels run faster than the [in, out] layout (12 layers of qwen2-100m's weight products, fp32:
+    -21% at 4 rows, -26% at 16, -19% at 32, -3% at 64; docs/BENCHMARKS.md, "The weights' layout");
+    a decode step is mostly such products. HF checkpoints also load and export without a transpose.
+    Low-precision (bf16/f16) products accumulate in float32, then cast back to dtype: on a CPU with
+    AVX-512 BF16 XLA:CPU runs bf16 x bf16 -> f32 on those instructions, and it is the more accurate
+    product. ``axes`` are the logical axes of [in, out], as the shardings name them.
     """
 
-    def __call__(self, inputs: jax.Array, out_sharding=None) -> jax.Array:
-        y = super().__call__(inputs, out_sharding)
-        return y if self.preferred_element_type is None else y.astype(self.dtype)
+    def __init__(self, din: int, dout: int, axes: Sequence[Optional[str]], bias: bool, rngs: nnx.Rngs,
+                 dtype, param_dtype):
+        self.in_features, self.out_features = din, dout
+        self.dtype = dtype
+        # Drawn [in, out] and transposed: a seed gives the same model as when weights were stored [in, out].
+        w = nnx.initializers.normal(0.02)(rngs.params(), (din, dout), param_dtype).T
+        self.weight = nnx.Param(w, out_sharding=(axes[1], axes[0]), eager_sharding=False)
+        b = None
+        if bias:
+            rngs.params()  # the bias's draw (unused by zeros), so later modules get the same keys as before
+            b = nnx.Param(jnp.zeros((dout,), param_dtype), out_sharding=tuple(axes[1:]), eager_sharding=False)
+        self.bias = nnx.data(b)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        w = self.weight[...]
+        dtype = self.dtype or jnp.result_type(x, w)
+        low = _low_precision(dtype)
+        y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32 if low else None)
+        if self.bias is not None:
+            y = y + self.bias[...].astype(y.dtype)
+        return y.astype(dtype) if low else y
 
 
-def _linear(din: int, dout: int, axes, bias: bool, rngs: nnx.Rngs, dtype, param_dtype) -> nnx.Linear:
-    return Linear(
-        din, dout, use_bias=bias, dtype=dtype, param_dtype=param_dtype,
-        preferred_element_type=jnp.float32 if _low_precision(dtype) else None,
-        kernel_init=_init(nnx.initializers.normal(0.02), axes),
-        bias_init=_init(nnx.initializers.zeros_init(), axes[1:]),
-        rngs=rngs)
+def _linear(din: int, dout: int, axes, bias: bool, rngs: nnx.Rngs, dtype, param_dtype) -> Linear:
+    return Linear(din, dout, axes, bias, rngs, dtype, param_dtype)
 
 
 class RMSNorm(nnx.Module):

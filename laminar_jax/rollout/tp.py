@@ -1,8 +1,8 @@
 """Tensor-parallel layout of a rollout engine: weights and KV pages over a Mesh with a 'tensor' axis.
 
 Megatron layout, expressed as shardings and left to GSPMD to partition:
-  - q/k/v and gate/up kernels are split by output columns ('heads', 'kv_heads', 'mlp'),
-  - o and down kernels by input rows (the same logical names on their first axis),
+  - q/k/v and gate/up weights ([out, in]) are split by output rows ('heads', 'kv_heads', 'mlp'),
+  - o and down weights by input columns (the same logical names on their second axis),
   - the embedding (and an untied LM head) over the vocabulary ('vocab'),
   - norms replicated.
 So each device computes its own heads' attention against its own KV heads, and the layer does one

@@ -58,3 +58,14 @@ def test_no_restorable_checkpoint_raises_and_a_layout_change_is_never_skipped(tm
         ck.restore_newest(_state(0.0))
     ck.close()
     assert Checkpointer(str(tmp_path / "empty"), keep=1, async_save=False).restore_newest(_state(0.0)) is None
+
+
+def test_a_checkpoint_of_in_out_kernels_names_the_weight_layout_change(tmp_path):
+    # Checkpoints written before Linear weights became HF's [out, in] 'weight' stored [in, out]
+    # 'kernel's; a square one would restore into the new shape transposed, so the paths refuse it.
+    d = str(tmp_path / "ckpt")
+    ck = Checkpointer(d, keep=1, async_save=False)
+    ck.save(1, {"q_proj": {"kernel": jnp.ones((64, 64))}}, {"version": 1, "extra": {}})
+    with pytest.raises(LayoutMismatch, match="'kernel' \\[in, out\\].*'weight' \\[out, in\\]"):
+        ck.restore_newest({"q_proj": {"weight": jnp.zeros((64, 64))}})
+    ck.close()

@@ -124,7 +124,7 @@ def test_separate_critic_and_reference_model():
     assert m1["kl_ref"] > 0.01 and m2["vf_loss"] > 0  # a different reference model: KL clearly non-zero
     changed = lambda a, b: any(not np.array_equal(a[k], b[k]) for k in a)
     assert changed(actor0, flat(learner.state.params["actor"]))
-    assert not np.array_equal(critic0["value_head.kernel"], flat(learner.state.params["critic"])["value_head.kernel"])
+    assert not np.array_equal(critic0["value_head.weight"], flat(learner.state.params["critic"])["value_head.weight"])
     assert not changed(ref0, flat(learner.ref_params))  # frozen, and still alive after donation of the state
 
 
