@@ -69,10 +69,6 @@ class Linear(nnx.Module):
         return y.astype(dtype) if low else y
 
 
-def _linear(din: int, dout: int, axes, bias: bool, rngs: nnx.Rngs, dtype, param_dtype) -> Linear:
-    return Linear(din, dout, axes, bias, rngs, dtype, param_dtype)
-
-
 class RMSNorm(nnx.Module):
     """x * rsqrt(mean(x^2) + eps) * w, normalised in float32 (as HF does)."""
 
@@ -118,7 +114,7 @@ class Attention(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
         self.cfg = cfg
         d, hd = cfg.hidden_size, cfg.head_dim
-        lin = functools.partial(_linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
+        lin = functools.partial(Linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype)
         self.q_proj = lin(d, cfg.num_heads * hd, ("embed", "heads"), cfg.qkv_bias)
         self.k_proj = lin(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias)
         self.v_proj = lin(d, cfg.num_kv_heads * hd, ("embed", "kv_heads"), cfg.qkv_bias)
@@ -146,7 +142,7 @@ class Attention(nnx.Module):
 
 class MLP(nnx.Module):
     def __init__(self, cfg: TransformerConfig, rngs: nnx.Rngs, dtype, param_dtype):
-        lin = functools.partial(_linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype, bias=cfg.mlp_bias)
+        lin = functools.partial(Linear, rngs=rngs, dtype=dtype, param_dtype=param_dtype, bias=cfg.mlp_bias)
         self.gate_proj = lin(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"))
         self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"))
         self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"))
@@ -215,9 +211,9 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([DecoderLayer(cfg, rngs, dtype, param_dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         if not cfg.tie_word_embeddings:
-            self.lm_head = _linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs, dtype, param_dtype)
+            self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs, dtype, param_dtype)
         if value_head:
-            self.value_head = _linear(cfg.hidden_size, 1, ("embed", None), True, rngs, dtype, param_dtype)
+            self.value_head = Linear(cfg.hidden_size, 1, ("embed", None), True, rngs, dtype, param_dtype)
 
     @property
     def has_value_head(self) -> bool:
