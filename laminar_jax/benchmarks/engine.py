@@ -267,7 +267,7 @@ def _matmul_fn(model, rows: int):
         m = nnx.merge(graphdef, params)
         outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype))]
         for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, Linear)]:
-            outs.append(lin(x[:, :lin.in_features].astype(m.dtype)))
+            outs.append(lin(x[:, :lin.weight.shape[1]].astype(m.dtype)))  # weight [out, in]
         return outs
 
     return (lambda: run(params, x)), flops

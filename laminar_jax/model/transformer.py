@@ -47,7 +47,6 @@ class Linear(nnx.Module):
 
     def __init__(self, din: int, dout: int, axes: Sequence[Optional[str]], bias: bool, rngs: nnx.Rngs,
                  dtype, param_dtype):
-        self.in_features, self.out_features = din, dout
         self.dtype = dtype
         # Drawn [in, out] and transposed: a seed gives the same model as when weights were stored [in, out].
         w = nnx.initializers.normal(0.02)(rngs.params(), (din, dout), param_dtype).T
