@@ -1,5 +1,5 @@
-"""Test-wide setup: the repo root on sys.path, JAX on CPU, and one persistent compilation cache for
-the session.
+"""Test-wide setup: the repo root on sys.path, JAX on CPU (JAX_PLATFORMS overrides), float32 matrix
+products in float32, and one persistent compilation cache for the session.
 
 Many tests build the demo's learner and engines afresh, so the same programs were compiled again and
 again; a cache in a temporary directory (empty at the start of every session, removed at its end)
@@ -16,6 +16,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# float32 products in float32 on every backend, as runs do by default (laminar_jax/matmul_precision.py):
+# the tests' float32 tolerances assume it, and a GPU or TPU would otherwise round the operands.
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 _CACHE_DIR = None
 

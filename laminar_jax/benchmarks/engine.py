@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from laminar_jax.benchmarks.machine import emit
+from laminar_jax.matmul_precision import apply_matmul_precision
 
 # Peak HBM bandwidth (bytes/s) by device kind substring.
 HBM_BANDWIDTH = {"H200": 4.8e12, "H100": 3.35e12, "A100": 2.0e12, "L4": 0.3e12}
@@ -337,6 +338,7 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
     print(f"{'dtype':<9}{'rows':>5}{'step ms':>9}{'tok/s':>8}{'attn':>7}{'matmul':>8}{'GF/s':>7}{'step GF/s':>10}"
           f"{'peak':>7}{'%peak':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
     for dtype in dtypes:
+        apply_matmul_precision("auto", dtype)  # as a run of this dtype would (runtime.matmul_precision)
         dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
         for rows in rows_list:
@@ -398,6 +400,7 @@ def main(argv: list[str]) -> dict:
     cap = args.max_new or (10 * median + 8)
     cfg = PRESETS[args.preset]
     dtype = jnp.bfloat16 if args.dtype == "bfloat16" else jnp.float32
+    apply_matmul_precision("auto", args.dtype)  # as a run of this dtype would (runtime.matmul_precision)
     model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=dtype)
     wl = make_workload(n, median, cap, min(cfg.vocab_size, 500))
     if args.group > 1:

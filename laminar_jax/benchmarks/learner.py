@@ -45,6 +45,7 @@ from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.logprobs import chunk_positions
 from laminar_jax.learner.losses import agg_norm
 from laminar_jax.learner.step import Graphs, make_grad_fn, make_loss_fn
+from laminar_jax.matmul_precision import apply_matmul_precision
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.attention import TRAIN_ATTENTION
@@ -255,6 +256,7 @@ def main(argv: list[str]) -> dict:
     remat = args.remat or ("none" if quick else "dots_with_no_batch_dims_saveable")
     cfg = PRESETS[preset]
     dtype = jnp.bfloat16 if dtype_name == "bfloat16" else jnp.float32
+    apply_matmul_precision("auto", dtype_name)  # as a run of this dtype would (runtime.matmul_precision)
 
     section = LearnerSection(lr=1e-6, adv_estimator="grpo", critic="none", micro_batches=args.micro_batches,
                              seq_len_buckets=(seq,), remat=remat, logits_chunk_tokens=args.logits_chunk_tokens,

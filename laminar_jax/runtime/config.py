@@ -36,6 +36,7 @@ class RuntimeSection:
       learner_gpus_per_process: GPUs each learner process (Ray actor) asks for when the cluster has GPUs (learner_processes > 1).
       cpu_threads: XLA's CPU intra-op thread pool size in the run's processes (XLA's PJRT_NPROC; set by the entry point before JAX starts): 0 = XLA's default, one thread per core. At small shapes on a few cores, 1 (with cpu_async_dispatch=False) saves CPU per trained token while the run's own threads (learner, servers) share the cores (docs/BENCHMARKS.md, "XLA's CPU threads"). CPU computations only.
       cpu_async_dispatch: JAX's asynchronous dispatch of CPU computations (jax_cpu_enable_async_dispatch). False runs each CPU computation on the thread that calls it, which costs less CPU per call and lets the run's threads compute side by side. CPU computations only.
+      matmul_precision: Precision of float32 matrix products in the run's processes (JAX's jax_default_matmul_precision, set by the entry point). 'highest' computes them in float32; 'default' lets the backend round the operands (TF32 on NVIDIA GPUs from Ampere on, one bfloat16 pass on TPUs), faster and ~1e-3 off; 'high' is in between on TPUs. 'auto': 'highest' when model.dtype is float32, else 'default' (a bfloat16 model's float32 products are its attention's). The CPU is unaffected.
       compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
       eval_every: Learner steps between evaluations on the held-out prompts (data.val_files / data.val_size), run on the rollout servers; the last step is evaluated too. 0 = no evaluation during training.
       eval_before_train: Also evaluate the starting policy, before the first step.
@@ -70,6 +71,7 @@ class RuntimeSection:
     learner_gpus_per_process: int = 1
     learner_resource: Optional[str] = None
     compilation_cache_dir: str = "~/.cache/laminar_jax/jax"
+    matmul_precision: Literal["auto", "highest", "high", "default"] = "auto"
     cpu_threads: int = 0
     cpu_async_dispatch: bool = True
     eval_every: int = 0

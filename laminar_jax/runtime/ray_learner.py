@@ -83,6 +83,7 @@ class LearnerProcess:
         from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.config import finalize
         from laminar_jax.cpu_threads import apply_cpu_threads
+        from laminar_jax.matmul_precision import apply_matmul_precision
         from laminar_jax.learner.learner import Learner
         from laminar_jax.learner.publish import LocalPublisher
         from laminar_jax.model import build_model
@@ -91,6 +92,7 @@ class LearnerProcess:
         cfg = finalize(json.loads(self.cfg_json))
         apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX starts
         enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
+        apply_matmul_precision(cfg.runtime.matmul_precision, cfg.model.dtype)  # nor this
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
         model = build_model(cfg.model)
