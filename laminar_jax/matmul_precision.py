@@ -3,8 +3,8 @@
 XLA computes a float32 product at the backend's "default" precision unless told otherwise, and that
 default is not float32 everywhere: NVIDIA GPUs from Ampere on round the operands to TF32 (10-bit
 mantissa) and TPUs to one bfloat16 pass. On an H200 that put the float32 training attentions 7e-4
-from their float32 reference and broke logit parity with transformers (docs/BENCHMARKS.md, "On a
-GPU"), where the CPU agrees to 1e-6.
+from their float32 reference and broke logit parity with transformers (docs/BENCHMARKS.md, "Second
+lease"), where the CPU agrees to 1e-6.
 
 'auto', the default, follows model.dtype. A float32 model gets float32 products ('highest'), as
 PyTorch computes float32 unless TF32 is allowed. A bfloat16 model keeps the backend's default: its
@@ -18,7 +18,7 @@ Entry points call `apply_matmul_precision()` once, before anything is traced.
 
 from __future__ import annotations
 
-# 'high': TF32 on GPUs (cuBLAS has no 3-pass TF32), three bfloat16 passes on TPUs.
+# JAX's names; 'high' is three bfloat16 passes on TPUs.
 PRECISIONS = ("auto", "highest", "high", "default")
 _FLAG = "jax_default_matmul_precision"
 
