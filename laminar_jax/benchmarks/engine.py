@@ -27,10 +27,11 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
+from laminar_jax.benchmarks import optrace
 from laminar_jax.benchmarks.machine import emit
 from laminar_jax.matmul_precision import apply_matmul_precision
 
@@ -274,13 +275,14 @@ def _matmul_fn(model, rows: int):
     return (lambda: run(params, x)), flops
 
 
-def profile_decode(model, rows: int, context: int, iters: int = 5) -> dict:
+def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None) -> dict:
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
     weight matmuls (the model's Linear modules + head alone, and their GFLOP/s), sampling (greedy
     over the vocabulary), host work per server step (server.step() wall minus the device step),
-    and the rest (norms, RoPE, embedding, state updates).
+    and the rest (norms, RoPE, embedding, state updates). With ``trace_dir``, also the step's time
+    per XLA op from a jax.profiler trace ('ops', see optrace.py).
     """
     import jax
     import jax.numpy as jnp
@@ -288,16 +290,22 @@ def profile_decode(model, rows: int, context: int, iters: int = 5) -> dict:
     from laminar_jax.rollout import Request, RolloutServer, SamplingParams
     from laminar_jax.rollout.sampling import sample_tokens
 
-    def step_ms(**kw):
+    ops = None
+
+    def step_ms(trace: bool = False, **kw):
+        nonlocal ops
         engine, params, state = _filled_engine(model, rows, context, **kw)
         box = [state]
 
         def one():
             box[0], out = engine.generate(params, box[0])
             return out
-        return _median_ms(one, iters)
+        ms = _median_ms(one, iters)
+        if trace:
+            ops = optrace.op_table(optrace.capture(one, trace_dir, calls=3), calls=3)
+        return ms
 
-    full = step_ms()
+    full = step_ms(trace=trace_dir is not None)
     no_attn = step_ms(attention_impl="skip", attention_backends={"skip": _skip_attention})
     mm_fn, flops = _matmul_fn(model, rows)
     mm = _median_ms(mm_fn, iters)
@@ -321,11 +329,13 @@ def profile_decode(model, rows: int, context: int, iters: int = 5) -> dict:
             "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
             "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
             "host_ms": max(srv - full, 0.0), "server_step_ms": srv,
-            "other_ms": max(full - (full - no_attn) - mm - sampling, 0.0)}
+            "other_ms": max(full - (full - no_attn) - mm - sampling, 0.0), "ops": ops}
 
 
-def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int) -> dict:
-    """Decode-step profile per dtype and row count, with the matmul peak measured in the same run."""
+def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int,
+                trace_dir: Optional[str] = None) -> dict:
+    """Decode-step profile per dtype and row count, with the matmul peak measured in the same run
+    (and each step's time per XLA op, traced into trace_dir/<dtype>_<rows>, when trace_dir is set)."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -343,13 +353,16 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
         model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
         for rows in rows_list:
             peak = matmul_peak(dtype)
-            r = profile_decode(model, rows, context, iters)
+            r = profile_decode(model, rows, context, iters,
+                               None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"))
             r.update(peak_gflops=peak, frac_of_peak=r["step_matmul_gflops"] / peak, load_avg=os.getloadavg()[0])
             out["rows"][f"{dtype}_{rows}"] = r
             print(f"{dtype:<9}{rows:>5}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.0f}{r['attention_ms']:>7.1f}"
                   f"{r['matmul_ms']:>8.1f}{r['matmul_gflops']:>7.0f}{r['step_matmul_gflops']:>10.0f}{peak:>7.0f}"
                   f"{r['frac_of_peak']:>7.0%}{r['sampling_ms']:>8.1f}{r['host_ms']:>7.1f}{r['other_ms']:>7.1f}"
                   f"{r['load_avg']:>6.1f}", flush=True)
+            if r["ops"] is not None:
+                optrace.print_table(r["ops"], f"  {dtype} decode step call at {rows} rows, traced")
     return out
 
 
@@ -380,11 +393,14 @@ def main(argv: list[str]) -> dict:
                          "at --profile-rows live rows, for float32 and bfloat16 unless --dtype is given")
     ap.add_argument("--profile-rows", default="32,64")
     ap.add_argument("--profile-context", type=int, default=128)
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="--profile: also trace each profiled step with jax.profiler into DIR/<dtype>_<rows> "
+                         "and print its time per XLA op (optrace.py)")
     args = ap.parse_args(argv)
     if args.profile:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]
-        result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7)
+        result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7, args.trace)
         return emit(result)
 
     import jax

@@ -39,6 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from laminar_jax.benchmarks import optrace
 from laminar_jax.benchmarks.machine import emit
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
 from laminar_jax.learner.batch import TrainBatch
@@ -241,6 +242,10 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--publish-snapshot", default="auto", choices=["auto", "on", "off"],
                     help="learner.publish_snapshot (auto: on for accelerators): publish each version from a "
                          "device copy, so the next step does not wait for the device-to-host copy")
+    ap.add_argument("--no-publish", action="store_true",
+                    help="time steps that publish nothing (no device-to-host copy of the weights at all)")
+    ap.add_argument("--trace", default=None, metavar="DIR",
+                    help="also trace 2 steps with jax.profiler into DIR and print their time per XLA op (optrace.py)")
     ap.add_argument("--attention-speed", action="store_true",
                     help="only time forward + backward of each training attention (see attention_speed)")
     args = ap.parse_args(argv)
@@ -279,11 +284,16 @@ def main(argv: list[str]) -> dict:
     learner.step(trajs)  # compile + first step
     compile_s = time.perf_counter() - t0
     learner.publisher = LocalPublisher(keep=1)
+    publish = not args.no_publish
     times, waits = [], []
     for _ in range(steps):
         t0 = time.perf_counter()
-        waits.append(learner.step(trajs)["publish_wait_s"])
+        waits.append(learner.step(trajs, publish=publish)["publish_wait_s"])
         times.append(time.perf_counter() - t0)
+    ops = None
+    if args.trace:
+        path = optrace.capture(lambda: learner.step(trajs, publish=publish), args.trace, calls=2)
+        ops = optrace.op_table(path, calls=2)
     t0 = time.perf_counter()
     learner.flush()
     flush_s = time.perf_counter() - t0
@@ -312,7 +322,8 @@ def main(argv: list[str]) -> dict:
         "step_s_min": float(np.min(times)), "compile_s": compile_s, "init_s": init_s,
         "host_copy_s": host_copy_s, "publish_flush_s": flush_s, "publish_wait_s": float(np.median(waits)),
         "publish_snapshot": learner.snapshot_publish, "mfu": mfu, "hfu": hfu,
-        "tflops_per_s": flops.model * tokens / step_s / 1e12, "peak_mem_gb": peak_mem,
+        "tflops_per_s": flops.model * tokens / step_s / 1e12, "peak_mem_gb": peak_mem, "published": publish,
+        "ops_per_step": ops,
     }
     rows = [(k, result[k]) for k in ("device", "preset", "params", "batch", "seq", "dtype", "remat",
                                      "logits_chunk_positions", "step_s", "step_s_min", "tokens_per_s",
@@ -321,6 +332,8 @@ def main(argv: list[str]) -> dict:
     print(f"{'metric':<16} value")
     for k, v in rows:
         print(f"{k:<16} {v:.4g}" if isinstance(v, float) else f"{k:<16} {v}")
+    if ops is not None:
+        optrace.print_table(ops, f"one learner step, traced ({args.trace})")
     return emit(result)
 
 
