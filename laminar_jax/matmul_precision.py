@@ -13,7 +13,10 @@ softmax weights, so full float32 there would cost speed for accuracy that the bf
 around it do not keep. The CPU has no faster rounding: its compiled programs are the same at every
 setting (tests/test_matmul_precision.py).
 
-Entry points call `apply_matmul_precision()` once, before anything is traced.
+Entry points call `apply_matmul_precision()` once, before anything is traced: a run's servers and
+learner trace on threads of their own, which a scoped setting would not reach. Code that traces on
+its caller's thread only, the offline `rollout.LLM`, scopes it instead (`scoped_matmul_precision`),
+leaving the rest of the user's process as it was.
 """
 
 from __future__ import annotations
@@ -32,14 +35,25 @@ def resolve_matmul_precision(name: str, compute_dtype: str) -> str:
     return "highest" if str(compute_dtype) == "float32" else "default"
 
 
+def _setting(resolved: str):
+    return None if resolved == "default" else resolved
+
+
 def apply_matmul_precision(name: str, compute_dtype: str) -> str:
     """Trace this process's later matrix products at `name` for a `compute_dtype` model; returns the
     setting applied (one of PRECISIONS but 'auto')."""
     import jax
 
     resolved = resolve_matmul_precision(name, compute_dtype)
-    jax.config.update(_FLAG, None if resolved == "default" else resolved)
+    jax.config.update(_FLAG, _setting(resolved))
     return resolved
+
+
+def scoped_matmul_precision(resolved: str):
+    """A context manager: matrix products traced inside it, on this thread, at `resolved`."""
+    import jax
+
+    return jax.default_matmul_precision(_setting(resolved))
 
 
 def matmul_precision() -> str:

@@ -25,6 +25,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
+from laminar_jax.matmul_precision import PRECISIONS, resolve_matmul_precision, scoped_matmul_precision
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
@@ -106,17 +107,24 @@ class LLM:
     max_prompt_len: longest prompt (default: max_model_len - 1).
     tokenizer: a tokenizer.json path or HF directory; default: the model directory's, if present.
     warmup: compile the prefill buckets and the live-page buckets now instead of on first use.
+    matmul_precision: float32 products in float32 or the backend's rounding, as
+      runtime.matmul_precision ('auto': float32 for a float32 model); applied to this object's
+      compiles and calls only.
     section_overrides: further RolloutSection fields (e.g. live_buckets, decode_chunk).
     """
 
     def __init__(self, model: str, *, kv_memory_gb: float = 1.0, dtype: str = "float32", max_num_seqs: int = 32,
                  max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 16,
-                 tokenizer: Optional[str] = None, warmup: bool = False, **section_overrides):
+                 tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
+                 **section_overrides):
         from laminar_jax.model.hf import from_pretrained, load_hf_config
         from laminar_jax.model.tokenizer import HFTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {list(_DTYPES)}")
+        if matmul_precision not in PRECISIONS:
+            raise ValueError(f"matmul_precision={matmul_precision!r}: must be one of {list(PRECISIONS)}")
+        self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype)
         cfg = load_hf_config(model)
         tok_path = tokenizer or (model if os.path.exists(os.path.join(model, "tokenizer.json")) else None)
         self.tokenizer = HFTokenizer(tok_path) if tok_path else None
@@ -128,7 +136,8 @@ class LLM:
         self.model = from_pretrained(model, dtype=dtype)
         self.engine, self.params = make_engine(self.model, self.section)
         if warmup:
-            self.engine.warmup(self.params)
+            with scoped_matmul_precision(self.matmul_precision):
+                self.engine.warmup(self.params)
 
     def encode(self, prompt: Union[str, Sequence[int]], index: int) -> list[int]:
         if isinstance(prompt, str):
@@ -144,7 +153,8 @@ class LLM:
         """Complete every prompt (strings need a tokenizer; token-id lists always work); results in order."""
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         sampling = SamplingParams() if sampling_params is None else sampling_params
-        done = _generate((self.engine, self.params), ids, sampling, seeds=seeds, timeout_s=timeout_s)
+        with scoped_matmul_precision(self.matmul_precision):
+            done = _generate((self.engine, self.params), ids, sampling, seeds=seeds, timeout_s=timeout_s)
         return [RequestOutput(p, c.tokens.tolist(), c.logprobs, c.finish_reason,
                               None if self.tokenizer is None else self.tokenizer.decode(c.tokens.tolist()))
                 for p, c in zip(ids, done)]

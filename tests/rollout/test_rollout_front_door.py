@@ -59,6 +59,29 @@ def test_llm_rejects_a_budget_below_one_sequence(hf_dir):
         LLM(str(hf_dir), kv_memory_gb=1e-6, max_model_len=64)
     with pytest.raises(ValueError, match="dtype"):
         LLM(str(hf_dir), dtype="int8")
+    with pytest.raises(ValueError, match="matmul_precision='tf32'"):
+        LLM(str(hf_dir), matmul_precision="tf32")
+
+
+def test_llm_traces_its_programs_at_its_own_precision_only(hf_dir, monkeypatch):
+    """'auto' is float32 products for a float32 model, in force while the LLM's engine runs (and
+    compiles) and not after: the rest of the process keeps its own setting."""
+    from laminar_jax.matmul_precision import apply_matmul_precision, matmul_precision
+    from laminar_jax.rollout import llm as llm_module
+
+    llm = LLM(str(hf_dir), kv_memory_gb=0.002, max_num_seqs=2, max_model_len=64)
+    assert llm.matmul_precision == "highest"
+    assert LLM(str(hf_dir), kv_memory_gb=0.002, max_num_seqs=2, max_model_len=64,
+               dtype="bfloat16").matmul_precision == "default"
+    seen, inner = [], llm_module._generate
+    monkeypatch.setattr(llm_module, "_generate", lambda *a, **k: seen.append(matmul_precision()) or inner(*a, **k))
+    before = matmul_precision()
+    apply_matmul_precision("default", "float32")
+    try:
+        out = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_new_tokens=2))
+        assert seen == ["highest"] and matmul_precision() == "default" and len(out[0].token_ids) == 2
+    finally:
+        apply_matmul_precision(before, "float32")
 
 
 def test_size_section_is_pure_and_validated():
