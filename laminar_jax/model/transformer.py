@@ -33,6 +33,16 @@ def _low_precision(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype).itemsize < 4
 
 
+def _product_out(low: bool):
+    """Output dtype of a weight product (None: its operands'). Low-precision products come out in
+    float32 on the CPU, where XLA:CPU's bf16 kernels accumulate in and produce it. On accelerators
+    they come out in the compute dtype: their matrix units accumulate in float32 either way, and a
+    float32 output would make the backward's products float32 x float32 (the cotangent arrives in
+    float32 and the bf16 operand is promoted to it), which was 2/3 of a bf16 learner step's matmul
+    FLOPs (qwen2.5-0.5b, 16 x 1,024), run at TF32 or float32 rate instead of bf16's."""
+    return jnp.float32 if low and jax.default_backend() == "cpu" else None
+
+
 class Linear(nnx.Module):
     """y = x . W^T + b with W stored [out, in] (HF's and torch's layout), named ``weight``.
 
@@ -40,9 +50,10 @@ class Linear(nnx.Module):
     kernels run faster than the [in, out] layout (12 layers of qwen2-100m's weight products, fp32:
     -21% at 4 rows, -26% at 16, -19% at 32, -3% at 64; docs/BENCHMARKS.md, "The weights' layout");
     a decode step is mostly such products. HF checkpoints also load and export without a transpose.
-    Low-precision (bf16/f16) products accumulate in float32, then cast back to dtype: on a CPU with
-    AVX-512 BF16 XLA:CPU runs bf16 x bf16 -> f32 on those instructions, and it is the more accurate
-    product. ``axes`` are the logical axes of [in, out], as the shardings name them.
+    Low-precision (bf16/f16) products accumulate in float32 and the result is cast back to dtype: on
+    a CPU with AVX-512 BF16 XLA:CPU runs bf16 x bf16 -> f32 on those instructions (`_product_out`
+    says why accelerators take the product's own dtype). ``axes`` are the logical axes of [in, out],
+    as the shardings name them.
     """
 
     def __init__(self, din: int, dout: int, axes: Sequence[Optional[str]], bias: bool, rngs: nnx.Rngs,
@@ -62,7 +73,7 @@ class Linear(nnx.Module):
         dtype = self.dtype or jnp.result_type(x, w)
         low = _low_precision(dtype)
         y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=jnp.float32 if low else None)
+                                preferred_element_type=_product_out(low))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y.astype(dtype) if low else y
