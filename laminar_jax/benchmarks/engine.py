@@ -290,23 +290,19 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     from laminar_jax.rollout import Request, RolloutServer, SamplingParams
     from laminar_jax.rollout.sampling import sample_tokens
 
-    ops = None
-
-    def step_ms(trace: bool = False, **kw):
-        nonlocal ops
+    def decode_step(**kw):
         engine, params, state = _filled_engine(model, rows, context, **kw)
         box = [state]
 
         def one():
             box[0], out = engine.generate(params, box[0])
             return out
-        ms = _median_ms(one, iters)
-        if trace:
-            ops = optrace.op_table(optrace.capture(one, trace_dir, calls=3), calls=3)
-        return ms
+        return one
 
-    full = step_ms(trace=trace_dir is not None)
-    no_attn = step_ms(attention_impl="skip", attention_backends={"skip": _skip_attention})
+    step = decode_step()
+    full = _median_ms(step, iters)
+    ops = None if trace_dir is None else optrace.op_table(optrace.capture(step, trace_dir, calls=3), calls=3)
+    no_attn = _median_ms(decode_step(attention_impl="skip", attention_backends={"skip": _skip_attention}), iters)
     mm_fn, flops = _matmul_fn(model, rows)
     mm = _median_ms(mm_fn, iters)
     logits = jax.random.normal(jax.random.key(0), (rows, model.cfg.vocab_size), jnp.float32)

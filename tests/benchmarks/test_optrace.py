@@ -68,3 +68,15 @@ def test_learner_bench_traces_an_unpublished_step(tmp_path, capsys):
     assert out["published"] is False and out["publish_wait_s"] == 0.0
     assert out["ops_per_step"]["where"] == "host" and out["ops_per_step"]["op_ms"] > 0
     assert "one learner step, traced" in capsys.readouterr().out
+
+
+def test_engine_decode_profile_traces_its_step(tmp_path):
+    from flax import nnx
+
+    from laminar_jax.benchmarks import engine as engine_bench
+    from laminar_jax.model import PRESETS, Transformer
+
+    model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)
+    r = engine_bench.profile_decode(model, rows=4, context=16, iters=1, trace_dir=str(tmp_path / "etrace"))
+    assert r["step_ms"] > 0 and r["ops"]["where"] == "host"
+    assert any(row["op"].startswith("ynn_fusion") or "dot" in row["op"] for row in r["ops"]["ops"])
