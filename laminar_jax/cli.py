@@ -39,10 +39,8 @@ def finalize_flag(value, usage: str):
     """The --config flag's value finalized, XLA's CPU threads and matrix-product precision set and the
     compilation cache enabled; None (after printing `usage` or the config error naming the key) when
     there is no usable config."""
-    from laminar_jax.compile_cache import enable_compilation_cache
     from laminar_jax.config import ConfigError, finalize
-    from laminar_jax.cpu_threads import apply_cpu_threads
-    from laminar_jax.matmul_precision import apply_matmul_precision
+    from laminar_jax.process_settings import apply_process_settings
 
     if value is None:
         print(usage, file=sys.stderr)
@@ -52,7 +50,5 @@ def finalize_flag(value, usage: str):
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return None
-    apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before JAX's CPU backend starts
-    enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # before anything compiles
-    apply_matmul_precision(cfg.runtime.matmul_precision, cfg.model.dtype)  # before anything is traced
+    apply_process_settings(cfg)  # before JAX starts, compiles or traces anything
     return cfg

@@ -13,10 +13,10 @@ softmax weights, so full float32 there would cost speed for accuracy that the bf
 around it do not keep. The CPU has no faster rounding: its compiled programs are the same at every
 setting (tests/test_matmul_precision.py).
 
-Entry points call `apply_matmul_precision()` once, before anything is traced: a run's servers and
-learner trace on threads of their own, which a scoped setting would not reach. Code that traces on
-its caller's thread only, the offline `rollout.LLM`, scopes it instead (`scoped_matmul_precision`),
-leaving the rest of the user's process as it was.
+Entry points and Ray actors apply it once, before anything is traced (`process_settings.py`): a
+run's servers and learner trace on threads of their own, which a scoped setting would not reach.
+Code that traces on its caller's thread only, the offline `rollout.LLM`, scopes it instead
+(`scoped_matmul_precision`), leaving the rest of the user's process as it was.
 """
 
 from __future__ import annotations
@@ -26,10 +26,11 @@ PRECISIONS = ("auto", "highest", "high", "default")
 _FLAG = "jax_default_matmul_precision"
 
 
-def resolve_matmul_precision(name: str, compute_dtype: str) -> str:
-    """The setting `name` means for a model computing in `compute_dtype` ('float32', 'bfloat16', ...)."""
+def resolve_matmul_precision(name: str, compute_dtype: str, field: str = "runtime.matmul_precision") -> str:
+    """The setting `name` means for a model computing in `compute_dtype` ('float32', 'bfloat16', ...);
+    an unknown name is a ValueError naming `field`."""
     if name not in PRECISIONS:
-        raise ValueError(f"runtime.matmul_precision={name!r}: must be one of {list(PRECISIONS)}")
+        raise ValueError(f"{field}={name!r}: must be one of {list(PRECISIONS)}")
     if name != "auto":
         return name
     return "highest" if str(compute_dtype) == "float32" else "default"

@@ -25,7 +25,7 @@ from typing import NamedTuple, Optional, Sequence, Union
 
 import numpy as np
 
-from laminar_jax.matmul_precision import PRECISIONS, resolve_matmul_precision, scoped_matmul_precision
+from laminar_jax.matmul_precision import resolve_matmul_precision, scoped_matmul_precision
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
@@ -122,9 +122,7 @@ class LLM:
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {list(_DTYPES)}")
-        if matmul_precision not in PRECISIONS:
-            raise ValueError(f"matmul_precision={matmul_precision!r}: must be one of {list(PRECISIONS)}")
-        self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype)
+        self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype, "matmul_precision")
         cfg = load_hf_config(model)
         tok_path = tokenizer or (model if os.path.exists(os.path.join(model, "tokenizer.json")) else None)
         self.tokenizer = HFTokenizer(tok_path) if tok_path else None

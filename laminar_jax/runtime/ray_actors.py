@@ -146,10 +146,8 @@ class RolloutActor:
 
     def __init__(self, cfg, index: int, generation: int, relays: dict, store_url: Optional[str], buffer,
                  rpc_timeout_s: float, key: bytes, buffer_name: Optional[str] = None):
-        from laminar_jax.compile_cache import enable_compilation_cache
-        from laminar_jax.cpu_threads import apply_cpu_threads
-        from laminar_jax.matmul_precision import apply_matmul_precision
         from laminar_jax.model import build_model
+        from laminar_jax.process_settings import apply_process_settings
         from laminar_jax.relay import RelayClient, WeightStore
         from laminar_jax.rollout import make_engine
         from laminar_jax.rollout.server import RolloutServer
@@ -159,9 +157,7 @@ class RolloutActor:
 
         section = server_section(cfg, index, generation)
         self.name = name = section.server_id
-        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX starts
-        enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
-        apply_matmul_precision(cfg.runtime.matmul_precision, cfg.model.dtype)  # nor this
+        apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]

@@ -80,19 +80,15 @@ class LearnerProcess:
         """Collective: join jax.distributed, build the model (or load `init_params`) and the Learner."""
         import jax
 
-        from laminar_jax.compile_cache import enable_compilation_cache
         from laminar_jax.config import finalize
-        from laminar_jax.cpu_threads import apply_cpu_threads
-        from laminar_jax.matmul_precision import apply_matmul_precision
         from laminar_jax.learner.learner import Learner
         from laminar_jax.learner.publish import LocalPublisher
         from laminar_jax.model import build_model
+        from laminar_jax.process_settings import apply_process_settings
 
         _use_gloo_on_cpu(jax)
         cfg = finalize(json.loads(self.cfg_json))
-        apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this actor's JAX starts
-        enable_compilation_cache(cfg.runtime.compilation_cache_dir)  # actor processes do not inherit it
-        apply_matmul_precision(cfg.runtime.matmul_precision, cfg.model.dtype)  # nor this
+        apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
         model = build_model(cfg.model)
