@@ -241,7 +241,7 @@ def main(argv: list[str]) -> dict:
                     help="--memory-plan: devices the params/grads/optimizer state are sharded over (mesh fsdp)")
     ap.add_argument("--publish-snapshot", default="auto", choices=["auto", "on", "off"],
                     help="learner.publish_snapshot (auto: on for accelerators): publish each version from a "
-                         "device copy, so the next step does not wait for the device-to-host copy")
+                         "snapshot in pinned host memory, so the next step does not wait for the host copy")
     ap.add_argument("--no-publish", action="store_true",
                     help="time steps that publish nothing (no device-to-host copy of the weights at all)")
     ap.add_argument("--trace", default=None, metavar="DIR",

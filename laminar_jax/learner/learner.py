@@ -24,6 +24,7 @@ from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSectio
 from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
+from laminar_jax.naming import pinned_host_sharding
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
 from laminar_jax.types import Trajectory
@@ -138,10 +139,10 @@ class Learner:
         self.ranks = shape["data"] * shape["fsdp"]  # data-parallel ranks: each gets a contiguous block of rows
         self.row_multiple = self.ranks * section.micro_batches * section.mini_batches
         self._balance = section.balance_tokens and self.ranks > 1
-        # Publishing from a device copy: the D2H copy then reads buffers no train step donates.
+        # Publishing from a snapshot: the host copy then reads buffers no train step donates.
         self.snapshot_publish = section.publish_snapshot if section.publish_snapshot is not None \
             else mesh.devices.flat[0].platform != "cpu"
-        self._snapshot = jax.jit(lambda flat: {k: jnp.array(v, copy=True) for k, v in flat.items()})
+        self._snapshot = _snapshot_fn(flatten_params(self.state.params["actor"]))
         self.publish_wait_s = 0.0  # the learner's total wait for host copies of its weights
 
     # ----------------------------------------------------------------------------------- step
@@ -297,6 +298,16 @@ class Learner:
         self._publish_worker.shutdown(wait=False)
         if self._ckpt is not None:
             self._ckpt.close()
+
+
+def _snapshot_fn(flat: dict[str, jax.Array]):
+    """A program copying the flat policy weights out of the state's buffers: into pinned host memory
+    where the devices have it (the copy is then a DMA inside the program, and the publish only wraps
+    host memory as numpy), else into device memory, which the host copy then reads."""
+    pinned = {k: pinned_host_sharding(v.sharding) for k, v in flat.items()}
+    if all(s is not None for s in pinned.values()):
+        return jax.jit(lambda f: f, out_shardings=pinned)
+    return jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in f.items()})
 
 
 def _scalar(x: Any) -> float:

@@ -146,6 +146,8 @@ def test_publish_snapshot_publishes_each_versions_weights_while_the_next_step_do
     held = threading.Event()
     learner._publish_worker.submit(held.wait, 60)
     learner.step(_batch(0))
+    if snapshot:  # written by the snapshot program into pinned host memory (the CPU has it too)
+        assert {v.sharding.memory_kind for v in learner._pending._flat.values()} == {"pinned_host"}
     after1 = _fresh_host_params(learner)
     uncopied_at_update = []  # per update of step 2: was version 1's host copy still pending?
     train_step = learner._train_step
