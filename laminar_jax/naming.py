@@ -42,20 +42,41 @@ def named_leaves(pytree: Any) -> list[tuple[str, Any]]:
     return out
 
 
-def start_host_copies(leaves: list[Any]) -> int:
-    """Start device-to-host copies of every jax array so they overlap each other; returns how many.
+def start_host_copies(leaves: list[Any]) -> list[Any]:
+    """Start device-to-host copies of every jax array so they overlap each other; returns the leaves
+    to read the host values from (``np.asarray`` of one waits for its copy only).
 
-    Arrays on the CPU backend are skipped: ``np.asarray`` of one is a zero-copy view, so an async
-    copy there is pure per-leaf overhead (about half of ``jax.device_get``'s time on CPU).
+    Device arrays go to their devices' pinned host memory where they have it: a DMA at the link's
+    speed, where a ``copy_to_host_async`` into unpinned memory took 25x as long (2 GB of f32
+    weights on an H100: 990 ms against 41 ms; `pinned_host_sharding`). Elsewhere the copies are
+    started in place. Arrays on the CPU backend, or already in host memory, are returned as they
+    are: ``np.asarray`` of one is a zero-copy view, so a copy there is pure overhead (about half of
+    ``jax.device_get``'s time on CPU).
     """
     import jax
 
-    started = 0
-    for leaf in leaves:
+    out = list(leaves)
+    to_pin, shardings = [], []
+    for i, leaf in enumerate(out):
         if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and not _on_cpu(leaf):
-            leaf.copy_to_host_async()
-            started += 1
-    return started
+            pinned = pinned_host_sharding(leaf.sharding)
+            if pinned is None:
+                leaf.copy_to_host_async()
+            else:
+                to_pin.append(i)
+                shardings.append(pinned)
+    if to_pin:
+        moved = to_pinned_host([out[i] for i in to_pin], shardings)
+        for i, leaf in zip(to_pin, moved):
+            out[i] = leaf
+    return out
+
+
+def to_pinned_host(leaves: list[Any], shardings: list[Any]) -> list[Any]:
+    """One asynchronous ``device_put`` of the arrays into the given pinned-host shardings."""
+    import jax
+
+    return jax.device_put(leaves, shardings)
 
 
 def _on_cpu(x: Any) -> bool:

@@ -87,8 +87,8 @@ class HostCopy:
         self._error: Optional[str] = None
         self.host: Optional[dict[str, np.ndarray]] = None
         if all(x.is_fully_addressable for x in flat.values()):
-            start_host_copies(list(flat.values()))  # the relay plane's own host copies are the same call
-            self._flat = flat
+            # The relay plane's own host copies are the same call.
+            self._flat = dict(zip(flat, start_host_copies(list(flat.values()))))
         else:  # multi-process: gather the global value (blocking)
             from jax.experimental import multihost_utils
             self._flat = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}

@@ -45,8 +45,8 @@ def flatten_tree(pytree: Any) -> dict[str, np.ndarray]:
     leaves are returned as they are (no copy).
     """
     items = tree_items(pytree)
-    start_host_copies([leaf for _, leaf in items])
-    return {name: np.asarray(leaf) for name, leaf in items}
+    leaves = start_host_copies([leaf for _, leaf in items])
+    return {name: np.asarray(leaf) for (name, _), leaf in zip(items, leaves)}
 
 
 def unflatten_like(flat: Mapping[str, Any], template_pytree: Any, strict: bool = True) -> Any:

@@ -131,8 +131,8 @@ class Publisher:
                                  f"{self._last_version}")
             self._last_version = version
         items = tree_items(params)
-        start_host_copies([leaf for _, leaf in items])
-        host = {name: self._host_copy(name, leaf) for name, leaf in items}
+        leaves = start_host_copies([leaf for _, leaf in items])
+        host = {name: self._host_copy(name, leaf) for (name, _), leaf in zip(items, leaves)}
         with self._cond:
             self._counts["published"] += 1
             if version < self._newest_queued:  # a newer one overtook this copy: it supersedes it

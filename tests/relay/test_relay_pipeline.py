@@ -142,7 +142,24 @@ def test_publisher_copies_writeable_arrays_and_takes_immutable_ones_by_reference
     assert not np.shares_memory(got["rw"], rw)
     assert np.shares_memory(got["ro"], ro)  # no second host copy of weights nobody can change
     np.testing.assert_array_equal(got["jx"], np.arange(8, dtype=np.float32) * 3)
-    assert start_host_copies([jx, rw]) == 0  # CPU backend: np.asarray is a view, no async copy to start
+    got = start_host_copies([jx, rw])  # CPU backend: np.asarray is a view, no copy to start
+    assert got[0] is jx and got[1] is rw
+
+
+def test_pinned_host_copies_hold_the_values_in_host_memory():
+    # The accelerator path of start_host_copies, run on the CPU's own pinned host memory.
+    import jax
+    from laminar_jax.naming import pinned_host_sharding, to_pinned_host
+
+    x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
+    y = jnp.ones((5,), jnp.bfloat16)
+    shardings = [pinned_host_sharding(a.sharding) for a in (x, y)]
+    got = to_pinned_host([x, y], shardings)
+    assert [g.sharding.memory_kind for g in got] == ["pinned_host"] * 2
+    np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(x))
+    np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(y))
+    assert all(a is b for a, b in zip(start_host_copies(got), got))  # in host memory: no copy
+    assert isinstance(jax.device_get(got[0]), np.ndarray)
 
 
 class _SlowLeaf:
