@@ -1,6 +1,7 @@
 """optrace: time per XLA op from a jax.profiler trace. On the CPU a real trace of a real program
 (its ops are XLA:CPU's op events); the device side on made-up traces in the layout of JAX's GPU
-traces (no GPU here), which must count each op once, not again as part of its module's span."""
+traces (an H100's were read in a lease; no GPU in CI), which must count each op once, not again
+as part of its module's span."""
 
 import gzip
 import json
@@ -50,6 +51,19 @@ def test_fake_device_trace_without_an_ops_line_reads_its_streams_but_not_module_
     t = optrace.op_table(path)
     assert t["where"] == "device" and t["op_ms"] == pytest.approx(0.5)
     assert [(r["op"], r["count"]) for r in t["ops"]] == [("loop_fusion", 2.0)]
+
+
+def test_a_device_trace_mostly_in_command_buffers_says_their_ops_are_hidden(tmp_path, capsys):
+    # As an H100 traced a learner step: 3,353 ops inside CUDA graphs, a few outside them.
+    events = [_x(1, 11, "command_buffer.3", 990, hlo_op="command_buffer.3"),
+              _x(1, 11, "input_reduce_fusion.1", 10, hlo_op="input_reduce_fusion.1")]
+    path = _fake_trace(tmp_path, {11: "XLA Ops"}, events)
+    t = optrace.op_table(path)
+    assert "xla_gpu_enable_command_buffer" in t["note"]
+    optrace.print_table(t, "step")
+    assert "note: most op time is inside command buffers" in capsys.readouterr().out
+    events[0]["dur"] = 5  # a few graphs among many plain ops: no note
+    assert "note" not in optrace.op_table(_fake_trace(tmp_path, {11: "XLA Ops"}, events))
 
 
 def test_a_real_cpu_trace_names_the_programs_ops(tmp_path):
