@@ -212,6 +212,49 @@ def attention_speed(seq: int, heads: int = 8, kv_heads: int = 2, head_dim: int =
     return out
 
 
+def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
+    """Seconds to bring the model's float32 weights to host numpy, three ways, medians of `reps`
+    (each on fresh device arrays: `np.asarray` caches a host copy on the array it read):
+    `copy_to_host_async` of the device arrays (the path before pinned host memory), then
+    `start_host_copies` (one `device_put` into pinned host memory where the device has it; the
+    relay publisher's path), then the learner's snapshot program (pinned-host outputs)."""
+    from laminar_jax.learner.learner import _snapshot_fn
+    from laminar_jax.learner.publish import flatten_params
+    from laminar_jax.naming import start_host_copies
+
+    model = Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
+    flat = flatten_params(nnx.split(model)[1], drop=())
+    del model
+    fresh = jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in f.items()})
+    snapshot = _snapshot_fn(flat)
+
+    def unpinned(f):
+        for v in f.values():
+            v.copy_to_host_async()
+        return [np.asarray(v) for v in f.values()]
+
+    def pinned(f):
+        return [np.asarray(v) for v in start_host_copies(list(f.values()))]
+
+    def snap(f):
+        return [np.asarray(v) for v in snapshot(f).values()]
+
+    out = {"bench": "host_copy", "device": jax.devices()[0].device_kind, "leaves": len(flat),
+           "gb": sum(v.nbytes for v in flat.values()) / 1e9}
+    times = {name: [] for name in ("unpinned", "pinned_device_put", "snapshot")}
+    for _ in range(reps + 1):  # the first round compiles; alternating rounds share the machine's noise
+        for name, fn in (("unpinned", unpinned), ("pinned_device_put", pinned), ("snapshot", snap)):
+            arrays = jax.block_until_ready(fresh(flat))
+            t0 = time.perf_counter()
+            fn(arrays)
+            times[name].append(time.perf_counter() - t0)
+    for name, ts in times.items():
+        out[f"{name}_s"] = float(np.median(ts[1:]))
+        out[f"{name}_spread_s"] = [float(min(ts[1:])), float(max(ts[1:]))]
+    out["unpinned_vs_snapshot"] = out["unpinned_s"] / out["snapshot_s"]
+    return out
+
+
 def main(argv: list[str]) -> dict:
     on_gpu = jax.devices()[0].platform == "gpu"
     ap = argparse.ArgumentParser(prog="bench learner")
@@ -248,7 +291,11 @@ def main(argv: list[str]) -> dict:
                     help="also trace 2 steps with jax.profiler into DIR and print their time per XLA op (optrace.py)")
     ap.add_argument("--attention-speed", action="store_true",
                     help="only time forward + backward of each training attention (see attention_speed)")
+    ap.add_argument("--host-copy-speed", action="store_true",
+                    help="only time the ways of bringing the preset's f32 weights to host numpy (see host_copy_speed)")
     args = ap.parse_args(argv)
+    if args.host_copy_speed:
+        return emit(host_copy_speed(PRESETS[args.preset or ("small" if args.quick or not on_gpu else "qwen2.5-0.5b")]))
     if args.attention_speed:
         result = attention_speed(args.seq or 4096, block=args.attention_chunk or 512)
         return emit(result)

@@ -2,6 +2,8 @@
 
 import dataclasses
 
+import pytest
+
 from laminar_jax.benchmarks.learner import flops_per_token, matmul_params
 from laminar_jax.model import PRESETS
 
@@ -56,3 +58,15 @@ def test_attention_speed_times_every_portable_attention():
 
     out = attention_speed(64, block=16, reps=1)
     assert all(out[f"{n}_s"] > 0 for n in ("dense", "chunked", "flash")) and out["flash_vs_dense"] > 0
+
+
+def test_host_copy_speed_times_three_paths_of_the_same_weights():
+    """bench learner --host-copy-speed: each path's median and spread, on the preset's f32 weights."""
+    from laminar_jax.benchmarks import learner as learner_bench
+
+    out = learner_bench.main(["--host-copy-speed", "--preset", "tiny"])
+    cfg = learner_bench.PRESETS["tiny"]
+    assert out["bench"] == "host_copy" and out["gb"] == pytest.approx(cfg.num_params() * 4 / 1e9, rel=0.05)
+    for name in ("unpinned", "pinned_device_put", "snapshot"):
+        lo, hi = out[f"{name}_spread_s"]
+        assert 0 < lo <= out[f"{name}_s"] <= hi
