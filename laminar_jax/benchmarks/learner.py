@@ -217,10 +217,13 @@ def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
     (each on fresh device arrays: `np.asarray` caches a host copy on the array it read):
     `copy_to_host_async` of the device arrays (the path before pinned host memory), then
     `start_host_copies` (one `device_put` into pinned host memory where the device has it; the
-    relay publisher's path), then the learner's snapshot program (pinned-host outputs)."""
+    relay publisher's path), then the learner's snapshot program (pinned-host outputs). And the way
+    back, as a rollout server places a pulled version: `device_put` of the numpy arrays, against
+    through pinned host memory first (`h2d_direct`, `h2d_via_pinned`; the latter only where the
+    device has pinned host memory)."""
     from laminar_jax.learner.learner import _snapshot_fn
     from laminar_jax.learner.publish import flatten_params
-    from laminar_jax.naming import start_host_copies
+    from laminar_jax.naming import pinned_host_sharding, start_host_copies
 
     model = Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     flat = flatten_params(nnx.split(model)[1], drop=())
@@ -241,9 +244,23 @@ def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
 
     out = {"bench": "host_copy", "device": jax.devices()[0].device_kind, "leaves": len(flat),
            "gb": sum(v.nbytes for v in flat.values()) / 1e9}
-    times = {name: [] for name in ("unpinned", "pinned_device_put", "snapshot")}
+    host = {k: np.asarray(v) for k, v in flat.items()}
+    device = jax.devices()[0]
+    pinned_host = pinned_host_sharding(jax.sharding.SingleDeviceSharding(device))
+
+    def h2d_direct(_):
+        jax.block_until_ready(jax.device_put(list(host.values()), device))
+
+    def h2d_via_pinned(_):
+        staged = jax.device_put(list(host.values()), pinned_host)
+        jax.block_until_ready(jax.device_put(staged, jax.sharding.SingleDeviceSharding(device)))
+
+    paths = [("unpinned", unpinned), ("pinned_device_put", pinned), ("snapshot", snap), ("h2d_direct", h2d_direct)]
+    if pinned_host is not None:
+        paths.append(("h2d_via_pinned", h2d_via_pinned))
+    times = {name: [] for name, _ in paths}
     for _ in range(reps + 1):  # the first round compiles; alternating rounds share the machine's noise
-        for name, fn in (("unpinned", unpinned), ("pinned_device_put", pinned), ("snapshot", snap)):
+        for name, fn in paths:
             arrays = jax.block_until_ready(fresh(flat))
             t0 = time.perf_counter()
             fn(arrays)

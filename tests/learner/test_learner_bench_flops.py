@@ -61,12 +61,13 @@ def test_attention_speed_times_every_portable_attention():
 
 
 def test_host_copy_speed_times_three_paths_of_the_same_weights():
-    """bench learner --host-copy-speed: each path's median and spread, on the preset's f32 weights."""
+    """bench learner --host-copy-speed: each path's median and spread, on the preset's f32 weights
+    (the CPU has pinned host memory too, so every path runs)."""
     from laminar_jax.benchmarks import learner as learner_bench
 
     out = learner_bench.main(["--host-copy-speed", "--preset", "tiny"])
     cfg = learner_bench.PRESETS["tiny"]
     assert out["bench"] == "host_copy" and out["gb"] == pytest.approx(cfg.num_params() * 4 / 1e9, rel=0.05)
-    for name in ("unpinned", "pinned_device_put", "snapshot"):
+    for name in ("unpinned", "pinned_device_put", "snapshot", "h2d_direct", "h2d_via_pinned"):
         lo, hi = out[f"{name}_spread_s"]
         assert 0 < lo <= out[f"{name}_s"] <= hi
