@@ -31,16 +31,24 @@ import jax, numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 from test_learner_packing import _batch
-from laminar_jax.learner import Learner, LearnerSection
+from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
 from laminar_jax.model import PRESETS, Transformer
 sec = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=2, micro_batches=2, loss_agg="seq-mean-token-mean",
                      seq_len_buckets=(64,), balance_tokens=False)
 mesh = Mesh(np.asarray(jax.devices()).reshape(1, 4, 1), ("data", "fsdp", "tensor"))
 out = {}
 for balance in (False, True):
-    learner = Learner(dataclasses.replace(sec, balance_tokens=balance), Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), mesh=mesh)
+    # The balanced learner also publishes from a snapshot (forced: the default on accelerators),
+    # which writes the fsdp-sharded weights into pinned host memory.
+    pub = LocalPublisher(keep=2) if balance else None
+    learner = Learner(dataclasses.replace(sec, balance_tokens=balance, publish_snapshot=balance),
+                      Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), mesh=mesh, publisher=pub)
     ms = [learner.step(_batch(s, n=16)) for s in range(2)]
     out[balance] = ([m["loss"] for m in ms], max(m["rank_token_imbalance"] for m in ms), learner.policy_params())
+    learner.flush()
+assert pub.versions == [1, 2], pub.versions
+for k, v in out[True][2].items():
+    np.testing.assert_array_equal(pub._versions[2][k], v, err_msg=k)
 np.testing.assert_allclose(out[True][0], out[False][0], rtol=1e-5)
 for k in out[True][2]:
     np.testing.assert_allclose(out[True][2][k], out[False][2][k], atol=1e-5, err_msg=k)
@@ -50,7 +58,7 @@ print("BALANCE_OK")
 """
 
 
-def test_balanced_step_on_four_ranks_equals_unbalanced():
+def test_balanced_step_on_four_ranks_equals_unbalanced_and_publishes_its_sharded_weights():
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     proc = subprocess.run([sys.executable, "-c", SCRIPT, root], capture_output=True, text=True, timeout=600, env=env)
