@@ -8,6 +8,7 @@ is skipped). Names are deterministic (jax orders dict keys) and the same in ever
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 
@@ -58,36 +59,28 @@ def start_host_copies(leaves: list[Any]) -> list[Any]:
     out = list(leaves)
     to_pin, shardings = [], []
     for i, leaf in enumerate(out):
-        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and not _on_cpu(leaf):
+        if isinstance(leaf, jax.Array) and leaf.is_fully_addressable and not _host_resident(leaf):
             pinned = pinned_host_sharding(leaf.sharding)
             if pinned is None:
                 leaf.copy_to_host_async()
             else:
                 to_pin.append(i)
                 shardings.append(pinned)
-    if to_pin:
-        moved = to_pinned_host([out[i] for i in to_pin], shardings)
-        for i, leaf in zip(to_pin, moved):
+    if to_pin:  # one asynchronous device_put for all of them
+        for i, leaf in zip(to_pin, jax.device_put([out[i] for i in to_pin], shardings)):
             out[i] = leaf
     return out
 
 
-def to_pinned_host(leaves: list[Any], shardings: list[Any]) -> list[Any]:
-    """One asynchronous ``device_put`` of the arrays into the given pinned-host shardings."""
-    import jax
-
-    return jax.device_put(leaves, shardings)
+HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
-def _on_cpu(x: Any) -> bool:
+def _host_resident(x: Any) -> bool:
     """On the CPU backend, or already in host memory (a pinned-host snapshot): no copy to start."""
     try:
         return x.sharding.memory_kind in HOST_MEMORY_KINDS or all(d.platform == "cpu" for d in x.sharding.device_set)
     except (AttributeError, RuntimeError):  # deleted or unusual array: let the copy path decide
         return False
-
-
-HOST_MEMORY_KINDS = ("pinned_host", "unpinned_host")
 
 
 def pinned_host_sharding(sharding: Any) -> Any:
@@ -96,7 +89,12 @@ def pinned_host_sharding(sharding: Any) -> Any:
     Why: a program that writes its outputs there moves them by DMA at the link's speed (a 0.5B
     model's 2 GB of f32 weights: 39 ms on an H100), where ``copy_to_host_async`` of device arrays
     into unpinned numpy memory took 990 ms (docs/BENCHMARKS.md, "Third lease")."""
-    devices = sharding.device_set
-    if not all("pinned_host" in {m.kind for m in d.addressable_memories()} for d in devices):
+    if not all(_has_pinned_host(d) for d in sharding.device_set):
         return None
     return sharding.with_memory_kind("pinned_host")
+
+
+@functools.lru_cache(maxsize=None)
+def _has_pinned_host(device: Any) -> bool:
+    # Asked per leaf of every publish (hundreds of leaves), and a device's memories do not change.
+    return "pinned_host" in {m.kind for m in device.addressable_memories()}

@@ -24,9 +24,9 @@ from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSectio
 from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
-from laminar_jax.naming import pinned_host_sharding
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
+from laminar_jax.naming import pinned_host_sharding
 from laminar_jax.types import Trajectory
 
 log = logging.getLogger(__name__)

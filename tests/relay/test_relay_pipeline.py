@@ -149,12 +149,12 @@ def test_publisher_copies_writeable_arrays_and_takes_immutable_ones_by_reference
 def test_pinned_host_copies_hold_the_values_in_host_memory():
     # The accelerator path of start_host_copies, run on the CPU's own pinned host memory.
     import jax
-    from laminar_jax.naming import pinned_host_sharding, to_pinned_host
+    from laminar_jax.naming import pinned_host_sharding
 
     x = jnp.arange(12, dtype=jnp.float32).reshape(3, 4)
     y = jnp.ones((5,), jnp.bfloat16)
     shardings = [pinned_host_sharding(a.sharding) for a in (x, y)]
-    got = to_pinned_host([x, y], shardings)
+    got = jax.device_put([x, y], shardings)  # as start_host_copies does with a GPU's arrays
     assert [g.sharding.memory_kind for g in got] == ["pinned_host"] * 2
     np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(x))
     np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(y))
