@@ -216,14 +216,14 @@ def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
     """Seconds to bring the model's float32 weights to host numpy, three ways, medians of `reps`
     (each on fresh device arrays: `np.asarray` caches a host copy on the array it read):
     `copy_to_host_async` of the device arrays (the path before pinned host memory), then
-    `start_host_copies` (one `device_put` into pinned host memory where the device has it; the
-    relay publisher's path), then the learner's snapshot program (pinned-host outputs). And the way
+    `host_arrays` (`start_host_copies`: one `device_put` into pinned host memory where the device
+    has it; the relay publisher's path), then the learner's snapshot program (pinned-host outputs). And the way
     back, as a rollout server places a pulled version: `device_put` of the numpy arrays, against
     through pinned host memory first (`h2d_direct`, `h2d_via_pinned`; the latter only where the
     device has pinned host memory)."""
     from laminar_jax.learner.learner import _snapshot_fn
     from laminar_jax.learner.publish import flatten_params
-    from laminar_jax.naming import pinned_host_sharding, start_host_copies
+    from laminar_jax.naming import host_arrays, pinned_host_sharding
 
     model = Transformer(cfg, rngs=nnx.Rngs(0), param_dtype=jnp.float32)
     flat = flatten_params(nnx.split(model)[1], drop=())
@@ -237,7 +237,7 @@ def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
         return [np.asarray(v) for v in f.values()]
 
     def pinned(f):
-        return [np.asarray(v) for v in start_host_copies(list(f.values()))]
+        return host_arrays(f)
 
     def snap(f):
         return [np.asarray(v) for v in snapshot(f).values()]

@@ -26,7 +26,7 @@ from laminar_jax.learner.mesh import (
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
-from laminar_jax.naming import pinned_host_sharding
+from laminar_jax.naming import host_arrays, pinned_host_sharding
 from laminar_jax.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -262,7 +262,7 @@ class Learner:
 
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat as published."""
-        return {k: np.asarray(v) for k, v in flatten_params(self.state.params["actor"]).items()}
+        return host_arrays(flatten_params(self.state.params["actor"]))
 
     def flush(self, timeout: Optional[float] = None) -> None:
         """Wait for the last publish (and checkpoint save) to finish; re-raise their errors."""

@@ -17,7 +17,7 @@ from typing import Any, Optional, Protocol, runtime_checkable
 import jax
 import numpy as np
 
-from laminar_jax.naming import path_name, start_host_copies
+from laminar_jax.naming import host_arrays, path_name, start_host_copies
 
 
 @runtime_checkable
@@ -150,7 +150,7 @@ def model_params(model) -> dict[str, np.ndarray]:
     """Every parameter of an nnx model (value head included), flat and on the host."""
     from flax import nnx
 
-    return {k: np.asarray(v) for k, v in flatten_params(nnx.split(model)[1], drop=()).items()}
+    return host_arrays(flatten_params(nnx.split(model)[1], drop=()))
 
 
 def load_model_params(model, flat: dict[str, np.ndarray]) -> None:

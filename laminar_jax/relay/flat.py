@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from laminar_jax.naming import named_leaves, path_name, start_host_copies  # noqa: F401 - re-exported
+from laminar_jax.naming import host_arrays, named_leaves, path_name, start_host_copies  # noqa: F401 - re-exported
 
 
 def is_flat(obj: Any) -> bool:
@@ -44,9 +44,7 @@ def flatten_tree(pytree: Any) -> dict[str, np.ndarray]:
     Jax arrays are copied to host (all copies started before the first is awaited); numpy
     leaves are returned as they are (no copy).
     """
-    items = tree_items(pytree)
-    leaves = start_host_copies([leaf for _, leaf in items])
-    return {name: np.asarray(leaf) for (name, _), leaf in zip(items, leaves)}
+    return host_arrays(dict(tree_items(pytree)))
 
 
 def unflatten_like(flat: Mapping[str, Any], template_pytree: Any, strict: bool = True) -> Any:
