@@ -6,6 +6,10 @@ vector instructions move the figures by more than any change measured here. For 
 runs bf16 products with f32 accumulation on AVX-512 BF16 but emulates them on AVX2, and torch's
 eager CPU kernels change speed relative to ours. A figure is only comparable with figures from the
 same CPU, so each result names it.
+
+Hosts report their model name loosely ("AMD EPYC" for several generations), so the description also
+carries the vendor's family/model/stepping numbers and the cache sizes: AMD family 25 is Zen 3/4,
+family 26 is Zen 5, and the figures differ between them.
 """
 
 from __future__ import annotations
@@ -19,41 +23,79 @@ from typing import Optional
 ISA_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16")
 
 
-def _cpuinfo(path: str) -> tuple[Optional[str], set[str]]:
-    """(model name, flags) of the first processor in a /proc/cpuinfo-format file; (None, {}) if unreadable."""
-    model, flags = None, set()
+# /proc/cpuinfo keys of the first processor kept verbatim in the description (absent keys are left out).
+_IDENTITY = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
+             "cache size": "cache"}
+
+
+def _cpuinfo(path: str) -> tuple[Optional[str], set[str], dict]:
+    """(model name, flags, identity) of the first processor in a /proc/cpuinfo-format file, where
+    identity holds the _IDENTITY keys it has; (None, {}, {}) if unreadable."""
+    model, flags, ident = None, set(), {}
     try:
         with open(path) as f:
             for line in f:
                 key, _, value = line.partition(":")
                 key = key.strip()
-                if key == "model name" and model is None:
+                if not key:  # a blank line ends the first processor's block
+                    if model is not None or flags:
+                        break
+                elif key == "model name" and model is None:
                     model = value.strip()
                 elif key == "flags" and not flags:
                     flags = set(value.split())
-                if model is not None and flags:
-                    break
+                elif key in _IDENTITY and _IDENTITY[key] not in ident:
+                    ident[_IDENTITY[key]] = value.strip()
     except OSError:
         pass
-    return model, flags
+    return model, flags, ident
 
 
-def describe(cpuinfo_path: str = "/proc/cpuinfo") -> dict:
-    """{'cpu': model name, 'cores': usable cores, 'isa': the ISA_FEATURES this CPU has, 'load_avg': now}."""
-    model, flags = _cpuinfo(cpuinfo_path)
+def _caches(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
+    """{'L1d': '48K', 'L2': '1024K', 'L3': '32768K', ...} of cpu0 from sysfs; {} where unreadable."""
+    out = {}
+    try:
+        entries = sorted(os.listdir(sysfs))
+    except OSError:
+        return out
+    for entry in entries:
+        try:
+            with open(os.path.join(sysfs, entry, "level")) as f:
+                level = f.read().strip()
+            with open(os.path.join(sysfs, entry, "type")) as f:
+                kind = f.read().strip()
+            with open(os.path.join(sysfs, entry, "size")) as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        name = f"L{level}" + {"Data": "d", "Instruction": "i"}.get(kind, "")
+        out[name] = size
+    return out
+
+
+def describe(cpuinfo_path: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
+    """{'cpu': model name, 'cores': usable cores, 'isa': the ISA_FEATURES this CPU has, 'load_avg': now,
+    'id': {vendor, family, model, stepping} as /proc/cpuinfo gives them, 'caches': {'L2': '1024K', ...}}."""
+    model, flags, ident = _cpuinfo(cpuinfo_path)
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 0
+    ident.pop("cache", None)  # sysfs gives every level; cpuinfo's one "cache size" is ambiguous
     return {"cpu": model or platform.processor() or platform.machine(), "cores": cores,
             "isa": [f for f in ISA_FEATURES if f in flags],
-            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+            "load_avg": [round(x, 2) for x in os.getloadavg()], "id": ident, "caches": _caches(cache_dir)}
 
 
 def summary_line(info: dict) -> str:
-    """One line for a bench's printed header: 'machine: AMD EPYC, 2 cores, avx2 fma; load average ...'."""
+    """One line for a bench's printed header:
+    'machine: AMD EPYC (family 26 model 2), 2 cores, avx2 fma ...; L2 1024K, L3 32768K; load average ...'."""
     isa = " ".join(info["isa"]) or "no AVX2"
-    return f"machine: {info['cpu']}, {info['cores']} cores, {isa}; load average {info['load_avg']}"
+    ident = info.get("id") or {}
+    fam = f" (family {ident['family']} model {ident.get('model', '?')})" if "family" in ident else ""
+    caches = ", ".join(f"{k} {v}" for k, v in (info.get("caches") or {}).items() if k in ("L2", "L3"))
+    return (f"machine: {info['cpu']}{fam}, {info['cores']} cores, {isa}" + (f"; {caches}" if caches else "")
+            + f"; load average {info['load_avg']}")
 
 
 def emit(result: dict) -> dict:

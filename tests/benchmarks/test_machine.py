@@ -18,8 +18,16 @@ flags\t\t: fpu
 """
 
 _AVX2_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+cpu family\t: 26
+model\t\t: 2
 model name\t: AMD EPYC
+stepping\t: 1
+cache size\t: 1024 KB
 flags\t\t: fpu sse2 avx2 fma
+
+processor\t: 1
+cpu family\t: 25
 """
 
 
@@ -33,12 +41,33 @@ def test_describe_reads_the_first_processor_model_and_its_vector_isa(tmp_path):
     path.write_text(_AVX2_CPUINFO)
     info = describe(str(path))
     assert info["cpu"] == "AMD EPYC" and info["isa"] == ["avx2", "fma"]
-    assert summary_line(info).startswith("machine: AMD EPYC, ") and "avx2 fma" in summary_line(info)
+    assert summary_line(info).startswith(f"machine: AMD EPYC (family 26 model 2), {info['cores']} cores, avx2 fma")
+
+
+def test_describe_names_the_cpu_generation_and_caches(tmp_path):
+    # "AMD EPYC" alone covers Zen 3 to Zen 5; family/model and the cache sizes tell them apart.
+    path = tmp_path / "cpuinfo"
+    path.write_text(_AVX2_CPUINFO)
+    caches = tmp_path / "cache"
+    for index, (level, kind, size) in enumerate([(1, "Data", "48K"), (1, "Instruction", "32K"), (2, "Unified", "1024K"),
+                                                 (3, "Unified", "32768K")]):
+        d = caches / f"index{index}"
+        d.mkdir(parents=True)
+        (d / "level").write_text(f"{level}\n")
+        (d / "type").write_text(f"{kind}\n")
+        (d / "size").write_text(f"{size}\n")
+    (caches / "uevent").write_text("")  # not a cache index: skipped
+    info = describe(str(path), str(caches))
+    assert info["id"] == {"vendor": "AuthenticAMD", "family": "26", "model": "2", "stepping": "1"}
+    assert info["caches"] == {"L1d": "48K", "L1i": "32K", "L2": "1024K", "L3": "32768K"}
+    line = summary_line(info)
+    assert line.startswith("machine: AMD EPYC (family 26 model 2), ")
+    assert "L2 1024K, L3 32768K" in line
 
 
 def test_describe_without_cpuinfo_still_names_something(tmp_path):
-    info = describe(str(tmp_path / "missing"))
-    assert isinstance(info["cpu"], str) and info["isa"] == []
+    info = describe(str(tmp_path / "missing"), str(tmp_path / "no-caches"))
+    assert isinstance(info["cpu"], str) and info["isa"] == [] and info["id"] == {} and info["caches"] == {}
     assert "no AVX2" in summary_line(info)
 
 
