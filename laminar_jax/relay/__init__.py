@@ -9,7 +9,9 @@ Interfaces (import from here or from the named module):
   ``flat.unflatten_like(flat, template_pytree, strict=True) -> pytree``.
 - ``store.WeightStore(url_or_path, keep_last=3, format="packed"|"zarr3"|"zarr3_ocdbt", verify=True)``:
   ``.write(version, flat) -> Manifest`` (atomic: manifest, then ``LATEST``), ``.latest() -> int|None``,
-  ``.versions() -> list[int]``, ``.read(version, names=None) -> flat``, ``.manifest(version)``,
+  ``.versions() -> list[int]``, ``.newest_committed() -> int|None`` (from the manifests, the writer's
+  view; ``latest()`` may trail it by one commit after a writer died), ``.read(version, names=None) -> flat``,
+  ``.manifest(version)``,
   ``.lease(version, holder, ttl_s=None) -> Lease`` (context manager; ``renew()``, ``release()``),
   ``.gc() -> GcReport``. Missing versions raise ``VersionNotFound``.
 - ``publisher.Publisher(config, store=None, relay_addresses=None)``: ``.publish(version, params) -> stall_s``

@@ -166,6 +166,14 @@ class WeightStore:
                 out.append(int(m.group(1)))
         return out
 
+    def newest_committed(self) -> Optional[int]:
+        """The newest version with a manifest, from a listing (None for an empty store): the writer's
+        view. ``latest()`` trusts the LATEST hint when its version is committed, so it names the
+        version before when a writer died between a manifest and LATEST; a writer numbering or
+        checking its own versions must not be misled by that."""
+        committed = self.versions()
+        return committed[-1] if committed else None
+
     def latest(self) -> Optional[int]:
         """The newest committed version (None for an empty store): what LATEST points to when
         that version has its manifest, else (a dangling or uncommitted LATEST) the newest version

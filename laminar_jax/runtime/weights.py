@@ -53,10 +53,12 @@ class WeightsPlane:
         if initial:
             # Versions the store holds beyond the restored learner were trained after its checkpoint
             # by a run that died: they are redone (and published again with their new weights).
-            newest = self.store.latest()
+            # From the manifests, not LATEST: a writer that died between a manifest and LATEST
+            # left LATEST one behind, and that version exists all the same.
+            newest = self.store.newest_committed()
             self.redone_steps = max(0, (newest or 0) - learner.version)
             self.store.retract_newer_than(learner.version)
-        stored = self.store.latest() == learner.version
+        stored = self.store.newest_committed() == learner.version
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
             if self.handoff is not None:
                 raise ValueError("relay.local_handoff: a learner group publishes from its own process; "
