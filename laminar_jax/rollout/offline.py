@@ -65,7 +65,19 @@ def generate(model_or_params: Union[nnx.Module, tuple[Engine, Any]], prompts: Se
                              "with that section (make_engine) or drop section=")
     else:
         engine, params = make_engine(model_or_params, section or default_section(prompts, per))
-    server = RolloutServer(engine, params, version)
+    return complete(RolloutServer(engine, params, version), prompts, per, seeds=seeds, timeout_s=timeout_s)
+
+
+def complete(server: RolloutServer, prompts: Sequence[Sequence[int]], per: Sequence[Optional[SamplingParams]], *,
+             seeds: Optional[Sequence[int]] = None, timeout_s: float = 600.0) -> list[Completion]:
+    """Run every prompt (one SamplingParams or None each) to completion on an idle ``server``,
+    stepping it in this thread; results in prompt order. An owner may keep the server (and its KV
+    pools) for the next call: it holds no sequence afterwards, at most the last generate() step, still
+    in flight, which the next call reads first. After an exception it may hold leftovers."""
+    if server.num_live or server.stats().queue_length:
+        raise RuntimeError("offline complete(): the server still holds sequences from an earlier call")
+    if not server.idle() and server.step():  # the earlier call's last step: rows of finished sequences only
+        raise RuntimeError("offline complete(): the server's step in flight finished sequences of an earlier call")
     pending = [Request(uid=str(i), prompt_ids=list(p), seed=i if seeds is None else int(seeds[i]), sampling=per[i])
                for i, p in enumerate(prompts)]
     out: dict[int, Completion] = {}
@@ -84,4 +96,4 @@ def generate(model_or_params: Union[nnx.Module, tuple[Engine, Any]], prompts: Se
     return [out[i] for i in range(len(prompts))]
 
 
-__all__ = ["Completion", "default_section", "generate"]
+__all__ = ["Completion", "complete", "default_section", "generate"]

@@ -73,8 +73,8 @@ def test_llm_traces_its_programs_at_its_own_precision_only(hf_dir, monkeypatch):
     assert llm.matmul_precision == "highest"
     assert LLM(str(hf_dir), kv_memory_gb=0.002, max_num_seqs=2, max_model_len=64,
                dtype="bfloat16").matmul_precision == "default"
-    seen, inner = [], llm_module._generate
-    monkeypatch.setattr(llm_module, "_generate", lambda *a, **k: seen.append(matmul_precision()) or inner(*a, **k))
+    seen, inner = [], llm_module.complete
+    monkeypatch.setattr(llm_module, "complete", lambda *a, **k: seen.append(matmul_precision()) or inner(*a, **k))
     before = matmul_precision()
     apply_matmul_precision("default", "float32")
     try:
@@ -82,6 +82,31 @@ def test_llm_traces_its_programs_at_its_own_precision_only(hf_dir, monkeypatch):
         assert seen == ["highest"] and matmul_precision() == "default" and len(out[0].token_ids) == 2
     finally:
         apply_matmul_precision(before, "float32")
+
+
+def test_llm_keeps_one_server_and_its_kv_pools_across_calls(hf_dir, monkeypatch):
+    """generate() calls share one RolloutServer (a fresh one zeroed the whole KV budget every call),
+    and give what a fresh LLM gives; a call that fails drops the server, so the next starts clean."""
+    from laminar_jax.rollout import llm as llm_module
+
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=6, stop_token_ids=())
+    llm = LLM(str(hf_dir), kv_memory_gb=0.002, max_num_seqs=2, max_model_len=64)
+    first = [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+    server = llm._server
+    again = [o.token_ids for o in llm.generate(PROMPTS[::-1], greedy)]
+    assert llm._server is server and server.num_live == 0
+    fresh = LLM(str(hf_dir), kv_memory_gb=0.002, max_num_seqs=2, max_model_len=64)
+    assert again == [o.token_ids for o in fresh.generate(PROMPTS[::-1], greedy)]
+
+    def fail(*a, **k):
+        raise TimeoutError("injected")
+
+    monkeypatch.setattr(llm_module, "complete", fail)
+    with pytest.raises(TimeoutError, match="injected"):
+        llm.generate(PROMPTS, greedy)
+    assert llm._server is None
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == first
 
 
 def test_size_section_is_pure_and_validated():
