@@ -29,7 +29,7 @@ from laminar_jax.matmul_precision import resolve_matmul_precision, scoped_matmul
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
-from laminar_jax.rollout.offline import complete
+from laminar_jax.rollout.offline import complete, per_prompt
 from laminar_jax.rollout.sampling import SamplingParams
 from laminar_jax.rollout.server import RolloutServer
 
@@ -101,7 +101,8 @@ class LLM:
     """vLLM-like offline generation over this project's engine.
 
     model: a local HF directory (config.json + *.safetensors; tokenizer.json optional).
-    kv_memory_gb: KV cache budget; sets the number of KV pages.
+    kv_memory_gb: KV cache budget; sets the number of KV pages, allocated at the first generate() and
+      held while the LLM lives (one server serves every call).
     dtype: 'float32' or 'bfloat16' (weights and KV cache).
     max_num_seqs: concurrent sequences (engine slots).
     max_model_len: cap on prompt + generated tokens (default: min(max_position_embeddings, 4096)).
@@ -156,10 +157,7 @@ class LLM:
         ids = [self.encode(p, i) for i, p in enumerate(prompts)]
         if not ids:
             return []
-        sampling = SamplingParams() if sampling_params is None else sampling_params
-        per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(ids)
-        if len(per) != len(ids):
-            raise ValueError(f"got {len(per)} sampling params for {len(ids)} prompts")
+        per = per_prompt(SamplingParams() if sampling_params is None else sampling_params, len(ids))
         with scoped_matmul_precision(self.matmul_precision):
             if self._server is None:
                 self._server = RolloutServer(self.engine, self.params)

@@ -36,6 +36,14 @@ def default_section(prompts: Sequence[Sequence[int]], per: Sequence[Optional[Sam
                           num_pages=slots * -(-total // page) + 1, queue_capacity=len(prompts) + 1)
 
 
+def per_prompt(sampling: Optional[Union[SamplingParams, Sequence[SamplingParams]]], n: int) -> list:
+    """One SamplingParams (or None: the section defaults) per prompt, from one for all or a list of n."""
+    per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * n
+    if len(per) != n:
+        raise ValueError(f"got {len(per)} sampling params for {n} prompts")
+    return per
+
+
 def _pow2(n: int) -> int:
     return 1 << max(int(n) - 1, 0).bit_length()
 
@@ -55,9 +63,7 @@ def generate(model_or_params: Union[nnx.Module, tuple[Engine, Any]], prompts: Se
     """
     if not prompts:
         return []
-    per = list(sampling) if isinstance(sampling, (list, tuple)) else [sampling] * len(prompts)
-    if len(per) != len(prompts):
-        raise ValueError(f"got {len(per)} sampling params for {len(prompts)} prompts")
+    per = per_prompt(sampling, len(prompts))
     if isinstance(model_or_params, tuple):
         engine, params = model_or_params
         if section is not None and section != engine.section:
@@ -96,4 +102,4 @@ def complete(server: RolloutServer, prompts: Sequence[Sequence[int]], per: Seque
     return [out[i] for i in range(len(prompts))]
 
 
-__all__ = ["Completion", "complete", "default_section", "generate"]
+__all__ = ["Completion", "complete", "default_section", "generate", "per_prompt"]
