@@ -50,15 +50,19 @@ def kv_bytes_per_page(cfg: TransformerConfig, page_size: int, dtype: str) -> int
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def row_buckets(rows: int, smallest: int = 4) -> tuple[int, ...]:
-    """Powers of two from ``smallest`` below ``rows``: decode batches for a long tail of few live
-    sequences (below ~4 rows a step costs the weight read whatever the rows, so smaller buckets
-    would only add programs)."""
+def row_buckets(rows: int, smallest: int = 4, dtype: str = "float32") -> tuple[int, ...]:
+    """Decode batches for a long tail of few live sequences: powers of two from ``smallest`` below
+    ``rows`` (from 2 to 4 rows XLA:CPU's products cost about the same, so those buckets would only
+    add programs), and for float32 a batch of 1 row too. One row is often live for many steps (the
+    longest request alone), and at one row XLA:CPU runs float32 products as matrix-vector products
+    that stream the weights about twice as fast as a 4-row product. bf16 products at one row take
+    a slow path (several times the 4-row product), so bf16 buckets start at ``smallest``."""
     out, b = [], smallest
     while b < rows:
         out.append(b)
         b *= 2
-    return tuple(out)
+    single = dtype == "float32" and 1 < rows and smallest > 1
+    return ((1,) if single else ()) + tuple(out)
 
 
 def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_num_seqs: int,
@@ -90,7 +94,7 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
-                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs),
+                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs, dtype=dtype),
                              prefill_rows=min(8, max_num_seqs))
     section = dataclasses.replace(section, **overrides)
     section.validate("LLM")

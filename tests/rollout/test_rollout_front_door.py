@@ -11,7 +11,7 @@ from laminar_jax.model import from_pretrained
 from laminar_jax.model.hf import load_hf_config
 from laminar_jax.rollout import LLM, RolloutSection, SamplingParams, generate, make_engine
 from laminar_jax.rollout.engine import _live_buckets, _programs
-from laminar_jax.rollout.llm import kv_bytes_per_page, size_section
+from laminar_jax.rollout.llm import kv_bytes_per_page, row_buckets, size_section
 from laminar_jax.rollout.offline import default_section
 from tests.model.hf_fixtures import save_hf_model
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until, tiny_model
@@ -107,6 +107,18 @@ def test_llm_keeps_one_server_and_its_kv_pools_across_calls(hf_dir, monkeypatch)
     assert llm._server is None
     monkeypatch.undo()
     assert [o.token_ids for o in llm.generate(PROMPTS, greedy)] == first
+
+
+def test_row_buckets_add_one_row_for_float32_only():
+    # One live row (the longest request alone) runs as its own batch in float32, where XLA:CPU's
+    # 1-row products are matrix-vector products; bf16's 1-row products take a slow path.
+    assert row_buckets(32) == row_buckets(32, dtype="float32") == (1, 4, 8, 16)
+    assert row_buckets(32, dtype="bfloat16") == (4, 8, 16)
+    assert row_buckets(4) == (1,) and row_buckets(4, dtype="bfloat16") == ()
+    assert row_buckets(1) == () and row_buckets(64, smallest=1) == (1, 2, 4, 8, 16, 32)
+    cfg = tiny_model().cfg
+    assert size_section(cfg, 0.01, "float32", 32, 128, 32, 16, (2,)).decode_row_buckets == (1, 4, 8, 16)
+    assert size_section(cfg, 0.01, "bfloat16", 32, 128, 32, 16, (2,)).decode_row_buckets == (4, 8, 16)
 
 
 def test_size_section_is_pure_and_validated():
