@@ -24,8 +24,7 @@ ISA_FEATURES = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "amx_til
 
 
 # /proc/cpuinfo keys of the first processor kept verbatim in the description (absent keys are left out).
-_IDENTITY = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping",
-             "cache size": "cache"}
+_IDENTITY = {"vendor_id": "vendor", "cpu family": "family", "model": "model", "stepping": "stepping"}
 
 
 def _cpuinfo(path: str) -> tuple[Optional[str], set[str], dict]:
@@ -81,7 +80,6 @@ def describe(cpuinfo_path: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):  # not Linux
         cores = os.cpu_count() or 0
-    ident.pop("cache", None)  # sysfs gives every level; cpuinfo's one "cache size" is ambiguous
     return {"cpu": model or platform.processor() or platform.machine(), "cores": cores,
             "isa": [f for f in ISA_FEATURES if f in flags],
             "load_avg": [round(x, 2) for x in os.getloadavg()], "id": ident, "caches": _caches(cache_dir)}

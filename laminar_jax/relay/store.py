@@ -181,8 +181,7 @@ class WeightStore:
         hint = self._latest_hint()
         if hint is not None and self._kv.read(f"manifests/{_vkey(hint)}.json").result().state == "value":
             return hint
-        committed = self.versions()
-        return committed[-1] if committed else None
+        return self.newest_committed()
 
     def _latest_hint(self) -> Optional[int]:
         r = self._kv.read("LATEST").result()
@@ -236,9 +235,9 @@ class WeightStore:
         import tensorstore as ts
 
         check_flat(flat, f"WeightStore.write(version={version})")
-        have = self.versions()
-        if have and version <= have[-1]:
-            raise ValueError(f"{self.url}: version {version} must be > newest committed version {have[-1]}")
+        have = self.newest_committed()
+        if have is not None and version <= have:
+            raise ValueError(f"{self.url}: version {version} must be > newest committed version {have}")
         flat = {k: contiguous(v) for k, v in flat.items()}
         data = f"data/{_vkey(version)}-{uuid.uuid4().hex[:8]}/"
         sums = dict(zip(flat, self._pool.map(crc32_of, flat.values())))

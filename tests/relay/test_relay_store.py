@@ -113,7 +113,7 @@ _WRITER = textwrap.dedent("""
     store = WeightStore(sys.argv[1], keep_last=1000)
     # Not latest(): a writer killed between a version's manifest (the commit) and LATEST leaves
     # LATEST one behind, and the next version must be above every committed one.
-    v = max(store.versions(), default=0) + 1
+    v = (store.newest_committed() or 0) + 1
     while True:
         store.write(v, {f"w{i:02d}": np.full((1 << 18,), v, np.float32) for i in range(48)})  # 48 MB
         print(v, flush=True)
