@@ -12,6 +12,9 @@
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
+
+  --host-malloc {keep,system}   (anywhere in the arguments) this process's C allocator policy, as
+                                runtime.host_malloc sets it for a run; default: that key's default
 """
 
 import importlib
@@ -23,7 +26,23 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers")
 
 
+def _host_malloc(argv):
+    """(policy, argv without it): the --host-malloc option, else runtime.host_malloc's default."""
+    from laminar_jax.runtime.config import RuntimeSection
+
+    policy, rest, it = RuntimeSection().host_malloc, [], iter(argv)
+    for a in it:
+        if a == "--host-malloc":
+            policy = next(it, "")
+        elif a.startswith("--host-malloc="):
+            policy = a.split("=", 1)[1]
+        else:
+            rest.append(a)
+    return policy, rest
+
+
 def main(argv):
+    policy, argv = _host_malloc(argv)
     if argv and argv[0] in ("-h", "--help", "help"):
         print(__doc__.strip())
         return 0
@@ -32,8 +51,14 @@ def main(argv):
         print(f"\nerror: expected one of {', '.join(NAMES)}, got {argv[0] if argv else 'nothing'}", file=sys.stderr)
         return 2
     from laminar_jax.benchmarks.machine import describe, summary_line
+    from laminar_jax.host_malloc import apply_host_malloc
 
-    print(summary_line(describe()), flush=True)  # figures compare only across the same CPU (machine.py)
+    try:
+        held = apply_host_malloc(policy)  # before anything allocates XLA buffers (host_malloc.py)
+    except ValueError as e:
+        print(f"error: --host-malloc: {e}", file=sys.stderr)
+        return 2
+    print(summary_line(describe()) + f"; host malloc {policy}{'' if held else ' (not applied)'}", flush=True)  # figures compare only across the same CPU (machine.py)
     mod = importlib.import_module(f"laminar_jax.benchmarks.{argv[0]}")
     mod.main(argv[1:])  # prints its table, then its JSON line last
     return 0

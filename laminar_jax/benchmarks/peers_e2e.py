@@ -38,6 +38,7 @@ from typing import Any, Optional
 import numpy as np
 
 from laminar_jax.benchmarks.machine import emit
+from laminar_jax import host_malloc
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
@@ -62,6 +63,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread "
                          "count); default: the demo config's")
+    ap.add_argument("--trl-malloc", default="system",
+                    help="C allocator policies to run TRL with, e.g. system,keep (laminar_jax/host_malloc.py; "
+                         "'keep' as glibc environment variables, so the peer gets the setting ours runs with)")
+    ap.add_argument("--ours-malloc", default=None, choices=("keep", "system"),
+                    help="ours: runtime.host_malloc; default: the config's")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     ap.add_argument("--out", default=None)
@@ -73,6 +79,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.sft_steps = a.sft_steps if a.sft_steps is not None else (100 if a.quick else 300)
     a.trl_threads = [int(x) for x in (a.trl_threads or ("1" if a.quick else "1,2")).split(",") if x.strip()]
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
+    a.trl_malloc = [m.strip() for m in a.trl_malloc.split(",") if m.strip()]
+    for m in a.trl_malloc:
+        if m not in ("keep", "system"):
+            raise SystemExit(f"--trl-malloc: unknown policy {m!r} (known: keep, system)")
     for s in a.systems:
         if s not in SYSTEMS:
             raise SystemExit(f"--systems: unknown system {s!r} (known: {', '.join(SYSTEMS)})")
@@ -184,7 +194,7 @@ def _trl_worker(spec: dict) -> dict:
     return {"train_s": wall, "cpu_s": cpu, "trained_tokens": trained, "steps": trainer.state.global_step,
             "reward_at_budget": reward_at_end([h["reward"] for h in logs]), "heldout_reward": heldout_reward(final),
             "version": f"trl {trl.__version__}, transformers {transformers.__version__}, torch {torch.__version__} "
-                       f"({spec['threads']} thread{'s' if spec['threads'] > 1 else ''})"}
+                       f"({spec['threads']} thread{'s' if spec['threads'] > 1 else ''}, malloc {spec['malloc']})"}
 
 
 def _copy(src: str, dst: str) -> None:
@@ -199,6 +209,7 @@ def _ours_worker(spec: dict) -> dict:
 
     from laminar_jax.cpu_threads import apply_cpu_threads
     from laminar_jax.benchmarks.e2e import _demo_config
+    from laminar_jax.host_malloc import apply_host_malloc
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
     from laminar_jax.runtime.parts import resolve
@@ -221,8 +232,11 @@ def _ours_worker(spec: dict) -> dict:
     if spec.get("cpu_threads") is not None:
         c.runtime.cpu_threads = spec["cpu_threads"]
         c.runtime.cpu_async_dispatch = spec["cpu_threads"] == 0
+    if spec.get("malloc"):
+        c.runtime.host_malloc = spec["malloc"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
+    apply_host_malloc(cfg.runtime.host_malloc)  # as the run's entry point does, before JAX allocates
     apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this process starts JAX
     save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
     s = LocalRun(cfg, cfg.runtime.run_dir).run()
@@ -233,7 +247,8 @@ def _ours_worker(spec: dict) -> dict:
     return {"train_s": s["rl_wall_s"], "cpu_s": cpu, "trained_tokens": s["train_tokens_per_s"] * s["rl_wall_s"],
             "steps": s["steps_this_run"], "reward_at_budget": reward_at_end([r for _, r in s["reward_curve"]]),
             "heldout_reward": heldout_reward(final), "version": f"laminar_jax (jax {jax.__version__}; "
-            f"{s['xla_cpu_pool_threads']} XLA pool threads, async dispatch {s['cpu_async_dispatch']})"}
+            f"{s['xla_cpu_pool_threads']} XLA pool threads, async dispatch {s['cpu_async_dispatch']}, "
+            f"host malloc {cfg.runtime.host_malloc})"}
 
 
 def _worker_main(args: argparse.Namespace) -> None:
@@ -251,6 +266,7 @@ def run_one(system: str, spec: dict, spec_dir: str, timeout_s: float) -> dict:
     env = worker_env()
     if system == "trl":
         env.update(OMP_NUM_THREADS=str(spec["threads"]), MKL_NUM_THREADS=str(spec["threads"]))
+        env.update(host_malloc.environment(spec["malloc"]))
     cmd = [sys.executable, "-m", "laminar_jax.benchmarks.peers_e2e", "--worker", system, "--spec", path]
     run = run_worker_process(cmd, env, timeout_s, "PEERS_E2E_RESULT ")
     if not run["ok"]:
@@ -313,13 +329,13 @@ def _fmt(fig: Optional[dict], nd: int = 0) -> str:
 
 def print_table(summary: dict, budget_s: float) -> None:
     print(f"\npeers e2e: {budget_s:.0f} s of training per run; medians [min-max]")
-    print(f"{'system':<10}{'runs':>5} {'train tok/s':>22} {'tok per CPU-s':>22} {'reward at budget':>22} "
+    print(f"{'system':<14}{'runs':>5} {'train tok/s':>22} {'tok per CPU-s':>22} {'reward at budget':>22} "
           f"{'held-out reward':>22}  load avg / version")
     for label, row in summary["rows"].items():
         if not row["runs"]:
-            print(f"{label:<10}{0:>5}  failed: {row['failures'][0]}")
+            print(f"{label:<14}{0:>5}  failed: {row['failures'][0]}")
             continue
-        print(f"{label:<10}{row['runs']:>5} {_fmt(row['train_tps']):>22} {_fmt(row['tokens_per_cpu_s']):>22} "
+        print(f"{label:<14}{row['runs']:>5} {_fmt(row['train_tps']):>22} {_fmt(row['tokens_per_cpu_s']):>22} "
               f"{_fmt(row['reward_at_budget'], 3):>22} {_fmt(row['heldout_reward'], 3):>22}  "
               f"{row['load_avg']} {row['version']}")
     for k, v in summary["ratios"].items():
@@ -338,20 +354,21 @@ def main(argv: list[str]) -> Optional[dict]:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
-    labels = [(s, t) for s in args.systems if s != "trl" for t in args.ours_threads]
+    labels = [(s, t, args.ours_malloc) for s in args.systems if s != "trl" for t in args.ours_threads]
     if "trl" in args.systems:
-        labels = [("trl", t) for t in args.trl_threads] + labels
+        labels = [("trl", t, m) for t in args.trl_threads for m in args.trl_malloc] + labels
     runs = []
     for rep in range(args.repeats):
-        for system, threads in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
+        for system, threads, malloc in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
             label = system if threads is None else f"{system}-{threads}t" if threads else f"{system}-auto"
-            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label,
+            label += f"+{malloc}" if system == "trl" and len(args.trl_malloc) > 1 else ""
+            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label, "malloc": malloc,
                     "threads" if system == "trl" else "cpu_threads": threads,
                     "decode_steps": decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)
             r.update(system=system, label=label, repeat=rep)
-            print(f"  run {rep} {label:<8} " + (
+            print(f"  run {rep} {label:<12} " + (
                 f"{r['train_tps']:.0f} tok/s, {r['tokens_per_cpu_s']:.0f} tok/CPU-s, reward {r['reward_at_budget']}, "
                 f"held-out {r['heldout_reward']:.3f}, {r['steps']} steps" if r["ok"] else f"failed: {r['reason']}")
                 + f"  load {r['load_avg']:.1f}", flush=True)

@@ -116,18 +116,24 @@ class LLM:
     matmul_precision: float32 products in float32 or the backend's rounding, as
       runtime.matmul_precision ('auto': float32 for a float32 model); applied to this object's
       compiles and calls only.
+    host_malloc: this process's C allocator policy, applied when the LLM is built (process-wide, as
+      runtime.host_malloc: 'keep' reuses freed host memory instead of faulting fresh pages in for
+      every call's buffers; 'system' or None leaves the allocator as it is; laminar_jax/host_malloc.py).
     section_overrides: further RolloutSection fields (e.g. live_buckets, decode_chunk).
     """
 
     def __init__(self, model: str, *, kv_memory_gb: float = 1.0, dtype: str = "float32", max_num_seqs: int = 32,
                  max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 16,
                  tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
-                 **section_overrides):
+                 host_malloc: Optional[str] = "keep", **section_overrides):
         from laminar_jax.model.hf import from_pretrained, load_hf_config
+        from laminar_jax.host_malloc import apply_host_malloc
         from laminar_jax.model.tokenizer import HFTokenizer
 
         if dtype not in _DTYPES:
             raise ValueError(f"dtype={dtype!r}: must be one of {list(_DTYPES)}")
+        if host_malloc is not None:
+            apply_host_malloc(host_malloc)
         self.matmul_precision = resolve_matmul_precision(matmul_precision, dtype, "matmul_precision")
         cfg = load_hf_config(model)
         tok_path = tokenizer or (model if os.path.exists(os.path.join(model, "tokenizer.json")) else None)

@@ -10,8 +10,10 @@ __all__ = ["run", "export_pretrained"]
 def run(cfg) -> dict:
     """Train according to `cfg` (a finalized laminar_jax.config.Config); returns the summary dict."""
     from laminar_jax.cpu_threads import apply_cpu_threads
+    from laminar_jax.host_malloc import apply_host_malloc
     from laminar_jax.matmul_precision import apply_matmul_precision
 
+    apply_host_malloc(cfg.runtime.host_malloc)
     apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # holds if JAX has not started
     apply_matmul_precision(cfg.runtime.matmul_precision, cfg.model.dtype)
     if cfg.runtime.kind == "local":
