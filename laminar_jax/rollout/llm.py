@@ -111,6 +111,10 @@ class LLM:
     max_num_seqs: concurrent sequences (engine slots).
     max_model_len: cap on prompt + generated tokens (default: min(max_position_embeddings, 4096)).
     max_prompt_len: longest prompt (default: max_model_len - 1).
+    page_size: tokens per KV page. 64 by default: decode attention then runs a quarter as many page
+      entries, each a larger product (qwen2-100m, 32 concurrent long-tail requests on 2 CPU cores: +5-8%
+      tokens/s in float32, +8-16% in bfloat16 against 16-token pages; docs/BENCHMARKS.md). vLLM's CPU
+      backend defaults to 128-token blocks.
     tokenizer: a tokenizer.json path or HF directory; default: the model directory's, if present.
     warmup: compile the prefill buckets and the live-page buckets now instead of on first use.
     matmul_precision: float32 products in float32 or the backend's rounding, as
@@ -123,7 +127,7 @@ class LLM:
     """
 
     def __init__(self, model: str, *, kv_memory_gb: float = 1.0, dtype: str = "float32", max_num_seqs: int = 32,
-                 max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 16,
+                 max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 64,
                  tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
                  host_malloc: Optional[str] = "keep", **section_overrides):
         from laminar_jax.model.hf import from_pretrained, load_hf_config

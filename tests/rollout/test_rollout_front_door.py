@@ -41,7 +41,8 @@ def test_llm_sizes_the_pool_from_the_budget_and_matches_generate(hf_dir):
     cfg = load_hf_config(str(hf_dir))
     budget = 0.002
     llm = LLM(str(hf_dir), kv_memory_gb=budget, max_num_seqs=2, max_model_len=64)
-    per_page = kv_bytes_per_page(cfg, 16, "float32")
+    assert llm.section.page_size == 64
+    per_page = kv_bytes_per_page(cfg, llm.section.page_size, "float32")
     assert llm.section.num_pages - 1 == int(budget * (1 << 30)) // per_page
     assert llm.section.stop_token_ids == (2, 7)  # config.json's eos, then the tokenizer's
     sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
