@@ -224,10 +224,10 @@ def _median_ms(fn, iters: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def _profile_section(rows: int, context: int, attention_impl: str = "live_pages"):
+def _profile_section(rows: int, context: int, attention_impl: str = "live_pages", page: int = 64):
     from laminar_jax.rollout import RolloutSection
 
-    page, total = 16, context + 256
+    total = context + 256
     return RolloutSection(num_slots=rows, page_size=page, max_prompt_len=context, max_total_len=total,
                           prefill_buckets=(context,), num_pages=rows * -(-total // page) + 1, temperature=0.0,
                           stop_token_ids=(), attention_impl=attention_impl, queue_capacity=rows + 1)
@@ -237,7 +237,7 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
     """(engine, params, state): ``rows`` live slots, each holding a ``context``-token prompt, greedy, long max_new."""
     from laminar_jax.rollout import SlotInit, make_engine
 
-    sec = _profile_section(rows, context, kwargs.pop("attention_impl", "live_pages"))
+    sec = _profile_section(rows, context, kwargs.pop("attention_impl", "live_pages"), kwargs.pop("page", 64))
     engine, params = make_engine(model, sec, **kwargs)
     state = engine.init_decode_state()
     pre = engine.prefill(params, *engine.pad_prompt(np.arange(context, dtype=np.int32) % 97 + 3))
@@ -275,7 +275,8 @@ def _matmul_fn(model, rows: int):
     return (lambda: run(params, x)), flops
 
 
-def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None) -> dict:
+def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None,
+                   page: int = 64) -> dict:
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
@@ -291,7 +292,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     from laminar_jax.rollout.sampling import sample_tokens
 
     def decode_step(**kw):
-        engine, params, state = _filled_engine(model, rows, context, **kw)
+        engine, params, state = _filled_engine(model, rows, context, page=page, **kw)
         box = [state]
 
         def one():
@@ -311,7 +312,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     samp = jax.jit(lambda lg, k: sample_tokens(lg, k, zero, jnp.zeros((rows,), jnp.int32), zero + 1.0))
     sampling = _median_ms(lambda: samp(logits, keys), iters)
     # Host: a server at the same geometry, every slot live; its step() minus the device step.
-    server = RolloutServer.from_model(model, _profile_section(rows, context))
+    server = RolloutServer.from_model(model, _profile_section(rows, context, page=page))
     prompt = (np.arange(context) % 97 + 3).tolist()
     for i in range(rows):
         server.submit(Request(uid=str(i), prompt_ids=prompt, seed=i,
@@ -321,7 +322,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     if server.stats().slots_used != rows:
         raise RuntimeError(f"profile server holds {server.stats().slots_used} live sequences, not {rows}")
     srv = _median_ms(lambda: server.step(), iters)
-    return {"rows": rows, "context": context, "step_ms": full, "tokens_per_s": rows / full * 1e3,
+    return {"rows": rows, "context": context, "page_size": page, "step_ms": full, "tokens_per_s": rows / full * 1e3,
             "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
             "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
             "host_ms": max(srv - full, 0.0), "server_step_ms": srv,
@@ -329,7 +330,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
 
 
 def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int,
-                trace_dir: Optional[str] = None) -> dict:
+                trace_dir: Optional[str] = None, page: int = 64) -> dict:
     """Decode-step profile per dtype and row count, with the matmul peak measured in the same run
     (and each step's time per XLA op, traced into trace_dir/<dtype>_<rows>, when trace_dir is set)."""
     import jax.numpy as jnp
@@ -339,8 +340,9 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
 
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"bench": "engine_profile", "preset": preset, "params_m": cfg.num_params() / 1e6,
-                           "context": context, "rows": {}}
-    print(f"decode-step profile: preset={preset} ({cfg.num_params() / 1e6:.1f}M params) context={context}")
+                           "context": context, "page_size": page, "rows": {}}
+    print(f"decode-step profile: preset={preset} ({cfg.num_params() / 1e6:.1f}M params) context={context} "
+          f"page_size={page}")
     print(f"{'dtype':<9}{'rows':>5}{'step ms':>9}{'tok/s':>8}{'attn':>7}{'matmul':>8}{'GF/s':>7}{'step GF/s':>10}"
           f"{'peak':>7}{'%peak':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
     for dtype in dtypes:
@@ -350,7 +352,7 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
         for rows in rows_list:
             peak = matmul_peak(dtype)
             r = profile_decode(model, rows, context, iters,
-                               None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"))
+                               None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"), page)
             r.update(peak_gflops=peak, frac_of_peak=r["step_matmul_gflops"] / peak, load_avg=os.getloadavg()[0])
             out["rows"][f"{dtype}_{rows}"] = r
             print(f"{dtype:<9}{rows:>5}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.0f}{r['attention_ms']:>7.1f}"
@@ -389,6 +391,8 @@ def main(argv: list[str]) -> dict:
                          "at --profile-rows live rows, for float32 and bfloat16 unless --dtype is given")
     ap.add_argument("--profile-rows", default="32,64")
     ap.add_argument("--profile-context", type=int, default=128)
+    ap.add_argument("--profile-page-size", type=int, default=64,
+                    help="--profile: tokens per KV page (the offline LLM's default; the RL config's is 16)")
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="--profile: also trace each profiled step with jax.profiler into DIR/<dtype>_<rows> "
                          "and print its time per XLA op (optrace.py)")
@@ -396,7 +400,8 @@ def main(argv: list[str]) -> dict:
     if args.profile:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]
-        result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7, args.trace)
+        result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7, args.trace,
+                             args.profile_page_size)
         return emit(result)
 
     import jax
