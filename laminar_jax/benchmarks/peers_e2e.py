@@ -37,8 +37,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from laminar_jax.benchmarks.machine import emit
 from laminar_jax import host_malloc
+from laminar_jax.benchmarks.machine import emit
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
