@@ -31,17 +31,19 @@ output = jax.jit(lambda x: x * 2.0)
 for name, f in (("TEMPORARY", temporary), ("OUTPUT", output)):
     for _ in range(3):
         f(x).block_until_ready()
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-    for _ in range(8):
+    faults = []  # per call; the median, since the heaps may still grow once while they settle
+    for _ in range(9):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         f(x).block_until_ready()
-    print(name, (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) / 8)
+        faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    print(name, sorted(faults)[4])
 """
 
 _PAGES = (48 << 20) // 4096  # pages of one output
 
 
 def _faults_per_call(policy: str, **env: str) -> dict[str, float]:
-    """{'TEMPORARY': page faults per call, 'OUTPUT': ...} in a fresh process."""
+    """{'TEMPORARY': median page faults per call, 'OUTPUT': ...} in a fresh process."""
     out = subprocess.run([sys.executable, "-c", _PROG, policy], capture_output=True, text=True, timeout=180,
                          env=child_env(JAX_PLATFORMS="cpu", **env))
     assert out.returncode == 0, out.stderr[-2000:]
