@@ -12,10 +12,11 @@ process's CPU time in the kernel (docs/BENCHMARKS.md, "The host allocator").
 to keep freed memory (M_TRIM_THRESHOLD at its maximum), so a step's buffers reuse the pages the
 previous step faulted in; M_TOP_PAD grows a heap 64 MB at a time. The cost: the process's resident
 memory stays at its peak instead of shrinking after it. What it does not cover: a thread other
-than the main one allocates from its own arena, whose heaps are 64 MB at most, so glibc still maps a
-larger block there directly (and may unmap a heap that empties). 'system' leaves glibc's defaults. Other C libraries (musl,
-macOS) are left alone with a log line. The same policy as environment variables, for a process
-this one starts (a peer in a benchmark), is `environment("keep")`.
+than the main one allocates from its own arena, whose heaps are 64 MB at most, so glibc still maps
+a larger block there directly (and may unmap a heap that empties). 'system' leaves glibc's
+defaults. Other C libraries (musl, macOS) are left alone with a log line. The same policy as
+environment variables, for a process this one starts (a peer in a benchmark), is
+`environment("keep")`.
 """
 
 from __future__ import annotations
