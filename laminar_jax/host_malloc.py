@@ -22,7 +22,6 @@ environment variables, for a process this one starts (a peer in a benchmark), is
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 from typing import Optional
 
@@ -55,15 +54,9 @@ def environment(policy: str) -> dict[str, str]:
 
 
 def _glibc() -> Optional[ctypes.CDLL]:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    libc = ctypes.CDLL(name)
-    try:
-        libc.gnu_get_libc_version  # only glibc has it
-    except AttributeError:
-        return None
-    return libc if hasattr(libc, "mallopt") else None
+    """This process's C library when it is glibc (the symbols already loaded: no library search)."""
+    libc = ctypes.CDLL(None)
+    return libc if hasattr(libc, "gnu_get_libc_version") and hasattr(libc, "mallopt") else None
 
 
 def apply_host_malloc(policy: str) -> bool:

@@ -66,7 +66,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--trl-malloc", default="system",
                     help="C allocator policies to run TRL with, e.g. system,keep (laminar_jax/host_malloc.py; "
                          "'keep' as glibc environment variables, so the peer gets the setting ours runs with)")
-    ap.add_argument("--ours-malloc", default=None, choices=("keep", "system"),
+    ap.add_argument("--ours-malloc", default=None, choices=host_malloc.POLICIES,
                     help="ours: runtime.host_malloc; default: the config's")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
@@ -81,8 +81,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.systems = [s.strip() for s in a.systems.split(",") if s.strip()]
     a.trl_malloc = [m.strip() for m in a.trl_malloc.split(",") if m.strip()]
     for m in a.trl_malloc:
-        if m not in ("keep", "system"):
-            raise SystemExit(f"--trl-malloc: unknown policy {m!r} (known: keep, system)")
+        if m not in host_malloc.POLICIES:
+            raise SystemExit(f"--trl-malloc: unknown policy {m!r} (known: {', '.join(host_malloc.POLICIES)})")
     for s in a.systems:
         if s not in SYSTEMS:
             raise SystemExit(f"--systems: unknown system {s!r} (known: {', '.join(SYSTEMS)})")
@@ -209,7 +209,6 @@ def _ours_worker(spec: dict) -> dict:
 
     from laminar_jax.cpu_threads import apply_cpu_threads
     from laminar_jax.benchmarks.e2e import _demo_config
-    from laminar_jax.host_malloc import apply_host_malloc
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
     from laminar_jax.runtime.parts import resolve
@@ -236,7 +235,7 @@ def _ours_worker(spec: dict) -> dict:
         c.runtime.host_malloc = spec["malloc"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
-    apply_host_malloc(cfg.runtime.host_malloc)  # as the run's entry point does, before JAX allocates
+    host_malloc.apply_host_malloc(cfg.runtime.host_malloc)  # as the run's entry point does, before JAX allocates
     apply_cpu_threads(cfg.runtime.cpu_threads, cfg.runtime.cpu_async_dispatch)  # before this process starts JAX
     save_config(resolve(cfg, cfg.runtime.run_dir)[0], cfg.runtime.run_dir)  # export_pretrained reads it
     s = LocalRun(cfg, cfg.runtime.run_dir).run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
+from laminar_jax import host_malloc
 from laminar_jax.configlib import expect
 
 MODES = ("sync", "one_step", "stream", "laminar")
@@ -93,7 +94,8 @@ class RuntimeSection:
             expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
         expect(self.sft_warmup_steps >= 0, f"{prefix}.sft_warmup_steps", self.sft_warmup_steps, ">= 0")
         expect(self.checkpoint_every >= 0, f"{prefix}.checkpoint_every", self.checkpoint_every, ">= 0")
-        expect(self.host_malloc in ("keep", "system"), f"{prefix}.host_malloc", self.host_malloc, "'keep' or 'system'")
+        expect(self.host_malloc in host_malloc.POLICIES, f"{prefix}.host_malloc", self.host_malloc,
+               f"one of {list(host_malloc.POLICIES)}")
         expect(self.cpu_threads >= 0, f"{prefix}.cpu_threads", self.cpu_threads, ">= 0 (0 = one per core)")
         expect(self.wait_timeout_s > 0, f"{prefix}.wait_timeout_s", self.wait_timeout_s, "> 0")
         expect(self.learner_processes >= 1, f"{prefix}.learner_processes", self.learner_processes, ">= 1")
