@@ -276,7 +276,7 @@ def _matmul_fn(model, rows: int):
 
 
 def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None,
-                   page: int = 64) -> dict:
+                   page: int = 64, attention_impl: str = "live_pages") -> dict:
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
@@ -292,6 +292,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     from laminar_jax.rollout.sampling import sample_tokens
 
     def decode_step(**kw):
+        kw.setdefault("attention_impl", attention_impl)
         engine, params, state = _filled_engine(model, rows, context, page=page, **kw)
         box = [state]
 
@@ -312,7 +313,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     samp = jax.jit(lambda lg, k: sample_tokens(lg, k, zero, jnp.zeros((rows,), jnp.int32), zero + 1.0))
     sampling = _median_ms(lambda: samp(logits, keys), iters)
     # Host: a server at the same geometry, every slot live; its step() minus the device step.
-    server = RolloutServer.from_model(model, _profile_section(rows, context, page=page))
+    server = RolloutServer.from_model(model, _profile_section(rows, context, attention_impl, page))
     prompt = (np.arange(context) % 97 + 3).tolist()
     for i in range(rows):
         server.submit(Request(uid=str(i), prompt_ids=prompt, seed=i,
@@ -322,7 +323,8 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     if server.stats().slots_used != rows:
         raise RuntimeError(f"profile server holds {server.stats().slots_used} live sequences, not {rows}")
     srv = _median_ms(lambda: server.step(), iters)
-    return {"rows": rows, "context": context, "page_size": page, "step_ms": full, "tokens_per_s": rows / full * 1e3,
+    return {"rows": rows, "context": context, "page_size": page, "attention_impl": attention_impl, "step_ms": full,
+            "tokens_per_s": rows / full * 1e3,
             "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
             "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
             "host_ms": max(srv - full, 0.0), "server_step_ms": srv,
@@ -330,7 +332,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
 
 
 def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int,
-                trace_dir: Optional[str] = None, page: int = 64) -> dict:
+                trace_dir: Optional[str] = None, page: int = 64, attention_impl: str = "live_pages") -> dict:
     """Decode-step profile per dtype and row count, with the matmul peak measured in the same run
     (and each step's time per XLA op, traced into trace_dir/<dtype>_<rows>, when trace_dir is set)."""
     import jax.numpy as jnp
@@ -340,9 +342,9 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
 
     cfg = PRESETS[preset]
     out: dict[str, Any] = {"bench": "engine_profile", "preset": preset, "params_m": cfg.num_params() / 1e6,
-                           "context": context, "page_size": page, "rows": {}}
+                           "context": context, "page_size": page, "attention_impl": attention_impl, "rows": {}}
     print(f"decode-step profile: preset={preset} ({cfg.num_params() / 1e6:.1f}M params) context={context} "
-          f"page_size={page}")
+          f"page_size={page} attention={attention_impl}")
     print(f"{'dtype':<9}{'rows':>5}{'step ms':>9}{'tok/s':>8}{'attn':>7}{'matmul':>8}{'GF/s':>7}{'step GF/s':>10}"
           f"{'peak':>7}{'%peak':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
     for dtype in dtypes:
@@ -352,7 +354,8 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
         for rows in rows_list:
             peak = matmul_peak(dtype)
             r = profile_decode(model, rows, context, iters,
-                               None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"), page)
+                               None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"), page,
+                               attention_impl)
             r.update(peak_gflops=peak, frac_of_peak=r["step_matmul_gflops"] / peak, load_avg=os.getloadavg()[0])
             out["rows"][f"{dtype}_{rows}"] = r
             print(f"{dtype:<9}{rows:>5}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.0f}{r['attention_ms']:>7.1f}"
@@ -401,7 +404,7 @@ def main(argv: list[str]) -> dict:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]
         result = run_profile(args.preset, dtypes, rows, args.profile_context, 3 if args.quick else 7, args.trace,
-                             args.profile_page_size)
+                             args.profile_page_size, args.attention)
         return emit(result)
 
     import jax

@@ -22,6 +22,7 @@ from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.attention import AttentionFn, CacheBackend, dense_attention, train_attention
+from laminar_jax.native import ops as native_ops
 
 
 def _init(init, axes: Sequence[Optional[str]]):
@@ -68,15 +69,42 @@ class Linear(nnx.Module):
             b = nnx.Param(jnp.zeros((dout,), param_dtype), out_sharding=tuple(axes[1:]), eager_sharding=False)
         self.bias = nnx.data(b)
 
+    # Products of at most this many rows run the native row-products kernel (native/ops.py) instead
+    # of XLA's dot; 0 = never. Only the rollout engine sets it, on the model it merges inside its
+    # decode programs (rollout.weight_products, use_row_kernel): never in training.
+    row_kernel_rows = 0
+
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
         dtype = self.dtype or jnp.result_type(x, w)
         low = _low_precision(dtype)
-        y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                                preferred_element_type=_product_out(low))
+        if _row_kernel(self, x):  # float32 out, as XLA:CPU's low-precision products (_product_out)
+            y = _kernel_product(x.astype(dtype), w.astype(dtype))
+        else:
+            y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
+                                    preferred_element_type=_product_out(low))
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y.astype(dtype) if low else y
+
+
+def _row_kernel(module, x: jax.Array) -> bool:
+    return 0 < int(np.prod(x.shape[:-1])) <= module.row_kernel_rows
+
+
+def _kernel_product(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x[..., K] . w[N, K]^T through the native kernel: f32[..., N], the products and sums in float32."""
+    flat = x.reshape(-1, x.shape[-1])
+    return native_ops.row_products(flat, w).reshape(*x.shape[:-1], w.shape[0])
+
+
+def use_row_kernel(model: nnx.Module, rows: int) -> None:
+    """Route ``model``'s weight products (each Linear, and a tied head) of at most ``rows`` rows
+    through the native row-products kernel. For the rollout engine's own merged copy in a decode
+    program (its CPU decode steps are products of a few rows); 0 restores XLA's dot."""
+    for _, m in nnx.iter_graph(model):
+        if isinstance(m, (Linear, Transformer)):
+            m.row_kernel_rows = rows
 
 
 class RMSNorm(nnx.Module):
@@ -254,7 +282,11 @@ class Transformer(nnx.Module):
         """lm_head projection of final-normed hidden states: f[..., D] -> f32[..., V] (as `forward`)."""
         return self._logits(h)
 
+    row_kernel_rows = 0  # as Linear's: the tied head's product (use_row_kernel)
+
     def _logits(self, h):
+        if self.cfg.tie_word_embeddings and _row_kernel(self, h):
+            return _kernel_product(h.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
         if self.cfg.tie_word_embeddings and _low_precision(self.dtype):
             # E[V, D] . h[N, D] -> [V, N], transposed: on XLA:CPU the bf16 (f32-accumulating) kernel
             # takes this operand order ~7x faster than h . E^T.

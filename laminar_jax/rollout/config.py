@@ -26,7 +26,8 @@ class RolloutSection:
       stop_token_ids: Default stop ids; None means the model's eos ids.
       overlong_prompt: 'error' rejects prompts longer than max_prompt_len, 'truncate' keeps their last max_prompt_len tokens.
       queue_capacity: Bound of the request queue; submit() blocks (with a timeout) when it is full.
-      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
+      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'auto' = 'cpu_kernel' on one CPU device when its native kernel builds here (a C++ compiler is needed; a paged attention that reads live pages in place), else 'live_pages'; 'cpu_kernel' insists on the native kernel; 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
+      weight_products: Decode steps' weight products: 'auto' runs those of few rows (float32, up to 16 rows; bfloat16 stays on XLA's dot) through a native CPU kernel that reads each weight row once in its stored layout, on one CPU device when it builds here (XLA:CPU's GEMM re-packs the weights per call: about half the speed at 4-8 rows), else XLA's dot; 'native' insists; 'xla' always XLA's dot. Prefill and training always use XLA's dot.
       decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
       decode_chunk: Rows per decode chunk; 0 = off (every slot goes through the model on every step). With c > 0, generate() gathers only the slots that hold a sequence into chunks of c rows and loops over as many chunks as needed (a dynamic trip count), so decode cost follows the live slots; every chunk has the same shape, so a sequence's tokens and log-probs do not depend on how many others are live (or on num_slots). Small c suits CPUs; accelerators want 0 or a large c.
       decode_row_buckets: Smaller decode batches for calls with few live slots; () = off. With buckets (e.g. (4, 8, 16) for 32 slots), a generate() call whose slots holding a sequence fit a bucket gathers just those into a batch of that many rows (one compiled program per bucket), so a long-tail step costs what its live rows cost, with one weight read. XLA's matmuls may give a row different bits at different row counts (fp32 on CPU below 32 rows), so a sequence's tokens can then depend on how many others are live: moves between servers are no longer output-identical, and the runtime refuses it with scheduler repack in laminar mode. Offline generation (LLM) uses it; every bucket must be < the rows of one call (decode_chunk, or num_slots).
@@ -52,7 +53,8 @@ class RolloutSection:
     stop_token_ids: Optional[tuple[int, ...]] = None
     overlong_prompt: Literal["error", "truncate"] = "error"
     queue_capacity: int = 1024
-    attention_impl: str = "live_pages"
+    attention_impl: str = "auto"
+    weight_products: Literal["auto", "native", "xla"] = "auto"
     decode_steps_per_call: int = 1
     decode_chunk: int = 0
     decode_row_buckets: tuple[int, ...] = ()
@@ -90,8 +92,10 @@ class RolloutSection:
                    self.prefill_buckets, f"to end at >= max_prompt_len={self.max_prompt_len}")
         validate_sampling(prefix, self.temperature, self.top_k, self.top_p, self.max_new_tokens)
         expect(self.queue_capacity >= 1, f"{prefix}.queue_capacity", self.queue_capacity, ">= 1")
-        expect(self.attention_impl in backends, f"{prefix}.attention_impl", self.attention_impl,
-               f"one of {sorted(backends)}")
+        expect(self.attention_impl in ("auto", *backends), f"{prefix}.attention_impl", self.attention_impl,
+               f"one of {sorted(('auto', *backends))}")
+        expect(self.weight_products in ("auto", "native", "xla"), f"{prefix}.weight_products", self.weight_products,
+               "one of ['auto', 'native', 'xla']")
         expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
         expect(self.live_buckets in ("fine", "pow2", "pow4"), f"{prefix}.live_buckets", self.live_buckets,
                "one of ['fine', 'pow2', 'pow4']")

@@ -57,6 +57,8 @@ from laminar_jax.rollout.attention import (
     DecodeMeta,
     from_pool,
     live_page_list,
+    resolve_backend,
+    resolve_row_kernel,
     pool_shape,
     prefill_dense,
     scatter_pages,
@@ -65,6 +67,7 @@ from laminar_jax.rollout.attention import (
     to_pool,
 )
 from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.rollout.extend import decode_model
 from laminar_jax.rollout.paged import (
     DecodeState,
     OutOfPages,
@@ -99,7 +102,11 @@ class Engine:
         self._prompt_pages = max(1, min(pages_needed(self.buckets[-1] - 1, self.page_size), self.pages_per_seq))
         self.allocator = PageAllocator(section.num_pages)
         self.slot_pages: dict[int, list[int]] = {}
-        self._attend = backends[section.attention_impl]
+        # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
+        self.mesh = mesh
+        self.attention_impl = resolve_backend(section.attention_impl, platform=self.devices[0].platform,
+                                              tensor_parallel=mesh is not None)
+        self._attend = backends[self.attention_impl]
         self.steps_per_call = section.decode_steps_per_call
         self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
         self.chunk = section.decode_chunk  # 0 = no compaction (one batch of num_slots rows)
@@ -110,17 +117,17 @@ class Engine:
         self.row_buckets = tuple(section.decode_row_buckets)  # smaller batches for few live slots
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
-        # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
-        self.mesh = mesh
         self.tp = 1 if mesh is None else tpl.tp_width(mesh)
         if mesh is not None:
             tpl.check_tp(model_cfg, self.tp)
         self.state_shardings = None if mesh is None else self._state_shardings(mesh)
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
+        self.row_kernel_rows = resolve_row_kernel(section.weight_products, kv_dtype,
+                                                  platform=self.devices[0].platform, tensor_parallel=mesh is not None)
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
-                           vocab_size=model_cfg.vocab_size)
+                           vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows)
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -612,6 +619,7 @@ class _Spec(NamedTuple):
     state_shardings: Any = None  # DecodeState of NamedShardings (TP layout), None = one device
     one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
     vocab_size: int = 0  # the logits' width (sizes _call_noise)
+    row_kernel_rows: int = 0  # decode weight products of at most this many rows run the native kernel
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -791,7 +799,7 @@ def _call_noise(spec: _Spec, state: DecodeState) -> Optional[jax.Array]:
 
 
 def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int):
-    model = nnx.merge(spec.graphdef, params)
+    model = decode_model(spec, params)
     if spec.chunk:
         step = lambda s, _: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
     else:

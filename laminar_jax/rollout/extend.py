@@ -21,12 +21,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from laminar_jax.model.transformer import use_row_kernel
 from laminar_jax.rollout.attention import DecodeMeta, live_page_list
 
 
 def obs_bucket(m: int) -> int:
     """Padded length of the fed ids (a power of two >= m + 1, at least 16): few compiled shapes."""
     return max(16, 1 << int(m).bit_length())
+
+
+def decode_model(spec, params):
+    """The model a decode program (generate, extend) runs: merged from params, with its few-row
+    weight products on the native kernel when the engine chose so (``spec.row_kernel_rows``,
+    rollout.weight_products). Prefill programs merge the model as it is (XLA's dot)."""
+    model = nnx.merge(spec.graphdef, params)
+    if spec.row_kernel_rows:
+        use_row_kernel(model, spec.row_kernel_rows)
+    return model
 
 
 def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, num_cached, last_token,
@@ -37,7 +48,7 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
     stop sequence may have decoded a token or two more on the device (pipelining); those are
     overwritten here and never attended (attention reads positions < the new length only).
     """
-    model = nnx.merge(spec.graphdef, params)
+    model = decode_model(spec, params)
     feed = jnp.concatenate([last_token[None], ids])  # token i is fed at position num_cached + i
     row = page_row[None]
     active = jnp.ones((1,), bool)

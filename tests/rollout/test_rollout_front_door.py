@@ -195,7 +195,7 @@ def test_warmup_compiles_only_the_first_live_buckets(first_n, slots):
     # Geometries (page 4) no other test compiles, so the jit cache grows by exactly what warmup() compiles.
     sec = RolloutSection(num_slots=slots, page_size=4, num_pages=64, max_prompt_len=16, max_total_len=80,
                          prefill_buckets=(16,), live_buckets="pow4", warmup_live_buckets=first_n,
-                         stop_token_ids=())
+                         stop_token_ids=(), attention_impl="live_pages")
     engine, params = make_engine(tiny_model(1), sec)
     progs = engine._bind(params)[1]
     before = progs.generate._cache_size()  # shared with the other geometry's engine (same program graph)
@@ -217,9 +217,9 @@ def test_bf16_pool_is_stored_as_bits_and_backends_agree():
     model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     sp = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=())
     outs = {}
-    for impl in ("live_pages", "gather_dense", "pool_scan"):
+    for impl in ("live_pages", "gather_dense", "pool_scan", "cpu_kernel"):
         engine, params = make_engine(model, dataclasses.replace(SECTION, attention_impl=impl))
         assert engine.init_decode_state().k_pages[0].dtype == jnp.uint16
         outs[impl] = [o.tokens.tolist() for o in generate((engine, params), PROMPTS, sp)]
-    assert outs["live_pages"] == outs["gather_dense"] == outs["pool_scan"]
+    assert outs["live_pages"] == outs["gather_dense"] == outs["pool_scan"] == outs["cpu_kernel"]
     assert len(set(map(tuple, outs["live_pages"]))) > 1  # not a degenerate constant output

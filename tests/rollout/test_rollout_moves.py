@@ -41,7 +41,8 @@ def _assert_same(traj, ref):
     assert traj.finish_reason == ref.finish_reason and traj.version == ref.version
 
 
-@pytest.mark.parametrize("impl,chunk", [("live_pages", 0), ("gather_dense", 0), ("pool_scan", 0), ("live_pages", 2)])
+@pytest.mark.parametrize("impl,chunk", [("live_pages", 0), ("gather_dense", 0), ("pool_scan", 0), ("live_pages", 2),
+                                        ("cpu_kernel", 0), ("cpu_kernel", 2)])
 def test_moved_twice_between_engines_continues_identically(impl, chunk):
     """chunk > 0 (batch compaction): the reference runs alone (one chunk), the moved run in company
     (two chunks, different rows), so this also proves a row's result does not depend on the others."""

@@ -191,15 +191,15 @@ def test_a_server_loop_in_a_supervised_worker_delivers_and_surfaces_its_death():
         worker.join(10)
 
 def test_attention_backends_agree():
-    """live_pages, gather_dense and pool_scan against gather_gqa (the model's gqa_attention) on one mixed batch."""
+    """live_pages, gather_dense, pool_scan and cpu_kernel against gather_gqa (the model's gqa_attention) on one mixed batch."""
     reqs = [request(i, max_new=4 + 3 * i, prompt_len=2 + 2 * i, temperature=0.0) for i in range(6)]
     out = {}
-    for impl in ("gather_gqa", "live_pages", "gather_dense", "pool_scan"):
+    for impl in ("gather_gqa", "live_pages", "gather_dense", "pool_scan", "cpu_kernel"):
         server = make_server(dataclasses.replace(SECTION, attention_impl=impl))
         for r in reqs:
             server.submit(r)
         out[impl] = run_until(server, len(reqs))
-    for impl in ("live_pages", "gather_dense", "pool_scan"):
+    for impl in ("live_pages", "gather_dense", "pool_scan", "cpu_kernel"):
         for r in reqs:
             a, b = out[impl][r.uid], out["gather_gqa"][r.uid]
             np.testing.assert_array_equal(a.response_ids, b.response_ids)

@@ -165,7 +165,7 @@ def _check_multi_step_equals_single_step(steps, up_front):
 
 
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
-    server = make_server()
+    server = make_server(dataclasses.replace(SECTION, attention_impl="live_pages"))  # the backend with buckets
     engine = server.engine
     engine.warmup(server._params)  # compiles every variant; leaves no slot or page taken
     assert not engine.slot_pages and engine.allocator.num_used == 0

@@ -1,0 +1,48 @@
+"""The native CPU kernels as JAX operations (``jax.ffi`` calls; each builds its library on first use).
+
+``paged_attention``: decode attention over a paged KV cache, read in place (paged_attention.cc;
+the ``cpu_kernel`` decode backend, rollout/attention.py). ``row_products``: y = x . W^T for a few
+rows x against a weight stored [out, in] (row_products.cc; the rollout engine's decode steps,
+model/transformer.py's ``Linear``). This module imports nothing of the model or rollout packages.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from laminar_jax import native
+
+ATTENTION_LIBRARY, ATTENTION_TARGET = "paged_attention", "laminar_paged_attention"
+PRODUCTS_LIBRARY, PRODUCTS_TARGET = "row_products", "laminar_row_products"
+KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+
+# The most rows for which the engine's decode weight products run row_products, per weight dtype
+# (docs/BENCHMARKS.md, "Native CPU kernels"; AMD EPYC Zen 5, 2 cores). 12 layers of qwen2-100m's
+# weight products, kernel against XLA:CPU's dot: float32 1 row -11%, 4 -34%, 8 -26%, 16 -10%, 32 +22%.
+# bfloat16 is left to XLA: its dot uses the AVX-512 BF16 instructions, and in the engine's decode steps
+# the kernel (bf16 widened to float32 FMAs) made the offline LLM 6% slower at up to 4 rows.
+ROW_PRODUCTS_MAX_ROWS = {jnp.dtype(jnp.float32): 16}
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
+                    length: jax.Array) -> jax.Array:
+    """q f32[B, H, D] (scaled by 1/sqrt(D)), K pool [P, Hkv, D, page] and V pool [P, Hkv, page, D]
+    (float32, or uint16 holding bfloat16), page_table i32[B, n], length i32[B] (0: inactive row)
+    -> f32[B, H, D]: each row's softmax attention over its first ``length`` tokens."""
+    native.load(ATTENTION_LIBRARY)  # builds and registers the target on first use (raises NativeUnavailable)
+    return jax.ffi.ffi_call(ATTENTION_TARGET, jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        q, k_pages, v_pages, page_table.astype(jnp.int32), length.astype(jnp.int32))
+
+
+def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
+    """x f32[M, K] . w[N, K]^T -> f32[M, N], w float32 or bfloat16 (products and sums in float32)."""
+    if jnp.dtype(w.dtype) not in WEIGHT_DTYPES:
+        raise ValueError(f"row_products: weights of dtype {w.dtype}; float32 or bfloat16 only")
+    native.load(PRODUCTS_LIBRARY)
+    return jax.ffi.ffi_call(PRODUCTS_TARGET, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32))(
+        x.astype(jnp.float32), w)
+
+
+__all__ = ["paged_attention", "row_products", "ROW_PRODUCTS_MAX_ROWS", "KV_DTYPES", "WEIGHT_DTYPES"]

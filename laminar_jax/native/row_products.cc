@@ -1,0 +1,142 @@
+// Weight products of few rows for XLA:CPU, called through the XLA FFI (laminar_jax/native builds
+// this file on first use; model/transformer.py's Linear calls it in the rollout engine's decode).
+//
+// y[M, N] = x[M, K] . W[N, K]^T with W as stored ([out, in], float32 or bfloat16), x and y float32.
+// Why a kernel: a decode step of a few live rows is a chain of such products, and XLA:CPU's GEMM
+// packs the weight operand on every call, so at 4-16 rows it streams the weights at about half
+// the speed of its own 1-row matrix-vector product. This reads every weight row once, straight from
+// its stored layout, and multiplies it into all M rows while it is in the L1 cache.
+//
+// Sums run over K in 16-lane partial sums, reduced at the end: the result of a row never depends on
+// the other rows or on how the work is split between threads.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+constexpr int kLanes = 16;
+
+inline vf load16(const float* p) {
+  vf v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf load16(const uint16_t* p) {
+  vh h;
+  std::memcpy(&h, p, sizeof h);
+  vu w = __builtin_convertvector(h, vu) << 16;
+  vf v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) {
+  uint32_t u = uint32_t(x) << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+inline float hsum(vf v) {
+  float s = 0.0f;
+  for (int i = 0; i < kLanes; ++i) s += v[i];
+  return s;
+}
+
+// Rows [m0, m0 + MG) of y for weight rows [n0, n0 + NB): MG x NB accumulators in registers.
+template <int MG, int NB, typename W>
+inline void block(const float* x, const W* w, int64_t k_n, int64_t n_n, int64_t m0, int64_t n0, float* y) {
+  vf acc[MG][NB];
+  for (int m = 0; m < MG; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
+  const int64_t k_vec = k_n / kLanes * kLanes;
+  for (int64_t k = 0; k < k_vec; k += kLanes) {
+    vf wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = load16(w + (n0 + b) * k_n + k);
+    for (int m = 0; m < MG; ++m) {
+      const vf xv = load16(x + (m0 + m) * k_n + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+    }
+  }
+  for (int m = 0; m < MG; ++m)
+    for (int b = 0; b < NB; ++b) {
+      float s = hsum(acc[m][b]);
+      for (int64_t k = k_vec; k < k_n; ++k) s += x[(m0 + m) * k_n + k] * widen(w[(n0 + b) * k_n + k]);
+      y[(m0 + m) * n_n + n0 + b] = s;
+    }
+}
+
+// All M rows for weight rows [n0, n0 + NB): groups of 8 rows (then 4, 2, 1), so the NB weight rows
+// come from memory once and from L1 for the other groups.
+template <int NB, typename W>
+inline void all_rows(const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, int64_t n0, float* y) {
+  int64_t m = 0;
+  for (; m + 8 <= m_n; m += 8) block<8, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m + 4 <= m_n; m += 4) block<4, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m + 2 <= m_n; m += 2) block<2, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m < m_n; ++m) block<1, NB>(x, w, k_n, n_n, m, n0, y);
+}
+
+struct Work {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+  int64_t total = 0;
+};
+
+constexpr int64_t kRowsPerUnit = 48;  // weight rows per work unit (a multiple of 3)
+
+template <typename W>
+void run(ffi::ThreadPool pool, const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, float* y) {
+  auto work = std::make_shared<Work>();
+  work->total = (n_n + kRowsPerUnit - 1) / kRowsPerUnit;
+  // Units are claimed from a counter; the caller works too and then waits only for units already
+  // claimed (running), so a helper task XLA's pool starts late finds nothing left and touches nothing.
+  auto body = [=](Work* wk) {
+    for (int64_t u; (u = wk->next.fetch_add(1)) < wk->total;) {
+      const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
+      int64_t n = lo;
+      for (; n + 3 <= hi; n += 3) all_rows<3>(x, w, m_n, k_n, n_n, n, y);
+      for (; n < hi; ++n) all_rows<1>(x, w, m_n, k_n, n_n, n, y);
+      wk->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, body] { body(work.get()); });
+  body(work.get());
+  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+}
+
+ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
+    return ffi::Error::InvalidArgument("expected x[M, K] and w[N, K]");
+  const int64_t m_n = xd[0], k_n = xd[1], n_n = wd[0];
+  if (w.element_type() == ffi::DataType::F32)
+    run(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
+  else if (w.element_type() == ffi::DataType::BF16)  // read as their bits
+    run(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), m_n, k_n, n_n, y->typed_data());
+  else
+    return ffi::Error::InvalidArgument("weights must be float32 or bfloat16");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(LaminarRowProducts, row_products,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());

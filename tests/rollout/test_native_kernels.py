@@ -1,0 +1,211 @@
+"""The native CPU kernels (laminar_jax/native): the paged decode attention (rollout.attention_impl=
+'cpu_kernel') against the portable live_pages backend on real pools, the few-row weight products
+(rollout.weight_products) against XLA's dot and in the engine; row independence; build and fallback."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from laminar_jax import native
+from laminar_jax.native import ops
+from laminar_jax.rollout.attention import (
+    DecodeMeta,
+    as_stored,
+    cpu_kernel,
+    live_page_list,
+    live_pages,
+    pool_shape,
+    resolve_backend,
+    resolve_row_kernel,
+)
+
+
+def _case(seed, *, kv_dtype, page, heads, kv_heads, d, rows=6, pages_per_row=4, inactive=(4,)):
+    rng = np.random.default_rng(seed)
+    pool = rows * pages_per_row + 3
+
+    def pool_of(key):
+        return as_stored(jnp.asarray(rng.normal(size=pool_shape(pool, page, kv_heads, d, key=key)), jnp.float32),
+                         kv_dtype)
+
+    table = rng.permutation(np.arange(1, pool))[:rows * pages_per_row].reshape(rows, pages_per_row)
+    positions = rng.integers(0, pages_per_row * page - 1, size=rows)
+    positions[0] = 0  # a row with one token (its first), and one on a page boundary
+    positions[1] = page
+    active = np.array([i not in inactive for i in range(rows)])
+    q = jnp.asarray(rng.normal(size=(rows, 1, heads, d)), jnp.float32)
+    k = jnp.asarray(rng.normal(size=(rows, 1, kv_heads, d)), jnp.float32)
+    v = jnp.asarray(rng.normal(size=(rows, 1, kv_heads, d)), jnp.float32)
+    meta = DecodeMeta(jnp.asarray(table, jnp.int32), jnp.asarray(positions, jnp.int32), jnp.asarray(active), page,
+                      kv_dtype=kv_dtype)
+    return q, k, v, (pool_of(True), pool_of(False)), meta
+
+
+def _run(backend, q, k, v, cache, meta):
+    if getattr(backend, "needs_live_pages", False):
+        meta = meta._replace(live=live_page_list(meta, meta.page_table.size))
+    return jax.jit(lambda q, k, v, c: backend(q, k, v, c, meta=meta))(q, k, v, cache)
+
+
+# (page, heads, kv heads, head dim): the vectorised path (pages and D in 16s, up to 8 heads per KV
+# head, 3 and 4 blocks per pass) and the general one (other pages, D or groups).
+SHAPES = [(16, 12, 4, 64), (64, 6, 2, 32), (32, 7, 1, 16), (16, 8, 1, 32), (4, 4, 2, 8), (16, 9, 1, 16), (8, 2, 2, 24)]
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("page,heads,kv_heads,d", SHAPES)
+def test_kernel_equals_live_pages(kv_dtype, page, heads, kv_heads, d):
+    q, k, v, cache, meta = _case(page + heads, kv_dtype=kv_dtype, page=page, heads=heads, kv_heads=kv_heads, d=d)
+    ref, ref_cache = _run(live_pages, q, k, v, cache, meta)
+    out, out_cache = _run(cpu_kernel, q, k, v, cache, meta)
+    for a, b in zip(ref_cache, out_cache):  # the token written the same way, bit for bit
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(ref), atol=2e-6, rtol=1e-5)
+    assert np.all(np.asarray(out)[~np.asarray(meta.active)] == 0.0)  # inactive rows: zeros
+    assert np.abs(np.asarray(out)).max() > 0.1  # not a degenerate zero output
+
+
+def test_a_rows_output_depends_only_on_that_row():
+    """Moved sequences stay output-identical: another slot, other physical pages, other company."""
+    q, k, v, (kp, vp), meta = _case(0, kv_dtype=jnp.float32, page=16, heads=12, kv_heads=4, d=64, inactive=())
+    out, _ = _run(cpu_kernel, q, k, v, (kp, vp), meta)
+    # Row 3 again, alone in slot 0, its pages copied to other physical ids; the other rows' queries changed.
+    table = np.asarray(meta.page_table)
+    moved = np.zeros_like(table)
+    fresh = np.arange(1, table.shape[1] + 1) + table.max()
+    kp2 = jnp.concatenate([kp, kp[table[3]]])
+    vp2 = jnp.concatenate([vp, vp[table[3]]])
+    moved[0] = fresh
+    order = [3, 0, 1, 2, 4, 5]
+    meta2 = meta._replace(page_table=jnp.asarray(moved, jnp.int32), positions=meta.positions[jnp.asarray(order)])
+    meta2 = meta2._replace(active=jnp.asarray([True] + [False] * 5))
+    q2 = jnp.concatenate([q[3:4], -q[:5]])
+    out2, _ = _run(cpu_kernel, q2, k[jnp.asarray(order)], v[jnp.asarray(order)], (kp2, vp2), meta2)
+    np.testing.assert_array_equal(np.asarray(out2)[0], np.asarray(out)[3])
+
+
+def test_a_page_id_outside_the_pool_is_an_error():
+    q, k, v, cache, meta = _case(1, kv_dtype=jnp.float32, page=16, heads=4, kv_heads=2, d=16)
+    bad = meta._replace(page_table=meta.page_table.at[0, 0].set(10_000))
+    with pytest.raises(Exception, match="page id outside the pool"):
+        jax.block_until_ready(_run(cpu_kernel, q, k, v, cache, bad))
+
+
+def test_auto_picks_the_kernel_on_one_cpu_device_only():
+    assert resolve_backend("auto", platform="cpu", tensor_parallel=False) == "cpu_kernel"
+    assert resolve_backend("auto", platform="gpu", tensor_parallel=False) == "live_pages"
+    assert resolve_backend("auto", platform="cpu", tensor_parallel=True) == "live_pages"
+    assert resolve_backend("gather_dense", platform="tpu", tensor_parallel=False) == "gather_dense"
+    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel'.*tensor-parallel"):
+        resolve_backend("cpu_kernel", platform="cpu", tensor_parallel=True)
+    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel'.*'gpu'"):
+        resolve_backend("cpu_kernel", platform="gpu", tensor_parallel=False)
+
+
+def test_the_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("LAMINAR_JAX_NATIVE_CACHE", str(tmp_path))
+    path = native.build("paged_attention")
+    assert os.path.dirname(path) == str(tmp_path) and os.path.getsize(path) > 0
+    stamp = os.stat(path).st_mtime_ns
+    assert native.build("paged_attention") == path and os.stat(path).st_mtime_ns == stamp
+    assert [p for p in os.listdir(tmp_path)] == [os.path.basename(path)]  # no temporary left behind
+
+
+def test_without_a_compiler_auto_falls_back_and_an_explicit_request_says_why(tmp_path):
+    """A fresh process with an empty kernel cache and no compiler on PATH: 'auto' engines run live_pages."""
+    code = """
+import dataclasses, jax.numpy as jnp, pytest
+from flax import nnx
+from laminar_jax import native
+from laminar_jax.model import PRESETS, Transformer
+from laminar_jax.rollout import RolloutSection, make_engine
+assert 'no C++ compiler' in native.available('paged_attention')
+model = Transformer(PRESETS['tiny'], rngs=nnx.Rngs(0))
+section = RolloutSection(num_slots=2, page_size=4, num_pages=40, max_prompt_len=8, max_total_len=32)
+engine, _ = make_engine(model, section)
+assert engine.attention_impl == 'live_pages', engine.attention_impl
+assert engine.row_kernel_rows == 0  # rollout.weight_products='auto' falls back to XLA's dot
+with pytest.raises(native.NativeUnavailable, match='no C.. compiler'):
+    native.load('paged_attention')
+print('OK')
+"""
+    env = {**os.environ, "PATH": str(tmp_path), "CXX": "", "LAMINAR_JAX_NATIVE_CACHE": str(tmp_path / "cache"),
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200)])
+def test_row_products_equal_the_dot(dtype, m, k, n):
+    """Every row-group (8, 4, 2, 1) and weight-row block (3, 1) path, a K that is no multiple of 16."""
+    rng = np.random.default_rng(m * k + n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
+    w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32).astype(dtype)
+    out = np.asarray(jax.jit(ops.row_products)(x, w))
+    ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
+    # A row's result does not depend on the rows beside it (the engine's moves rely on that).
+    alone = np.asarray(jax.jit(ops.row_products)(x[m - 1:], w))
+    np.testing.assert_array_equal(alone[0], out[m - 1])
+
+
+def test_row_products_refuse_other_weight_dtypes():
+    with pytest.raises(ValueError, match="float16"):
+        ops.row_products(jnp.ones((2, 16)), jnp.ones((4, 16), jnp.float16))
+
+
+def test_row_kernel_policy():
+    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == 16
+    assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
+    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == 0
+    assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
+    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
+    with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run off CPU"):
+        resolve_row_kernel("native", jnp.float32, platform="tpu", tensor_parallel=False)
+    with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run for bfloat16"):
+        resolve_row_kernel("native", jnp.bfloat16, platform="cpu", tensor_parallel=False)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+    from laminar_jax.model.transformer import use_row_kernel
+
+    import dataclasses
+
+    cfg = dataclasses.replace(PRESETS["tiny"], tie_word_embeddings=tied)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jnp.asarray([[5, 9, 2]], jnp.int32)
+    ref = model(tokens)
+    use_row_kernel(model, 16)  # 3 rows: every product through the kernel
+    hlo = jax.jit(lambda t: model(t)).lower(tokens).as_text()
+    assert "laminar_row_products" in hlo
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    use_row_kernel(model, 2)  # 3 rows > 2: XLA's dot again
+    assert "laminar_row_products" not in jax.jit(lambda t: model(t)).lower(tokens).as_text()
+
+
+def test_engine_decodes_the_same_tokens_with_either_weight_products():
+    import dataclasses
+
+    from laminar_jax.rollout import SamplingParams, generate, make_engine
+    from tests.rollout.rollout_helpers import SECTION, tiny_model
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    sp = SamplingParams(temperature=0.0, max_new_tokens=12, stop_token_ids=())
+    outs = {}
+    for policy in ("xla", "native"):
+        engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
+        assert engine.row_kernel_rows == (0 if policy == "xla" else 16)
+        outs[policy] = generate((engine, params), prompts, sp)
+    for a, b in zip(outs["xla"], outs["native"]):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
