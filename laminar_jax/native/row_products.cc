@@ -48,10 +48,15 @@ inline float widen(uint16_t x) {
   std::memcpy(&f, &u, sizeof f);
   return f;
 }
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+
+// The 16 lanes' sum as a tree of halves (4 shuffle-adds, where a lane-by-lane sum is a 16-add chain).
 inline float hsum(vf v) {
-  float s = 0.0f;
-  for (int i = 0; i < kLanes; ++i) s += v[i];
-  return s;
+  const vf8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+  return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
 // Rows [m0, m0 + MG) of y for weight rows [n0, n0 + NB): MG x NB accumulators in registers.
