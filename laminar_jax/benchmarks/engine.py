@@ -224,7 +224,7 @@ def _median_ms(fn, iters: int) -> float:
     return float(np.median(times)) * 1e3
 
 
-def _profile_section(rows: int, context: int, attention_impl: str = "live_pages", page: int = 64):
+def _profile_section(rows: int, context: int, attention_impl: str = "auto", page: int = 64):
     from laminar_jax.rollout import RolloutSection
 
     total = context + 256
@@ -237,7 +237,7 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
     """(engine, params, state): ``rows`` live slots, each holding a ``context``-token prompt, greedy, long max_new."""
     from laminar_jax.rollout import SlotInit, make_engine
 
-    sec = _profile_section(rows, context, kwargs.pop("attention_impl", "live_pages"), kwargs.pop("page", 64))
+    sec = _profile_section(rows, context, kwargs.pop("attention_impl", "auto"), kwargs.pop("page", 64))
     engine, params = make_engine(model, sec, **kwargs)
     state = engine.init_decode_state()
     pre = engine.prefill(params, *engine.pad_prompt(np.arange(context, dtype=np.int32) % 97 + 3))
@@ -276,7 +276,7 @@ def _matmul_fn(model, rows: int):
 
 
 def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None,
-                   page: int = 64, attention_impl: str = "live_pages") -> dict:
+                   page: int = 64, attention_impl: str = "auto") -> dict:
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
@@ -332,7 +332,7 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
 
 
 def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int,
-                trace_dir: Optional[str] = None, page: int = 64, attention_impl: str = "live_pages") -> dict:
+                trace_dir: Optional[str] = None, page: int = 64, attention_impl: str = "auto") -> dict:
     """Decode-step profile per dtype and row count, with the matmul peak measured in the same run
     (and each step's time per XLA op, traced into trace_dir/<dtype>_<rows>, when trace_dir is set)."""
     import jax.numpy as jnp
@@ -380,7 +380,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--chunk", type=int, default=None,
                     help="rollout.decode_chunk (batch compaction; 0 = off); default: 32 from 64 slots up, else 0 "
                          "(a model pass costs ~2 ms fixed on this CPU, so smaller chunks lost in measurements)")
-    ap.add_argument("--attention", default="live_pages", help="rollout.attention_impl")
+    ap.add_argument("--attention", default="auto", help="rollout.attention_impl")
     ap.add_argument("--live-buckets", default="fine", choices=["fine", "pow2", "pow4"],
                     help="rollout.live_buckets (one compiled generate() per bucket; pow4 compiles fewest)")
     ap.add_argument("--pool-frac", type=float, default=0.5,
