@@ -306,6 +306,8 @@ void attend(const Dims& s, const float* q, const KV* kp, const KV* vp, const int
 // only for units other threads have already claimed (running, never queued), so the call cannot
 // deadlock whether or not XLA's pool ever runs the helper tasks; a helper that starts after the
 // call finished claims nothing and touches no buffer.
+constexpr int64_t kParallelMin = 1 << 20;  // multiply-adds below which one thread does the whole call
+
 struct Work {
   std::atomic<int64_t> next{0};
   std::atomic<int64_t> done{0};
@@ -332,7 +334,11 @@ ffi::Error run(ffi::ThreadPool pool, const Dims& s, const float* q, const KV* kp
       w->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  // Waking a pool thread costs microseconds: below ~1M multiply-adds (a small model's step) the
+  // caller does it all.
+  int64_t lanes = 0;
+  for (int64_t r = 0; r < s.b; ++r) lanes += int64_t(std::max(length[r], 0)) * s.h * s.d * 2;
+  const int64_t helpers = lanes < kParallelMin ? 0 : std::min<int64_t>(pool.num_threads(), work->total) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, body] { body(work.get()); });
   body(work.get());
   while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();

@@ -116,7 +116,8 @@ void run(ffi::ThreadPool pool, const float* x, const W* w, int64_t m_n, int64_t 
       wk->done.fetch_add(1, std::memory_order_release);
     }
   };
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), work->total) - 1;
+  // Waking a pool thread costs microseconds: below ~1M multiply-adds the caller does it all.
+  const int64_t helpers = m_n * n_n * k_n < (1 << 20) ? 0 : std::min<int64_t>(pool.num_threads(), work->total) - 1;
   for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, body] { body(work.get()); });
   body(work.get());
   while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
