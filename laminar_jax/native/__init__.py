@@ -30,6 +30,7 @@ from typing import Optional
 _log = logging.getLogger(__name__)
 
 SOURCES = {"paged_attention": "paged_attention.cc", "row_products": "row_products.cc"}
+HEADERS = ("vec16.h", "parallel.h")  # included by the sources: copied beside them and part of every build key
 # FFI handler symbols each library exports -> the XLA custom-call target they are registered as.
 TARGETS = {"paged_attention": {"LaminarPagedAttention": "laminar_paged_attention"},
            "row_products": {"LaminarRowProducts": "laminar_row_products"}}
@@ -83,9 +84,9 @@ def build(name: str) -> str:
     cxx = compiler()
     if cxx is None:
         raise NativeUnavailable("no C++ compiler found ($CXX, c++, g++ or clang++)")
-    source = resources.files(__package__).joinpath(SOURCES[name]).read_bytes()
+    files = {f: resources.files(__package__).joinpath(f).read_bytes() for f in (SOURCES[name], *HEADERS)}
     out_dir = cache_dir()
-    path = os.path.join(out_dir, f"{name}-{_build_key(source, cxx)}.so")
+    path = os.path.join(out_dir, f"{name}-{_build_key(b''.join(files.values()), cxx)}.so")
     if os.path.exists(path):
         return path
     try:
@@ -93,9 +94,10 @@ def build(name: str) -> str:
     except OSError as e:
         raise NativeUnavailable(f"cannot create the native kernel cache {out_dir} ({e}); set LAMINAR_JAX_NATIVE_CACHE")
     with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+        for fname, data in files.items():
+            with open(os.path.join(tmp, fname), "wb") as f:
+                f.write(data)
         src = os.path.join(tmp, SOURCES[name])
-        with open(src, "wb") as f:
-            f.write(source)
         lib = os.path.join(tmp, "lib.so")
         cmd = [cxx, *CXXFLAGS, "-I", jax.ffi.include_dir(), src, "-o", lib]
         try:

@@ -11,36 +11,17 @@
 // the other rows or on how the work is split between threads.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 
+#include "parallel.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
-constexpr int kLanes = 16;
-
-inline vf load16(const float* p) {
-  vf v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf load16(const uint16_t* p) {
-  vh h;
-  std::memcpy(&h, p, sizeof h);
-  vu w = __builtin_convertvector(h, vu) << 16;
-  vf v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
 inline float widen(float x) { return x; }
 inline float widen(uint16_t x) {
   uint32_t u = uint32_t(x) << 16;
@@ -93,34 +74,16 @@ inline void all_rows(const float* x, const W* w, int64_t m_n, int64_t k_n, int64
   for (; m < m_n; ++m) block<1, NB>(x, w, k_n, n_n, m, n0, y);
 }
 
-struct Work {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-  int64_t total = 0;
-};
-
 constexpr int64_t kRowsPerUnit = 48;  // weight rows per work unit (a multiple of 3)
 
 template <typename W>
-void run(ffi::ThreadPool pool, const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, float* y) {
-  auto work = std::make_shared<Work>();
-  work->total = (n_n + kRowsPerUnit - 1) / kRowsPerUnit;
-  // Units are claimed from a counter; the caller works too and then waits only for units already
-  // claimed (running), so a helper task XLA's pool starts late finds nothing left and touches nothing.
-  auto body = [=](Work* wk) {
-    for (int64_t u; (u = wk->next.fetch_add(1)) < wk->total;) {
-      const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
-      int64_t n = lo;
-      for (; n + 3 <= hi; n += 3) all_rows<3>(x, w, m_n, k_n, n_n, n, y);
-      for (; n < hi; ++n) all_rows<1>(x, w, m_n, k_n, n_n, n, y);
-      wk->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  // Waking a pool thread costs microseconds: below ~1M multiply-adds the caller does it all.
-  const int64_t helpers = m_n * n_n * k_n < (1 << 20) ? 0 : std::min<int64_t>(pool.num_threads(), work->total) - 1;
-  for (int64_t i = 0; i < helpers; ++i) pool.Schedule([work, body] { body(work.get()); });
-  body(work.get());
-  while (work->done.load(std::memory_order_acquire) < work->total) std::this_thread::yield();
+void run(ffi::ThreadPool& pool, const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, float* y) {
+  for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, m_n * n_n * k_n >= kSpreadMin, [=](int64_t u) {
+    const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
+    int64_t n = lo;
+    for (; n + 3 <= hi; n += 3) all_rows<3>(x, w, m_n, k_n, n_n, n, y);
+    for (; n < hi; ++n) all_rows<1>(x, w, m_n, k_n, n_n, n, y);
+  });
 }
 
 ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,

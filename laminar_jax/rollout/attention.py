@@ -12,8 +12,9 @@ positions ``0..meta.positions`` inclusive.
 
 ``BACKENDS`` maps a config name (``rollout.attention_impl``) to a decode backend. The default,
 ``auto`` (resolve_backend), runs ``cpu_kernel`` (one native kernel per layer that reads the live
-pages in place: native/paged_attention.cc) on one CPU device, else ``live_pages``, which attends over a compacted list of only the pages live slots have filled, so its cost
-follows the live context (sum over slots), not num_slots x max_total_len or the pool size.
+pages in place: native/paged_attention.cc) on one CPU device, else ``live_pages``, which attends
+over a compacted list of only the pages live slots have filled, so its cost follows the live
+context (sum over slots), not num_slots x max_total_len or the pool size.
 ``gather_dense`` gathers every page of each slot's table into a dense f[B, S, Hkv, D] view. An accelerator kernel (e.g. TPU Pallas
 ``jax.experimental.pallas.ops.tpu.paged_attention``, which wants pages laid out
 [Hkv, P, page, D]) plugs in by passing ``Engine(..., attention_backends={name: fn})``, converting
@@ -28,8 +29,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laminar_jax.model.attention import NEG_INF, gqa_attention
 from laminar_jax import native
+from laminar_jax.model.attention import NEG_INF, gqa_attention
 from laminar_jax.native import ops as native_ops
 
 
@@ -322,13 +323,16 @@ def cpu_kernel(q, k, v, layer_cache, *, meta: DecodeMeta):
     """live_pages' contract through one native CPU kernel per layer (native/paged_attention.cc).
 
     Writes the token, then each active row attends over its first position + 1 tokens, reading its
-    pages in place; inactive rows get zeros. Equal to live_pages to float rounding. A row's output
+    pages in place; inactive rows get zeros. Float32 or bfloat16 KV; page size and head dim multiples
+    of 16, 1 to 8 query heads per KV head (cpu_kernel_shape_issue). Equal to live_pages to float rounding. A row's output
     depends on nothing but that row, so moved sequences stay output-identical.
     """
-    if jnp.dtype(meta.kv_dtype) not in native_ops.KV_DTYPES:
-        raise ValueError(f"rollout.attention_impl='cpu_kernel' supports float32 and bfloat16 KV, not {meta.kv_dtype}")
-    k_pages, v_pages = write_kv(layer_cache, k, v, meta)
     b, _, h, d = q.shape
+    why = ("KV of dtype " + str(meta.kv_dtype) if jnp.dtype(meta.kv_dtype) not in native_ops.KV_DTYPES
+           else cpu_kernel_shape_issue(meta.page_size, d, h // k.shape[2]))
+    if why:
+        raise ValueError(f"rollout.attention_impl='cpu_kernel' cannot run {why}")
+    k_pages, v_pages = write_kv(layer_cache, k, v, meta)
     qs = q.reshape(b, h, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d)))
     length = jnp.where(meta.active, meta.positions + 1, 0)
     out = native_ops.paged_attention(qs, k_pages, v_pages, meta.page_table, length)
@@ -344,19 +348,30 @@ BACKENDS: dict[str, DecodeBackend] = {"live_pages": live_pages, "gather_dense": 
 AUTO = "auto"  # rollout.attention_impl's default: see resolve_backend
 
 
-def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, field: str = "rollout.attention_impl") -> str:
-    """The backend an engine runs for config name ``name``.
+def cpu_kernel_shape_issue(page_size: int, head_dim: int, group: int) -> Optional[str]:
+    """Why the native attention kernel cannot take this geometry, or None (it vectorises 16 lanes)."""
+    if page_size % 16 or head_dim % 16:
+        return f"page_size={page_size} and head_dim={head_dim} must be multiples of 16"
+    if not 1 <= group <= 8:
+        return f"{group} query heads per KV head (1 to 8 supported)"
+    return None
 
-    'auto': 'cpu_kernel' for an engine on one CPU device whose native kernel builds here (the
-    fastest on CPU: docs/BENCHMARKS.md), else 'live_pages' (portable; accelerators, tensor
-    parallelism, or no C++ compiler). An explicit 'cpu_kernel' elsewhere is an error naming the field.
+
+def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_size: int, head_dim: int,
+                    group: int, field: str = "rollout.attention_impl") -> str:
+    """The backend an engine runs for config name ``name`` (group: query heads per KV head).
+
+    'auto': 'cpu_kernel' for an engine on one CPU device whose geometry the native kernel takes and
+    whose kernel builds here (the fastest on CPU: docs/BENCHMARKS.md), else 'live_pages' (portable:
+    accelerators, tensor parallelism, other geometries, no C++ compiler). An explicit 'cpu_kernel'
+    where it cannot run is an error naming the field.
     """
-    cpu_ok = platform == "cpu" and not tensor_parallel
+    why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
+           else cpu_kernel_shape_issue(page_size, head_dim, group))
     if name == AUTO:
-        return "cpu_kernel" if cpu_ok and native.available(native_ops.ATTENTION_LIBRARY) is None else "live_pages"
-    if getattr(BACKENDS.get(name), "cpu_only", False) and not cpu_ok:
-        where = "under a tensor-parallel mesh" if tensor_parallel else f"on platform {platform!r}"
-        raise ValueError(f"{field}={name!r} runs on one CPU device only, not {where}; use 'live_pages' or 'auto'")
+        return "cpu_kernel" if not why and native.available(native_ops.ATTENTION_LIBRARY) is None else "live_pages"
+    if getattr(BACKENDS.get(name), "cpu_only", False) and why:
+        raise ValueError(f"{field}={name!r} cannot run {why}; use 'live_pages' or 'auto'")
     return name
 
 
@@ -364,8 +379,9 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
                        field: str = "rollout.weight_products") -> int:
     """Rows up to which an engine's decode weight products run the native kernel (0: XLA's dot).
 
-    'auto': on one CPU device, for float32 and bfloat16 models, when the kernel builds here, up to
-    native_ops.ROW_PRODUCTS_MAX_ROWS (where it was measured faster than XLA:CPU); 'xla': never.
+    'auto': on one CPU device, for the weight dtypes native_ops.ROW_PRODUCTS_MAX_ROWS names (float32),
+    when the kernel builds here, up to that many rows (where it was measured faster than XLA:CPU's
+    dot); 'xla': never.
     'native': as 'auto', but an error naming the field where it cannot run.
     """
     if policy == "xla":
@@ -376,7 +392,6 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
     if why and policy == "native":
         raise ValueError(f"{field}='native' cannot run {why}; use 'auto' or 'xla'")
     return 0 if why else limit
-
 
 
 def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):

@@ -57,10 +57,10 @@ from laminar_jax.rollout.attention import (
     DecodeMeta,
     from_pool,
     live_page_list,
-    resolve_backend,
-    resolve_row_kernel,
     pool_shape,
     prefill_dense,
+    resolve_backend,
+    resolve_row_kernel,
     scatter_pages,
     scatter_tokens,
     storage_dtype,
@@ -105,7 +105,9 @@ class Engine:
         # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
         self.mesh = mesh
         self.attention_impl = resolve_backend(section.attention_impl, platform=self.devices[0].platform,
-                                              tensor_parallel=mesh is not None)
+                                              tensor_parallel=mesh is not None, page_size=self.page_size,
+                                              head_dim=model_cfg.head_dim,
+                                              group=model_cfg.num_heads // model_cfg.num_kv_heads)
         self._attend = backends[self.attention_impl]
         self.steps_per_call = section.decode_steps_per_call
         self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
@@ -122,9 +124,9 @@ class Engine:
             tpl.check_tp(model_cfg, self.tp)
         self.state_shardings = None if mesh is None else self._state_shardings(mesh)
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
-        # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self.row_kernel_rows = resolve_row_kernel(section.weight_products, kv_dtype,
                                                   platform=self.devices[0].platform, tensor_parallel=mesh is not None)
+        # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
                            vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows)

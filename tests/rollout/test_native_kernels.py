@@ -52,9 +52,9 @@ def _run(backend, q, k, v, cache, meta):
     return jax.jit(lambda q, k, v, c: backend(q, k, v, c, meta=meta))(q, k, v, cache)
 
 
-# (page, heads, kv heads, head dim): the vectorised path (pages and D in 16s, up to 8 heads per KV
-# head, 3 and 4 blocks per pass) and the general one (other pages, D or groups).
-SHAPES = [(16, 12, 4, 64), (64, 6, 2, 32), (32, 7, 1, 16), (16, 8, 1, 32), (4, 4, 2, 8), (16, 9, 1, 16), (8, 2, 2, 24)]
+# (page, heads, kv heads, head dim): 1 to 8 query heads per KV head, passes of 4 and 3 blocks of
+# 16 lanes, pages and head dims of one and several blocks.
+SHAPES = [(16, 12, 4, 64), (64, 6, 2, 32), (32, 7, 1, 16), (16, 8, 1, 32), (16, 2, 2, 16), (128, 16, 2, 128)]
 
 
 @pytest.mark.parametrize("kv_dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
@@ -89,6 +89,15 @@ def test_a_rows_output_depends_only_on_that_row():
     np.testing.assert_array_equal(np.asarray(out2)[0], np.asarray(out)[3])
 
 
+@pytest.mark.parametrize("page,heads,kv_heads,d,why", [(8, 4, 2, 16, "page_size=8 and head_dim=16"),
+                                                      (16, 4, 2, 24, "head_dim=24"),
+                                                      (16, 9, 1, 16, "9 query heads per KV head")])
+def test_a_geometry_the_kernel_does_not_take_is_an_error_naming_it(page, heads, kv_heads, d, why):
+    q, k, v, cache, meta = _case(2, kv_dtype=jnp.float32, page=page, heads=heads, kv_heads=kv_heads, d=d)
+    with pytest.raises(ValueError, match=f"rollout.attention_impl='cpu_kernel' cannot run .*{why}"):
+        _run(cpu_kernel, q, k, v, cache, meta)
+
+
 def test_a_page_id_outside_the_pool_is_an_error():
     q, k, v, cache, meta = _case(1, kv_dtype=jnp.float32, page=16, heads=4, kv_heads=2, d=16)
     bad = meta._replace(page_table=meta.page_table.at[0, 0].set(10_000))
@@ -96,15 +105,19 @@ def test_a_page_id_outside_the_pool_is_an_error():
         jax.block_until_ready(_run(cpu_kernel, q, k, v, cache, bad))
 
 
-def test_auto_picks_the_kernel_on_one_cpu_device_only():
-    assert resolve_backend("auto", platform="cpu", tensor_parallel=False) == "cpu_kernel"
-    assert resolve_backend("auto", platform="gpu", tensor_parallel=False) == "live_pages"
-    assert resolve_backend("auto", platform="cpu", tensor_parallel=True) == "live_pages"
-    assert resolve_backend("gather_dense", platform="tpu", tensor_parallel=False) == "gather_dense"
-    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel'.*tensor-parallel"):
-        resolve_backend("cpu_kernel", platform="cpu", tensor_parallel=True)
-    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel'.*'gpu'"):
-        resolve_backend("cpu_kernel", platform="gpu", tensor_parallel=False)
+def test_auto_picks_the_kernel_on_one_cpu_device_for_the_geometries_it_takes():
+    def pick(name="auto", platform="cpu", tp=False, page=16, d=64, group=3):
+        return resolve_backend(name, platform=platform, tensor_parallel=tp, page_size=page, head_dim=d, group=group)
+
+    assert pick() == "cpu_kernel"
+    assert pick(platform="gpu") == pick(tp=True) == pick(page=8) == pick(d=24) == pick(group=9) == "live_pages"
+    assert pick("gather_dense", platform="tpu") == "gather_dense"
+    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel' cannot run under a tensor-parallel"):
+        pick("cpu_kernel", tp=True)
+    with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel' cannot run off CPU"):
+        pick("cpu_kernel", platform="gpu")
+    with pytest.raises(ValueError, match="page_size=8"):
+        pick("cpu_kernel", page=8)
 
 
 def test_the_library_is_built_once_into_the_cache(tmp_path, monkeypatch):
@@ -126,7 +139,7 @@ from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.rollout import RolloutSection, make_engine
 assert 'no C++ compiler' in native.available('paged_attention')
 model = Transformer(PRESETS['tiny'], rngs=nnx.Rngs(0))
-section = RolloutSection(num_slots=2, page_size=4, num_pages=40, max_prompt_len=8, max_total_len=32)
+section = RolloutSection(num_slots=2, page_size=16, num_pages=40, max_prompt_len=8, max_total_len=32)
 engine, _ = make_engine(model, section)
 assert engine.attention_impl == 'live_pages', engine.attention_impl
 assert engine.row_kernel_rows == 0  # rollout.weight_products='auto' falls back to XLA's dot

@@ -14,7 +14,7 @@ OBS = [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]  # crosses a page boundary (page_s
 
 
 def _section(backend: str, chunk: int) -> RolloutSection:
-    return RolloutSection(num_slots=3, page_size=8, num_pages=40, max_prompt_len=48, max_total_len=64,
+    return RolloutSection(num_slots=3, page_size=16 if backend == "cpu_kernel" else 8, num_pages=40, max_prompt_len=48, max_total_len=64,
                           max_new_tokens=8, prefill_buckets=(16, 48), temperature=0.0, attention_impl=backend,
                           decode_chunk=chunk)
 

@@ -218,7 +218,8 @@ def test_bf16_pool_is_stored_as_bits_and_backends_agree():
     sp = SamplingParams(temperature=0.0, max_new_tokens=20, stop_token_ids=())
     outs = {}
     for impl in ("live_pages", "gather_dense", "pool_scan", "cpu_kernel"):
-        engine, params = make_engine(model, dataclasses.replace(SECTION, attention_impl=impl))
+        pages = {"page_size": 16} if impl == "cpu_kernel" else {}  # the kernel takes pages of 16s
+        engine, params = make_engine(model, dataclasses.replace(SECTION, attention_impl=impl, **pages))
         assert engine.init_decode_state().k_pages[0].dtype == jnp.uint16
         outs[impl] = [o.tokens.tolist() for o in generate((engine, params), PROMPTS, sp)]
     assert outs["live_pages"] == outs["gather_dense"] == outs["pool_scan"] == outs["cpu_kernel"]

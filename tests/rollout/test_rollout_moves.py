@@ -46,7 +46,8 @@ def _assert_same(traj, ref):
 def test_moved_twice_between_engines_continues_identically(impl, chunk):
     """chunk > 0 (batch compaction): the reference runs alone (one chunk), the moved run in company
     (two chunks, different rows), so this also proves a row's result does not depend on the others."""
-    section = dataclasses.replace(SECTION, attention_impl=impl, decode_chunk=chunk)
+    pages = {"page_size": 16} if impl == "cpu_kernel" else {}  # the kernel takes pages of 16s
+    section = dataclasses.replace(SECTION, attention_impl=impl, decode_chunk=chunk, **pages)
     ref = _reference(section)
     a, b = make_server(section), make_server(section)
     for i in range(3):  # company on both servers, so the sequence lands in a different slot and pages
@@ -57,7 +58,7 @@ def test_moved_twice_between_engines_continues_identically(impl, chunk):
     _step_n(a, 6)
     seq = a.export_sequence(_slot_of(a, REQ.uid))
     assert 0 < len(seq.generated_ids) < 30 and seq.moves == 1
-    assert seq.k_pages.shape[1] == -(-seq.num_cached // SECTION.page_size)
+    assert seq.k_pages.shape[1] == -(-seq.num_cached // section.page_size)
     assert a.stats().slots_used == 3
     seq = SequenceState.from_bytes(seq.to_bytes())
     slot_b = b.import_sequence(seq)

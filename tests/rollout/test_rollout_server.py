@@ -195,7 +195,8 @@ def test_attention_backends_agree():
     reqs = [request(i, max_new=4 + 3 * i, prompt_len=2 + 2 * i, temperature=0.0) for i in range(6)]
     out = {}
     for impl in ("gather_gqa", "live_pages", "gather_dense", "pool_scan", "cpu_kernel"):
-        server = make_server(dataclasses.replace(SECTION, attention_impl=impl))
+        pages = {"page_size": 16} if impl == "cpu_kernel" else {}  # the kernel takes pages of 16s
+        server = make_server(dataclasses.replace(SECTION, attention_impl=impl, **pages))
         for r in reqs:
             server.submit(r)
         out[impl] = run_until(server, len(reqs))
