@@ -160,19 +160,20 @@ def tensorboard_scalars(tb_dir) -> dict:
 
 
 def test_laminar_training_goes_on_while_a_round_is_in_flight(tmp_path):
-    """One large round before training (16 prompts x 16 responses): the learner trains while the
+    """One large round before training (32 prompts x 32 responses): the learner trains while the
     round's requests share the servers' slots. The buffer stamps the learner version when the
-    round's last sample is scored (not when the driver collects it)."""
+    round's last sample is scored (not when the driver collects it). The round must outlast the
+    first learner step: 16 x 16 no longer did once decode ran on the native CPU kernels."""
     import dataclasses
 
     from laminar_jax.runtime.local import run_local
 
     cfg = demo_with_eval(tmp_path / "big", "laminar", 3, 0)
-    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, eval_samples=15, eval_k=4),
-                              data=dataclasses.replace(cfg.data, val_size=16))
+    cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, eval_samples=31, eval_k=4),
+                              data=dataclasses.replace(cfg.data, val_size=32))
     s = run_local(cfg)
     (r,) = read_jsonl(tmp_path / "big" / "eval.jsonl")
-    assert r["step"] == 0 and sum(r["versions"].values()) == 16 * 16
+    assert r["step"] == 0 and sum(r["versions"].values()) == 32 * 32
     assert r["learner_version_at_done"] >= 1, r  # a step completed between submission and result
     assert s["steps"] == 3 and s["consumed_prompts"] == 3 * 8
 

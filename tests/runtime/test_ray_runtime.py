@@ -44,6 +44,9 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     # version-0 tails were gone before the watcher saw two actors at one version with work to move
     # (CI, on a loaded machine: no move in the whole run).
     c.rollout.decode_steps_per_call = 1
+    # 8 samples per prompt (the short demo's 4 gave the watcher no window in 1 of 3 runs once decode ran on
+    # the native CPU kernels: every version-0 sequence was done before it saw two actors with work).
+    c.runtime.samples_per_prompt = 8
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved, seen, errors = [], [], []
