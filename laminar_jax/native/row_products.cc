@@ -75,10 +75,13 @@ inline void all_rows(const float* x, const W* w, int64_t m_n, int64_t k_n, int64
 }
 
 constexpr int64_t kRowsPerUnit = 48;  // weight rows per work unit (a multiple of 3)
+constexpr int64_t kSpreadMinWeights = 1 << 16;  // weight elements below which one thread does the call
 
 template <typename W>
 void run(ffi::ThreadPool& pool, const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, float* y) {
-  for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, m_n * n_n * k_n >= kSpreadMin, [=](int64_t u) {
+  // Few rows are bound by the weight read, which two threads stream faster than one: spread by the
+  // weight's size (a 1-row product of a 768 x 768 weight on one thread made a 1-row decode step slower).
+  for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
     int64_t n = lo;
     for (; n + 3 <= hi; n += 3) all_rows<3>(x, w, m_n, k_n, n_n, n, y);
