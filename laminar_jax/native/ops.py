@@ -20,10 +20,20 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # The most rows for which the engine's decode weight products run row_products, per weight dtype
 # (docs/BENCHMARKS.md, "Native CPU kernels"; AMD EPYC Zen 5, 2 cores). 12 layers of qwen2-100m's
-# weight products, kernel against XLA:CPU's dot: float32 1 row -11%, 4 -34%, 8 -26%, 16 -10%, 32 +22%.
-# bfloat16 is left to XLA: its dot uses the AVX-512 BF16 instructions, and in the engine's decode steps
-# the kernel (bf16 widened to float32 FMAs) made the offline LLM 6% slower at up to 4 rows.
-ROW_PRODUCTS_MAX_ROWS = {jnp.dtype(jnp.float32): 16}
+# weight products, kernel against XLA:CPU's dot: float32 1 row -11%, 4 -34%, 8 -26%, 16 -10%, 32 +22%;
+# bfloat16 (vdpbf16ps, on CPUs with AVX-512 BF16) 1 row 18x faster (XLA's 1-row bf16 product takes a
+# slow path), 4 -35%, 8 -20%, 16 -17%, 32 -14%. Without AVX-512 BF16 the kernel widens bf16 weights
+# to float32, slower than XLA's dot: bfloat16 stays on XLA there (bf16_dot_instructions).
+ROW_PRODUCTS_MAX_ROWS = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 32}
+
+
+def bf16_dot_instructions() -> bool:
+    """Whether this CPU has AVX-512 BF16 (the kernel's bf16 path is compiled for it with -march=native)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "avx512_bf16" in f.read()
+    except OSError:
+        return False
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,

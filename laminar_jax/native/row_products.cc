@@ -13,7 +13,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
+#include <immintrin.h>
 #include "parallel.h"
 #include "vec16.h"
 #include "xla/ffi/api/ffi.h"
@@ -39,6 +41,29 @@ inline float hsum(vf v) {
   const vf4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
   return (b[0] + b[2]) + (b[1] + b[3]);
 }
+
+#if defined(__AVX512BF16__)
+// With AVX-512 BF16 (compiled for this CPU): bfloat16 weights against the bfloat16-rounded rows, 32
+// products per instruction (vdpbf16ps) summed in float32, where the path above widens each weight
+// to float32 first (slower than XLA's bf16 dot; this one is faster up to 32 rows). K in 32s.
+template <int MG, int NB>
+inline void block_bf16(const uint16_t* xb, const uint16_t* w, int64_t k_n, int64_t n_n, int64_t m0, int64_t n0,
+                       float* y) {
+  __m512 acc[MG][NB];
+  for (int m = 0; m < MG; ++m)
+    for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < k_n; k += 32) {
+    __m512bh wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (n0 + b) * k_n + k);
+    for (int m = 0; m < MG; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + (m0 + m) * k_n + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_dpbf16_ps(acc[m][b], xv, wv[b]);
+    }
+  }
+  for (int m = 0; m < MG; ++m)
+    for (int b = 0; b < NB; ++b) y[(m0 + m) * n_n + n0 + b] = _mm512_reduce_add_ps(acc[m][b]);
+}
+#endif
 
 // Rows [m0, m0 + MG) of y for weight rows [n0, n0 + NB): MG x NB accumulators in registers.
 template <int MG, int NB, typename W>
@@ -89,6 +114,35 @@ void run(ffi::ThreadPool& pool, const float* x, const W* w, int64_t m_n, int64_t
   });
 }
 
+#if defined(__AVX512BF16__)
+template <int NB>
+inline void all_rows_bf16(const uint16_t* xb, const uint16_t* w, int64_t m_n, int64_t k_n, int64_t n_n, int64_t n0,
+                          float* y) {
+  int64_t m = 0;
+  for (; m + 4 <= m_n; m += 4) block_bf16<4, NB>(xb, w, k_n, n_n, m, n0, y);
+  for (; m + 2 <= m_n; m += 2) block_bf16<2, NB>(xb, w, k_n, n_n, m, n0, y);
+  for (; m < m_n; ++m) block_bf16<1, NB>(xb, w, k_n, n_n, m, n0, y);
+}
+// y = x . w^T for bfloat16 w, 4 weight rows x up to 4 rows per block.
+void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t m_n, int64_t k_n, int64_t n_n,
+              float* y) {
+  // The rows as bfloat16 (their high halves: exact, the caller rounded them to bfloat16 already).
+  std::vector<uint16_t> xb(m_n * k_n);
+  for (int64_t i = 0; i < m_n * k_n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, x + i, sizeof u);
+    xb[i] = uint16_t(u >> 16);
+  }
+  const uint16_t* xp = xb.data();
+  for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
+    int64_t n = lo;
+    for (; n + 4 <= hi; n += 4) all_rows_bf16<4>(xp, w, m_n, k_n, n_n, n, y);
+    for (; n < hi; ++n) all_rows_bf16<1>(xp, w, m_n, k_n, n_n, n, y);
+  });
+}
+#endif
+
 ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                         ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
@@ -97,6 +151,10 @@ ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
   const int64_t m_n = xd[0], k_n = xd[1], n_n = wd[0];
   if (w.element_type() == ffi::DataType::F32)
     run(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
+#if defined(__AVX512BF16__)
+  else if (w.element_type() == ffi::DataType::BF16 && k_n % 32 == 0)
+    run_bf16(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), m_n, k_n, n_n, y->typed_data());
+#endif
   else if (w.element_type() == ffi::DataType::BF16)  // read as their bits
     run(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), m_n, k_n, n_n, y->typed_data());
   else

@@ -23,10 +23,12 @@ import dataclasses
 import os
 from typing import NamedTuple, Optional, Sequence, Union
 
+import jax
 import numpy as np
 
 from laminar_jax.matmul_precision import resolve_matmul_precision, scoped_matmul_precision
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.rollout.attention import resolve_row_kernel
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
 from laminar_jax.rollout.offline import complete, per_prompt
@@ -50,24 +52,26 @@ def kv_bytes_per_page(cfg: TransformerConfig, page_size: int, dtype: str) -> int
     return 2 * cfg.num_layers * page_size * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def row_buckets(rows: int, smallest: int = 4, dtype: str = "float32") -> tuple[int, ...]:
+def row_buckets(rows: int, smallest: int = 4, dtype: str = "float32", one_row: Optional[bool] = None) -> tuple[int, ...]:
     """Decode batches for a long tail of few live sequences: powers of two from ``smallest`` below
     ``rows`` (from 2 to 4 rows XLA:CPU's products cost about the same, so those buckets would only
     add programs), and for float32 a batch of 1 row too. One row is often live for many steps (the
     longest request alone), and at one row XLA:CPU runs float32 products as matrix-vector products
     that stream the weights about twice as fast as a 4-row product. bf16 products at one row take
-    a slow path (several times the 4-row product), so bf16 buckets start at ``smallest``."""
+    a slow path (several times the 4-row product), so bf16 buckets start at ``smallest`` unless
+    ``one_row`` (the engine runs its few-row products on the native kernel, whose 1-row bf16 product is
+    fast: rollout.weight_products)."""
     out, b = [], smallest
     while b < rows:
         out.append(b)
         b *= 2
-    single = dtype == "float32" and 1 < rows and smallest > 1
+    single = (dtype == "float32" if one_row is None else one_row) and 1 < rows and smallest > 1
     return ((1,) if single else ()) + tuple(out)
 
 
 def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_num_seqs: int,
                  max_model_len: Optional[int], max_prompt_len: Optional[int], page_size: int,
-                 stop_token_ids: tuple[int, ...], **overrides) -> RolloutSection:
+                 stop_token_ids: tuple[int, ...], one_row: Optional[bool] = None, **overrides) -> RolloutSection:
     """A RolloutSection whose KV pool fits ``kv_memory_gb`` (pure: config in, section out).
 
     Raises ValueError naming the argument when the budget cannot hold one full-length sequence.
@@ -94,7 +98,8 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
-                             decode_chunk=chunk, decode_row_buckets=row_buckets(chunk or max_num_seqs, dtype=dtype),
+                             decode_chunk=chunk,
+                             decode_row_buckets=row_buckets(chunk or max_num_seqs, dtype=dtype, one_row=one_row),
                              prefill_rows=min(8, max_num_seqs))
     section = dataclasses.replace(section, **overrides)
     section.validate("LLM")
@@ -145,8 +150,12 @@ class LLM:
         eos = tuple(cfg.eos_token_id)
         if self.tokenizer is not None and self.tokenizer.eos_id not in eos:
             eos = eos + (self.tokenizer.eos_id,)
+        # A 1-row decode batch where its products are fast: float32, or bf16 on the native kernel.
+        one_row = dtype == "float32" or resolve_row_kernel(
+            section_overrides.get("weight_products", "auto"), dtype, platform=jax.devices()[0].platform,
+            tensor_parallel=False) > 0
         self.section = size_section(cfg, kv_memory_gb, dtype, max_num_seqs, max_model_len, max_prompt_len,
-                                    page_size, eos, **section_overrides)
+                                    page_size, eos, one_row=one_row, **section_overrides)
         self.model = from_pretrained(model, dtype=dtype)
         self.engine, self.params = make_engine(self.model, self.section)
         # One server, and so one set of KV pools, for every generate() call: zeroing a fresh

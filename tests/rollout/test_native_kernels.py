@@ -154,9 +154,10 @@ print('OK')
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9)])
 def test_row_products_equal_the_dot(dtype, m, k, n):
-    """Every row-group (8, 4, 2, 1) and weight-row block (3, 1) path, a K that is no multiple of 16."""
+    """Every row-group (8, 4, 2, 1) and weight-row block (4, 3, 1) path, a K that is no multiple of 16;
+    bf16 with K in 32s takes the AVX-512 BF16 path where the CPU has it."""
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
     w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32).astype(dtype)
@@ -176,13 +177,14 @@ def test_row_products_refuse_other_weight_dtypes():
 def test_row_kernel_policy():
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == 16
     assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
-    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == 0
+    bf16 = ops.bf16_dot_instructions()  # the kernel's bf16 path needs AVX-512 BF16 to beat XLA
+    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == (32 if bf16 else 0)
     assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
     with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run off CPU"):
         resolve_row_kernel("native", jnp.float32, platform="tpu", tensor_parallel=False)
-    with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run for bfloat16"):
-        resolve_row_kernel("native", jnp.bfloat16, platform="cpu", tensor_parallel=False)
+    with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run for float16"):
+        resolve_row_kernel("native", jnp.float16, platform="cpu", tensor_parallel=False)
 
 
 @pytest.mark.parametrize("tied", [True, False])
