@@ -8,6 +8,8 @@ model/transformer.py's ``Linear``). This module imports nothing of the model or 
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -27,6 +29,7 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 ROW_PRODUCTS_MAX_ROWS = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 32}
 
 
+@functools.lru_cache(maxsize=None)  # read /proc/cpuinfo once per process, not per engine built
 def bf16_dot_instructions() -> bool:
     """Whether this CPU has AVX-512 BF16 (the kernel's bf16 path is compiled for it with -march=native)."""
     try:
