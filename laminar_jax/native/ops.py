@@ -22,21 +22,38 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # The most rows for which the engine's decode weight products run row_products, per weight dtype
 # (docs/BENCHMARKS.md, "Native CPU kernels"; AMD EPYC Zen 5, 2 cores). 12 layers of qwen2-100m's
-# weight products, kernel against XLA:CPU's dot: float32 1 row -11%, 4 -34%, 8 -26%, 16 -10%, 32 +22%;
-# bfloat16 (vdpbf16ps, on CPUs with AVX-512 BF16) 1 row 18x faster (XLA's 1-row bf16 product takes a
-# slow path), 4 -35%, 8 -20%, 16 -17%, 32 -14%. Without AVX-512 BF16 the kernel widens bf16 weights
-# to float32, slower than XLA's dot: bfloat16 stays on XLA there (bf16_dot_instructions).
-ROW_PRODUCTS_MAX_ROWS = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 32}
+# weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the kernel's GEMM path
+# from 4 rows): float32 1 row +1%, 4 -36%, 8 -41%, 16 -45%, 32 -38%, 64 -25%, 128 +15%; bfloat16 with
+# AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a slow path), 4 -30%,
+# 16 -27%, 32 -32%, 64 -26%, 128 +6%. Without AVX-512 the kernel's float32 path was measured faster
+# up to 16 rows (its 16-lane path; session of 2026-11-27), and its bf16 path, widening bf16 weights to
+# float32, slower than XLA's dot: bfloat16 stays on XLA there.
+MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
+MAX_ROWS_OTHER = {jnp.dtype(jnp.float32): 16}
 
 
 @functools.lru_cache(maxsize=None)  # read /proc/cpuinfo once per process, not per engine built
-def bf16_dot_instructions() -> bool:
-    """Whether this CPU has AVX-512 BF16 (the kernel's bf16 path is compiled for it with -march=native)."""
+def cpu_flags() -> frozenset:
+    """This CPU's feature flags (the kernels are compiled for them with -march=native); empty off Linux."""
     try:
         with open("/proc/cpuinfo") as f:
-            return "avx512_bf16" in f.read()
+            line = next((ln for ln in f if ln.startswith("flags")), "")
     except OSError:
-        return False
+        return frozenset()
+    return frozenset(line.partition(":")[2].split())
+
+
+def bf16_dot_instructions() -> bool:
+    """Whether this CPU has AVX-512 BF16 (the kernel's bf16 paths are compiled for it)."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def row_products_max_rows(dtype) -> int:
+    """The most rows of a product of ``dtype`` weights that the engine runs on row_products (0: none)."""
+    flags = cpu_flags()
+    if "avx512f" in flags and (jnp.dtype(dtype) != jnp.bfloat16 or "avx512_bf16" in flags):
+        return MAX_ROWS_AVX512.get(jnp.dtype(dtype), 0)
+    return MAX_ROWS_OTHER.get(jnp.dtype(dtype), 0)
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -58,4 +75,4 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
         x.astype(jnp.float32), w)
 
 
-__all__ = ["paged_attention", "row_products", "ROW_PRODUCTS_MAX_ROWS", "KV_DTYPES", "WEIGHT_DTYPES"]
+__all__ = ["paged_attention", "row_products", "row_products_max_rows", "KV_DTYPES", "WEIGHT_DTYPES"]

@@ -143,12 +143,158 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 }
 #endif
 
+#if defined(__AVX512F__)
+// Four rows and more: the paths above waste arithmetic here (their 16-lane partial sums need a
+// shuffle-add reduction per output, and all rows of x come again from L2 for every few weight rows).
+// This is a GEMM micro-kernel instead: x is packed transposed, x^T[k][Mp] (Mp: M padded with zero
+// rows to a multiple of 16), so one vector holds 16 rows at one k; each weight element is broadcast
+// from its row and multiplied into MV such vectors, for NB weight rows at a time (MV x NB
+// accumulators in registers, nothing to reduce). Every output is one float32 sum in k order: a row's
+// result depends neither on the other rows nor on the split between threads.
+// 12 layers of qwen2-100m's products (AMD Zen 5, 2 cores), against XLA's dot: float32 4 rows -36%,
+// 16 -46%, 32 -42%, 64 -27% (406 GFLOP/s); bfloat16 from 16 rows (below, the path above is faster):
+// 16 -10%, 32 -23%, 64 -27% (676 GFLOP/s).
+constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 16;
+constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
+// Weight elements fetched ahead of use: the NB rows are NB streams the hardware prefetcher follows
+// late (-15-30% without this at 32-64 rows).
+constexpr int64_t kPrefetch = 32;
+
+// float32 weights: acc[v][b] += x^T[k][16 rows of vector v] * w_b[k], k by k.
+struct F32Step {
+  template <int MV, int NB>
+  static inline void run(const float* xt, int64_t mp, const float* const* wp, int64_t k_n, vf (&acc)[MV][NB]) {
+    for (int64_t k = 0; k < k_n; ++k) {
+      if ((k & 15) == 0)
+        for (int b = 0; b < NB; ++b) __builtin_prefetch(wp[b] + k + kPrefetch);
+      vf xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = load16(xt + k * mp + v * kLanes);
+      for (int b = 0; b < NB; ++b) {
+        const vf wb = (vf)_mm512_set1_ps(wp[b][k]);  // a broadcast load (vf{} + w adds first)
+        for (int v = 0; v < MV; ++v) acc[v][b] += xv[v] * wb;
+      }
+    }
+  }
+};
+
+#if defined(__AVX512BF16__)
+// bfloat16 weights, k in pairs: x^T holds each row's pair (x[2k], x[2k+1]) as one 32-bit lane, the
+// weight pair is broadcast as one, and vdpbf16ps adds both products to the lane's float32 sum.
+struct Bf16Step {
+  template <int MV, int NB>
+  static inline void run(const uint32_t* xt, int64_t mp, const uint32_t* const* wp, int64_t k_n,
+                         vf (&acc)[MV][NB]) {
+    for (int64_t k = 0; k < k_n; ++k) {
+      if ((k & 15) == 0)
+        for (int b = 0; b < NB; ++b) __builtin_prefetch(wp[b] + k + kPrefetch);
+      __m512bh xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xt + k * mp + v * kLanes);
+      for (int b = 0; b < NB; ++b) {
+        const __m512bh wb = (__m512bh)_mm512_set1_epi32(int(wp[b][k]));
+        for (int v = 0; v < MV; ++v) acc[v][b] = (vf)_mm512_dpbf16_ps((__m512)acc[v][b], xv[v], wb);
+      }
+    }
+  }
+};
+#endif
+
+// Weight rows [n0, n0 + NB) (rows past `last` repeat row `last`: computed twice, stored to one place)
+// against row vectors [v0, v0 + MV) of x^T: sums into yt[(n - lo) * mp + m]. k_n counts k steps.
+template <typename S, int MV, int NB, typename T>
+inline void tile(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t n0, int64_t last,
+                 int64_t lo, float* yt) {
+  const T* wp[NB];
+  for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
+  vf acc[MV][NB];
+  for (int b = 0; b < NB; ++b)
+    for (int v = 0; v < MV; ++v) acc[v][b] = vf{};
+  S::template run<MV, NB>(xt + v0 * kLanes, mp, wp, k_n, acc);
+  for (int b = 0; b < NB; ++b)
+    for (int v = 0; v < MV; ++v) store16(yt + (std::min(n0 + b, last) - lo) * mp + (v0 + v) * kLanes, acc[v][b]);
+}
+
+template <typename S, int MV, int NB, typename T>
+inline void tiles(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t lo, int64_t hi, float* yt) {
+  for (int64_t n0 = lo; n0 < hi; n0 += NB) tile<S, MV, NB>(xt, mp, v0, w, k_n, n0, hi - 1, lo, yt);
+}
+
+// y's columns [lo, hi) (weight rows): row vectors in groups of up to 4 (24 accumulators), then
+// the sums copied into y. k_n counts k steps (elements, or bfloat16 pairs).
+template <typename S, typename T>
+void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, int64_t n_n, int64_t lo,
+                 int64_t hi, float* y) {
+  std::vector<float> yt((hi - lo) * mp);
+  for (int64_t v0 = 0; v0 < mp / kLanes; v0 += 4) {
+    switch (std::min<int64_t>(4, mp / kLanes - v0)) {
+      case 1: tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
+      case 2: tiles<S, 2, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
+      case 3: tiles<S, 3, 8>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
+      default: tiles<S, 4, 6>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
+    }
+  }
+  // Row by row of y, where a unit's outputs are contiguous: y's rows lie far apart, and column by
+  // column each store touched another line of one cache set (2-3x slower overall).
+  for (int64_t m = 0; m < m_n; ++m)
+    for (int64_t n = lo; n < hi; ++n) y[m * n_n + n] = yt[(n - lo) * mp + m];
+}
+
+template <typename S, typename T>
+void run_packed(ffi::ThreadPool& pool, const std::vector<T>& xt, int64_t m_n, int64_t k_n, const T* w,
+                int64_t n_n, float* y) {
+  const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
+  const T* xp = xt.data();
+  for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
+    packed_unit<S>(xp, m_n, mp, k_n, w, n_n, lo, hi, y);
+  });
+}
+
+void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64_t m_n, int64_t k_n, int64_t n_n,
+                    float* y) {
+  const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
+  std::vector<float> xt(k_n * mp, 0.0f);
+  for (int64_t m = 0; m < m_n; ++m)
+    for (int64_t k = 0; k < k_n; ++k) xt[k * mp + m] = x[m * k_n + k];
+  run_packed<F32Step>(pool, xt, m_n, k_n, w, n_n, y);
+}
+
+#if defined(__AVX512BF16__)
+// k_n even. x's float32 values are bfloat16 already (the caller rounded them): their high halves.
+void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t m_n, int64_t k_n,
+                     int64_t n_n, float* y) {
+  const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes, pairs = k_n / 2;
+  std::vector<uint32_t> xt(pairs * mp, 0u);
+  for (int64_t m = 0; m < m_n; ++m)
+    for (int64_t k = 0; k < pairs; ++k) {
+      uint32_t lo, hi;
+      std::memcpy(&lo, x + m * k_n + 2 * k, sizeof lo);
+      std::memcpy(&hi, x + m * k_n + 2 * k + 1, sizeof hi);
+      xt[k * mp + m] = (hi & 0xffff0000u) | (lo >> 16);
+    }
+  run_packed<Bf16Step>(pool, xt, m_n, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
+}
+#endif
+#endif  // __AVX512F__
+
 ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                         ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions();
   if (xd.size() != 2 || wd.size() != 2 || xd[1] != wd[1])
     return ffi::Error::InvalidArgument("expected x[M, K] and w[N, K]");
   const int64_t m_n = xd[0], k_n = xd[1], n_n = wd[0];
+#if defined(__AVX512F__)
+  if (m_n >= kPackMinRowsF32 && w.element_type() == ffi::DataType::F32) {
+    run_packed_f32(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
+    return ffi::Error::Success();
+  }
+#if defined(__AVX512BF16__)
+  if (m_n >= kPackMinRowsBf16 && w.element_type() == ffi::DataType::BF16 && k_n % 2 == 0) {
+    run_packed_bf16(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), m_n, k_n, n_n,
+                    y->typed_data());
+    return ffi::Error::Success();
+  }
+#endif
+#endif
   if (w.element_type() == ffi::DataType::F32)
     run(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
 #if defined(__AVX512BF16__)

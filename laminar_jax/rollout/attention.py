@@ -379,16 +379,14 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
                        field: str = "rollout.weight_products") -> int:
     """Rows up to which an engine's decode weight products run the native kernel (0: XLA's dot).
 
-    'auto': on one CPU device, for the weight dtypes native_ops.ROW_PRODUCTS_MAX_ROWS names (float32;
-    bfloat16 on CPUs with AVX-512 BF16), when the kernel builds here, up to that many rows (where it was measured faster than XLA:CPU's
-    dot); 'xla': never.
+    'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (float32;
+    bfloat16 on CPUs with AVX-512 BF16), when the kernel builds here, up to that many rows (where it
+    was measured faster than XLA:CPU's dot); 'xla': never.
     'native': as 'auto', but an error naming the field where it cannot run.
     """
     if policy == "xla":
         return 0
-    limit = native_ops.ROW_PRODUCTS_MAX_ROWS.get(jnp.dtype(dtype), 0)
-    if jnp.dtype(dtype) == jnp.bfloat16 and not native_ops.bf16_dot_instructions():
-        limit = 0  # the kernel's bf16 path without AVX-512 BF16 is slower than XLA's dot
+    limit = native_ops.row_products_max_rows(dtype)  # per dtype and CPU: where it beat XLA's dot
     why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
            else f"for {jnp.dtype(dtype)} weights on this CPU" if not limit
            else native.available(native_ops.PRODUCTS_LIBRARY))

@@ -154,19 +154,27 @@ print('OK')
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9)])
+@pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9),
+                                   (16, 64, 50), (40, 96, 61), (64, 130, 49), (70, 33, 13), (20, 45, 30)])
 def test_row_products_equal_the_dot(dtype, m, k, n):
-    """Every row-group (8, 4, 2, 1) and weight-row block (4, 3, 1) path, a K that is no multiple of 16;
-    bf16 with K in 32s takes the AVX-512 BF16 path where the CPU has it."""
+    """Every path: the 16-lane one's row groups (8, 4, 2, 1) and weight-row blocks (4, 3, 1), with a K
+    that is no multiple of 16, bf16 with K in 32s on AVX-512 BF16; the GEMM path's row-vector groups
+    (1-4, and 4 + 1 at 70 rows) and weight-row blocks with a remainder, bf16 in pairs (odd K: not)."""
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
     w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32).astype(dtype)
     out = np.asarray(jax.jit(ops.row_products)(x, w))
     ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
-    # A row's result does not depend on the rows beside it (the engine's moves rely on that).
-    alone = np.asarray(jax.jit(ops.row_products)(x[m - 1:], w))
-    np.testing.assert_array_equal(alone[0], out[m - 1])
+    # A row's result does not depend on the rows beside it (the engine's moves rely on that); the
+    # path, and so the order of the sums, is chosen by the row count alone: 4 rows and more (16 for
+    # bfloat16) take the GEMM path where the CPU has AVX-512.
+    few = 4 if dtype == jnp.float32 else 16
+    tail = 1 if m < few else few
+    alone = np.asarray(jax.jit(ops.row_products)(x[m - tail:], w))
+    np.testing.assert_array_equal(alone[-1], out[m - 1])
+    other = np.asarray(jax.jit(ops.row_products)(x[::-1], w))  # other rows beside each row, same count
+    np.testing.assert_array_equal(other[::-1], out)
 
 
 def test_row_products_refuse_other_weight_dtypes():
@@ -175,10 +183,11 @@ def test_row_products_refuse_other_weight_dtypes():
 
 
 def test_row_kernel_policy():
-    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == 16
+    avx512 = "avx512f" in ops.cpu_flags()  # the kernel's GEMM path: 64 rows there, else 16
+    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == (64 if avx512 else 16)
     assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
-    bf16 = ops.bf16_dot_instructions()  # the kernel's bf16 path needs AVX-512 BF16 to beat XLA
-    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == (32 if bf16 else 0)
+    bf16 = avx512 and ops.bf16_dot_instructions()  # the kernel's bf16 paths need AVX-512 BF16 to beat XLA
+    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == (64 if bf16 else 0)
     assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
     with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run off CPU"):
@@ -219,7 +228,7 @@ def test_engine_decodes_the_same_tokens_with_either_weight_products():
     outs = {}
     for policy in ("xla", "native"):
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
-        assert engine.row_kernel_rows == (0 if policy == "xla" else 16)
+        assert engine.row_kernel_rows == (0 if policy == "xla" else ops.row_products_max_rows(jnp.float32))
         outs[policy] = generate((engine, params), prompts, sp)
     for a, b in zip(outs["xla"], outs["native"]):
         np.testing.assert_array_equal(a.tokens, b.tokens)
