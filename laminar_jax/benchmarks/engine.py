@@ -246,14 +246,15 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
     return engine, params, state
 
 
-def _matmul_fn(model, rows: int):
+def _matmul_fn(model, rows: int, kernel_rows: int = 0):
     """A jitted pass through every weight matmul of one decode step ([rows, in] x [out, in]^T, the model's
-    own Linear modules, plus the head), and its FLOPs."""
+    own Linear modules, plus the head), and its FLOPs. ``kernel_rows``: as the engine's decode runs
+    them (its row_kernel_rows: the native kernel up to that many rows, else XLA's dot)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from laminar_jax.model.transformer import Linear
+    from laminar_jax.model.transformer import Linear, use_row_kernel
 
     linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
     graphdef, params = nnx.split(model)
@@ -267,6 +268,7 @@ def _matmul_fn(model, rows: int):
     def run(params, x):
         # Every product is returned whole: a reduction of it would let XLA simplify the dot away.
         m = nnx.merge(graphdef, params)
+        use_row_kernel(m, kernel_rows)
         outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype))]
         for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, Linear)]:
             outs.append(lin(x[:, :lin.weight.shape[1]].astype(m.dtype)))  # weight [out, in]
@@ -280,7 +282,8 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
-    weight matmuls (the model's Linear modules + head alone, and their GFLOP/s), sampling (greedy
+    weight matmuls (the model's Linear modules + head alone, as the engine runs them: native kernel or
+    XLA's dot; and their GFLOP/s), sampling (greedy
     over the vocabulary), host work per server step (server.step() wall minus the device step),
     and the rest (norms, RoPE, embedding, state updates). With ``trace_dir``, also the step's time
     per XLA op from a jax.profiler trace ('ops', see optrace.py).
@@ -295,17 +298,19 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
         kw.setdefault("attention_impl", attention_impl)
         engine, params, state = _filled_engine(model, rows, context, page=page, **kw)
         box = [state]
+        kernel_rows.append(engine.row_kernel_rows)
 
         def one():
             box[0], out = engine.generate(params, box[0])
             return out
         return one
 
+    kernel_rows: list[int] = []
     step = decode_step()
     full = _median_ms(step, iters)
     ops = None if trace_dir is None else optrace.op_table(optrace.capture(step, trace_dir, calls=3), calls=3)
     no_attn = _median_ms(decode_step(attention_impl="skip", attention_backends={"skip": _skip_attention}), iters)
-    mm_fn, flops = _matmul_fn(model, rows)
+    mm_fn, flops = _matmul_fn(model, rows, kernel_rows[0])
     mm = _median_ms(mm_fn, iters)
     logits = jax.random.normal(jax.random.key(0), (rows, model.cfg.vocab_size), jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(rows))

@@ -116,11 +116,23 @@ inline float softmax_page(float* s, int64_t ntok, int64_t blocks, float& m, floa
   return rescale;
 }
 
+// Asks for one KV head's K and V block of page p ahead of its use, line by line: each block is a
+// short stream (8-16 KB) that the hardware prefetcher picks up late (-9% at 64 rows of 128 tokens).
+template <typename KV>
+inline void prefetch_block(const Dims& s, const KV* kp, const KV* vp, int64_t p, int64_t kvh) {
+  const char* kb = reinterpret_cast<const char*>(kp + (p * s.hkv + kvh) * s.d * s.page);
+  const char* vb = reinterpret_cast<const char*>(vp + (p * s.hkv + kvh) * s.page * s.d);
+  for (int64_t o = 0; o < s.d * s.page * int64_t(sizeof(KV)); o += 64) {
+    __builtin_prefetch(kb + o);
+    __builtin_prefetch(vb + o);
+  }
+}
+
 // One (row, KV head): online softmax over the row's live pages for its G query heads.
 // scratch: G * page scores, then G * D accumulators.
 template <int G, typename KV>
 void attend(const Dims& s, const float* q, const KV* kp, const KV* vp, const int32_t* table, int32_t length,
-            int64_t row, int64_t kvh, float* out, float* scratch) {
+            int64_t row, int64_t kvh, bool next_head, float* out, float* scratch) {
   const int64_t page = s.page, d_n = s.d;
   float* o = out + (row * s.h + kvh * G) * d_n;
   const float* qr = q + (row * s.h + kvh * G) * d_n;
@@ -129,8 +141,13 @@ void attend(const Dims& s, const float* q, const KV* kp, const KV* vp, const int
   float m[G], l[G];
   std::fill(m, m + G, -3.0e38f);
   std::fill(l, l + G, 0.0f);
-  for (int64_t j = 0; j < (length + page - 1) / page; ++j) {
+  const int64_t n_pages = (length + page - 1) / page;
+  for (int64_t j = 0; j < n_pages; ++j) {
     const int64_t p = table[row * s.n + j], ntok = std::min<int64_t>(page, length - j * page);
+    if (j + 1 < n_pages)
+      prefetch_block(s, kp, vp, table[row * s.n + j + 1], kvh);
+    else if (next_head)  // the unit's next KV head starts on the row's first page
+      prefetch_block(s, kp, vp, table[row * s.n], kvh + 1);
     const int64_t blocks = (ntok + kLanes - 1) / kLanes;
     products<G>(qr, d_n, kp + (p * s.hkv + kvh) * d_n * page, page, d_n, sc, page, blocks, false);
     for (int g = 0; g < G; ++g) {
@@ -148,10 +165,16 @@ void run(ffi::ThreadPool& pool, const Dims& s, const float* q, const KV* kp, con
          const int32_t* length, float* out) {
   int64_t work = 0;  // multiply-adds
   for (int64_t r = 0; r < s.b; ++r) work += int64_t(std::max(length[r], 0)) * s.h * s.d * 2;
-  for_units(pool, s.b * s.hkv, work >= kSpreadMin, [=](int64_t u) {
+  // A unit is a whole row (its KV heads one after another, each prefetching the next's first page:
+  // -15-20% at 64 rows against a unit per KV head, whose first page always came cold), or, for a
+  // few rows, one KV head of a row, so that every thread has work.
+  const int64_t hpu = s.b >= 4 ? s.hkv : 1, per_row = s.hkv / hpu;
+  for_units(pool, s.b * per_row, work >= kSpreadMin, [=](int64_t u) {
     thread_local std::vector<float> scratch;
     scratch.resize(G * (s.page + s.d));
-    attend<G>(s, q, kp, vp, table, length[u / s.hkv], u / s.hkv, u % s.hkv, out, scratch.data());
+    const int64_t row = u / per_row, h0 = (u % per_row) * hpu, h1 = std::min(s.hkv, h0 + hpu);
+    for (int64_t kvh = h0; kvh < h1; ++kvh)
+      attend<G>(s, q, kp, vp, table, length[row], row, kvh, kvh + 1 < h1, out, scratch.data());
   });
 }
 
