@@ -25,7 +25,7 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the kernel's GEMM path
 # from 4 rows): float32 1 row +1%, 4 -36%, 8 -41%, 16 -45%, 32 -38%, 64 -25%, 128 +15%; bfloat16 with
 # AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a slow path), 4 -30%,
-# 16 -27%, 32 -32%, 64 -26%, 128 +6%. Without AVX-512 the kernel's float32 path was measured faster
+# 8 -17%, 16 -27%, 32 -32%, 64 -26%, 128 +6%. Without AVX-512 the kernel's float32 path was measured faster
 # up to 16 rows (its 16-lane path; session of 2026-11-27), and its bf16 path, widening bf16 weights to
 # float32, slower than XLA's dot: bfloat16 stays on XLA there.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}

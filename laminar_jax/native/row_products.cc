@@ -152,9 +152,9 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // accumulators in registers, nothing to reduce). Every output is one float32 sum in k order: a row's
 // result depends neither on the other rows nor on the split between threads.
 // 12 layers of qwen2-100m's products (AMD Zen 5, 2 cores), against XLA's dot: float32 4 rows -36%,
-// 16 -46%, 32 -42%, 64 -27% (406 GFLOP/s); bfloat16 from 16 rows (below, the path above is faster):
-// 16 -10%, 32 -23%, 64 -27% (676 GFLOP/s).
-constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 16;
+// 16 -46%, 32 -42%, 64 -27% (406 GFLOP/s); bfloat16 from 8 rows (at 4 the vdpbf16ps path above is
+// faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 16 -27%, 32 -32%, 64 -27% (674 GFLOP/s).
+constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
 // Weight elements fetched ahead of use: the NB rows are NB streams the hardware prefetcher follows
 // late (-15-30% without this at 32-64 rows).

@@ -167,9 +167,9 @@ def test_row_products_equal_the_dot(dtype, m, k, n):
     ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     # A row's result does not depend on the rows beside it (the engine's moves rely on that); the
-    # path, and so the order of the sums, is chosen by the row count alone: 4 rows and more (16 for
+    # path, and so the order of the sums, is chosen by the row count alone: 4 rows and more (8 for
     # bfloat16) take the GEMM path where the CPU has AVX-512.
-    few = 4 if dtype == jnp.float32 else 16
+    few = 4 if dtype == jnp.float32 else 8
     tail = 1 if m < few else few
     alone = np.asarray(jax.jit(ops.row_products)(x[m - tail:], w))
     np.testing.assert_array_equal(alone[-1], out[m - 1])
