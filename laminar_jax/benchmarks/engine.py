@@ -282,11 +282,11 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
-    weight matmuls (the model's Linear modules + head alone, as the engine runs them: native kernel or
-    XLA's dot; and their GFLOP/s), sampling (greedy
-    over the vocabulary), host work per server step (server.step() wall minus the device step),
-    and the rest (norms, RoPE, embedding, state updates). With ``trace_dir``, also the step's time
-    per XLA op from a jax.profiler trace ('ops', see optrace.py).
+    weight matmuls (the model's Linear modules + head alone, as the engine runs them: native kernel
+    or XLA's dot; and their GFLOP/s), sampling (greedy over the vocabulary), host work per server
+    step (server.step() wall minus the device step), and the rest (norms, RoPE, embedding, state
+    updates). With ``trace_dir``, also the step's time per XLA op from a jax.profiler trace ('ops',
+    see optrace.py).
     """
     import jax
     import jax.numpy as jnp
