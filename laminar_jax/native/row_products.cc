@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include <immintrin.h>
@@ -239,23 +240,35 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
 }
 
 template <typename S, typename T>
-void run_packed(ffi::ThreadPool& pool, const std::vector<T>& xt, int64_t m_n, int64_t k_n, const T* w,
-                int64_t n_n, float* y) {
+void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t k_n, const T* w, int64_t n_n,
+                float* y) {
   const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
-  const T* xp = xt.data();
   for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
     packed_unit<S>(xp, m_n, mp, k_n, w, n_n, lo, hi, y);
   });
 }
 
+// xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp. In blocks of 16 k: x's rows
+// are read a line at a time and the 16 rows of xt written stay in L1 (row by row, every store went
+// to another line of xt, which is larger than L1 from 64 rows; it runs before the threads share out).
+template <typename T, typename At>
+void pack_transposed(int64_t k_n, int64_t m_n, int64_t mp, T* xt, const At& at) {
+  for (int64_t k0 = 0; k0 < k_n; k0 += 16) {
+    const int64_t k1 = std::min(k_n, k0 + 16);
+    for (int64_t m = 0; m < m_n; ++m)
+      for (int64_t k = k0; k < k1; ++k) xt[k * mp + m] = at(m, k);
+    for (int64_t k = k0; k < k1; ++k)
+      for (int64_t m = m_n; m < mp; ++m) xt[k * mp + m] = T(0);
+  }
+}
+
 void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64_t m_n, int64_t k_n, int64_t n_n,
                     float* y) {
   const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
-  std::vector<float> xt(k_n * mp, 0.0f);
-  for (int64_t m = 0; m < m_n; ++m)
-    for (int64_t k = 0; k < k_n; ++k) xt[k * mp + m] = x[m * k_n + k];
-  run_packed<F32Step>(pool, xt, m_n, k_n, w, n_n, y);
+  std::unique_ptr<float[]> xt(new float[k_n * mp]);  // every element written by pack_transposed
+  pack_transposed(k_n, m_n, mp, xt.get(), [=](int64_t m, int64_t k) { return x[m * k_n + k]; });
+  run_packed<F32Step>(pool, xt.get(), m_n, k_n, w, n_n, y);
 }
 
 #if defined(__AVX512BF16__)
@@ -263,15 +276,14 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
 void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t m_n, int64_t k_n,
                      int64_t n_n, float* y) {
   const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes, pairs = k_n / 2;
-  std::vector<uint32_t> xt(pairs * mp, 0u);
-  for (int64_t m = 0; m < m_n; ++m)
-    for (int64_t k = 0; k < pairs; ++k) {
-      uint32_t lo, hi;
-      std::memcpy(&lo, x + m * k_n + 2 * k, sizeof lo);
-      std::memcpy(&hi, x + m * k_n + 2 * k + 1, sizeof hi);
-      xt[k * mp + m] = (hi & 0xffff0000u) | (lo >> 16);
-    }
-  run_packed<Bf16Step>(pool, xt, m_n, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
+  std::unique_ptr<uint32_t[]> xt(new uint32_t[pairs * mp]);
+  pack_transposed(pairs, m_n, mp, xt.get(), [=](int64_t m, int64_t k) {
+    uint32_t lo, hi;
+    std::memcpy(&lo, x + m * k_n + 2 * k, sizeof lo);
+    std::memcpy(&hi, x + m * k_n + 2 * k + 1, sizeof hi);
+    return (hi & 0xffff0000u) | (lo >> 16);
+  });
+  run_packed<Bf16Step>(pool, xt.get(), m_n, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
 }
 #endif
 #endif  // __AVX512F__
