@@ -54,6 +54,10 @@ inline void block_bf16(const uint16_t* xb, const uint16_t* w, int64_t k_n, int64
   for (int m = 0; m < MG; ++m)
     for (int b = 0; b < NB; ++b) acc[m][b] = _mm512_setzero_ps();
   for (int64_t k = 0; k < k_n; k += 32) {
+    // Weight rows fetched 1 KB ahead from 2 rows (4 rows: -13-16%); a 1-row product streams faster
+    // on the hardware prefetcher alone (the extra requests slowed it by 20-60%).
+    if constexpr (MG > 1)
+      for (int b = 0; b < NB; ++b) __builtin_prefetch(w + (n0 + b) * k_n + k + 512);
     __m512bh wv[NB];
     for (int b = 0; b < NB; ++b) wv[b] = (__m512bh)_mm512_loadu_si512(w + (n0 + b) * k_n + k);
     for (int m = 0; m < MG; ++m) {
