@@ -21,13 +21,13 @@ KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
 # The most rows for which the engine's decode weight products run row_products, per weight dtype
-# (docs/BENCHMARKS.md, "Native CPU kernels"; AMD EPYC Zen 5, 2 cores). 12 layers of qwen2-100m's
-# weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the kernel's GEMM path
-# from 4 rows): float32 1 row +1%, 4 -36%, 8 -41%, 16 -45%, 32 -38%, 64 -25%, 128 +15%; bfloat16 with
-# AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a slow path), 4 -30%,
-# 8 -17%, 16 -27%, 32 -32%, 64 -26%, 128 +6%. Without AVX-512 the kernel's float32 path was measured faster
-# up to 16 rows (its 16-lane path; session of 2026-11-27), and its bf16 path, widening bf16 weights to
-# float32, slower than XLA's dot: bfloat16 stays on XLA there.
+# (docs/BENCHMARKS.md, "A GEMM path for the decode products"; AMD EPYC Zen 5, 2 cores). 12 layers
+# of qwen2-100m's weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the
+# kernel's GEMM path from 4 rows): float32 1 row +3%, 4 -32%, 8 -35%, 16 -41%, 32 -41%, 64 -29%,
+# 128 -3%; bfloat16 with AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a
+# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512 the kernel's
+# float32 path was measured faster up to 16 rows (its 16-lane path), and its bf16 path, widening bf16
+# weights to float32, slower than XLA's dot: bfloat16 stays on XLA there.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
 MAX_ROWS_OTHER = {jnp.dtype(jnp.float32): 16}
 

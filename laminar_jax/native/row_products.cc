@@ -1,14 +1,16 @@
-// Weight products of few rows for XLA:CPU, called through the XLA FFI (laminar_jax/native builds
-// this file on first use; model/transformer.py's Linear calls it in the rollout engine's decode).
+// Weight products of a decode step's rows for XLA:CPU, called through the XLA FFI (laminar_jax/native
+// builds this file on first use; model/transformer.py's Linear calls it in the rollout engine's decode).
 //
 // y[M, N] = x[M, K] . W[N, K]^T with W as stored ([out, in], float32 or bfloat16), x and y float32.
-// Why a kernel: a decode step of a few live rows is a chain of such products, and XLA:CPU's GEMM
-// packs the weight operand on every call, so at 4-16 rows it streams the weights at about half
-// the speed of its own 1-row matrix-vector product. This reads every weight row once, straight from
-// its stored layout, and multiplies it into all M rows while it is in the L1 cache.
-//
-// Sums run over K in 16-lane partial sums, reduced at the end: the result of a row never depends on
-// the other rows or on how the work is split between threads.
+// Why a kernel: a decode step is a chain of such products of a few to a few dozen rows, and XLA:CPU's
+// GEMM packs the weight operand on every call, so at 4-16 rows it streams the weights at about half
+// the speed of its own 1-row matrix-vector product, and at 32-64 rows it reaches 60% of its peak.
+// Two paths, chosen by the row count alone:
+// - few rows: every weight row is read once, straight from its stored layout, and multiplied into
+//   all M rows while it is in L1; sums run over K in 16-lane partial sums, reduced at the end;
+// - from 4 rows (8 for bfloat16) on AVX-512: a GEMM micro-kernel (below, "Four rows and more").
+// Either way the result of a row never depends on the other rows or on how the work is split
+// between threads.
 
 #include <algorithm>
 #include <cstdint>
@@ -156,13 +158,14 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // from its row and multiplied into MV such vectors, for NB weight rows at a time (MV x NB
 // accumulators in registers, nothing to reduce). Every output is one float32 sum in k order: a row's
 // result depends neither on the other rows nor on the split between threads.
-// 12 layers of qwen2-100m's products (AMD Zen 5, 2 cores), against XLA's dot: float32 4 rows -36%,
-// 16 -46%, 32 -42%, 64 -27% (406 GFLOP/s); bfloat16 from 8 rows (at 4 the vdpbf16ps path above is
-// faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 16 -27%, 32 -32%, 64 -27% (674 GFLOP/s).
+// 12 layers of qwen2-100m's products (AMD Zen 5, 2 cores), against XLA's dot: float32 4 rows -32%,
+// 8 -35%, 16 -41%, 32 -41%, 64 -29% (401 GFLOP/s); bfloat16 from 8 rows (at 4 the vdpbf16ps path
+// above is faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 8 -16%, 16 -28%, 32 -33%,
+// 64 -34% (753 GFLOP/s). At 128 rows XLA's dot is as fast (docs/BENCHMARKS.md).
 constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
 // Weight elements fetched ahead of use: the NB rows are NB streams the hardware prefetcher follows
-// late (-15-30% without this at 32-64 rows).
+// late (this prefetch: -12-18% at 16-64 rows; further ahead was no faster).
 constexpr int64_t kPrefetch = 32;
 
 // float32 weights: acc[v][b] += x^T[k][16 rows of vector v] * w_b[k], k by k.
@@ -238,7 +241,7 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
     }
   }
   // Row by row of y, where a unit's outputs are contiguous: y's rows lie far apart, and column by
-  // column each store touched another line of one cache set (2-3x slower overall).
+  // column each store touched another line of one cache set (about 2x slower overall).
   for (int64_t m = 0; m < m_n; ++m)
     for (int64_t n = lo; n < hi; ++n) y[m * n_n + n] = yt[(n - lo) * mp + m];
 }
