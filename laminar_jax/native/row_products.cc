@@ -256,14 +256,48 @@ void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t k_n, co
   });
 }
 
-// xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp. In blocks of 16 k: x's rows
-// are read a line at a time and the 16 rows of xt written stay in L1 (row by row, every store went
-// to another line of xt, which is larger than L1 from 64 rows; it runs before the threads share out).
-template <typename T, typename At>
-void pack_transposed(int64_t k_n, int64_t m_n, int64_t mp, T* xt, const At& at) {
+// The 16 x 16 floats in r transposed in registers (unpack pairs, then quads, then 128-bit lanes twice).
+inline void transpose16(__m512 (&r)[16]) {
+  __m512 t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; ++i) {
+    r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
+
+// xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp; `row16(m, k, v)` loads
+// at(m, k .. k + 15) into v. Whole 16 x 16 blocks are transposed in registers (element by element the
+// packing took 12-32 us of a 64-row product, run before the threads share out the work); the edges
+// go element by element.
+template <typename T, typename At, typename Row16>
+void pack_transposed(int64_t k_n, int64_t m_n, int64_t mp, T* xt, const At& at, const Row16& row16) {
+  const int64_t m_blocks = m_n / 16 * 16, k_blocks = k_n / 16 * 16;
+  for (int64_t k0 = 0; k0 < k_blocks; k0 += 16)
+    for (int64_t m0 = 0; m0 < m_blocks; m0 += 16) {
+      __m512 r[16];
+      for (int i = 0; i < 16; ++i) r[i] = row16(m0 + i, k0);
+      transpose16(r);
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(reinterpret_cast<float*>(xt + (k0 + j) * mp + m0), r[j]);
+    }
   for (int64_t k0 = 0; k0 < k_n; k0 += 16) {
     const int64_t k1 = std::min(k_n, k0 + 16);
-    for (int64_t m = 0; m < m_n; ++m)
+    for (int64_t m = k0 < k_blocks ? m_blocks : 0; m < m_n; ++m)
       for (int64_t k = k0; k < k1; ++k) xt[k * mp + m] = at(m, k);
     for (int64_t k = k0; k < k1; ++k)
       for (int64_t m = m_n; m < mp; ++m) xt[k * mp + m] = T(0);
@@ -274,7 +308,8 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
                     float* y) {
   const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
   std::unique_ptr<float[]> xt(new float[k_n * mp]);  // every element written by pack_transposed
-  pack_transposed(k_n, m_n, mp, xt.get(), [=](int64_t m, int64_t k) { return x[m * k_n + k]; });
+  pack_transposed(k_n, m_n, mp, xt.get(), [=](int64_t m, int64_t k) { return x[m * k_n + k]; },
+                  [=](int64_t m, int64_t k) { return _mm512_loadu_ps(x + m * k_n + k); });
   run_packed<F32Step>(pool, xt.get(), m_n, k_n, w, n_n, y);
 }
 
@@ -289,6 +324,10 @@ void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, i
     std::memcpy(&lo, x + m * k_n + 2 * k, sizeof lo);
     std::memcpy(&hi, x + m * k_n + 2 * k + 1, sizeof hi);
     return (hi & 0xffff0000u) | (lo >> 16);
+  }, [=](int64_t m, int64_t k) {  // 32 floats (bf16 values already: exact) -> 16 pairs, in order
+    const __m512bh b = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + m * k_n + 2 * k + 16),
+                                           _mm512_loadu_ps(x + m * k_n + 2 * k));
+    return (__m512)b;
   });
   run_packed<Bf16Step>(pool, xt.get(), m_n, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
 }
