@@ -298,19 +298,17 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
         kw.setdefault("attention_impl", attention_impl)
         engine, params, state = _filled_engine(model, rows, context, page=page, **kw)
         box = [state]
-        kernel_rows.append(engine.row_kernel_rows)
 
         def one():
             box[0], out = engine.generate(params, box[0])
             return out
-        return one
+        return one, engine.row_kernel_rows
 
-    kernel_rows: list[int] = []
-    step = decode_step()
+    step, kernel_rows = decode_step()
     full = _median_ms(step, iters)
     ops = None if trace_dir is None else optrace.op_table(optrace.capture(step, trace_dir, calls=3), calls=3)
-    no_attn = _median_ms(decode_step(attention_impl="skip", attention_backends={"skip": _skip_attention}), iters)
-    mm_fn, flops = _matmul_fn(model, rows, kernel_rows[0])
+    no_attn = _median_ms(decode_step(attention_impl="skip", attention_backends={"skip": _skip_attention})[0], iters)
+    mm_fn, flops = _matmul_fn(model, rows, kernel_rows)
     mm = _median_ms(mm_fn, iters)
     logits = jax.random.normal(jax.random.key(0), (rows, model.cfg.vocab_size), jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(rows))

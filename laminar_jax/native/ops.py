@@ -43,11 +43,6 @@ def cpu_flags() -> frozenset:
     return frozenset(line.partition(":")[2].split())
 
 
-def bf16_dot_instructions() -> bool:
-    """Whether this CPU has AVX-512 BF16 (the kernel's bf16 paths are compiled for it)."""
-    return "avx512_bf16" in cpu_flags()
-
-
 def row_products_max_rows(dtype) -> int:
     """The most rows of a product of ``dtype`` weights that the engine runs on row_products (0: none)."""
     flags = cpu_flags()

@@ -247,9 +247,8 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
 }
 
 template <typename S, typename T>
-void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t k_n, const T* w, int64_t n_n,
-                float* y) {
-  const int64_t mp = (m_n + kLanes - 1) / kLanes * kLanes;
+void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t mp, int64_t k_n, const T* w,
+                int64_t n_n, float* y) {
   for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
     packed_unit<S>(xp, m_n, mp, k_n, w, n_n, lo, hi, y);
@@ -310,7 +309,7 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
   std::unique_ptr<float[]> xt(new float[k_n * mp]);  // every element written by pack_transposed
   pack_transposed(k_n, m_n, mp, xt.get(), [=](int64_t m, int64_t k) { return x[m * k_n + k]; },
                   [=](int64_t m, int64_t k) { return _mm512_loadu_ps(x + m * k_n + k); });
-  run_packed<F32Step>(pool, xt.get(), m_n, k_n, w, n_n, y);
+  run_packed<F32Step>(pool, xt.get(), m_n, mp, k_n, w, n_n, y);
 }
 
 #if defined(__AVX512BF16__)
@@ -329,7 +328,7 @@ void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, i
                                            _mm512_loadu_ps(x + m * k_n + 2 * k));
     return (__m512)b;
   });
-  run_packed<Bf16Step>(pool, xt.get(), m_n, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
+  run_packed<Bf16Step>(pool, xt.get(), m_n, mp, pairs, reinterpret_cast<const uint32_t*>(w), n_n, y);
 }
 #endif
 #endif  // __AVX512F__

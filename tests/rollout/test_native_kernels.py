@@ -186,7 +186,7 @@ def test_row_kernel_policy():
     avx512 = "avx512f" in ops.cpu_flags()  # the kernel's GEMM path: 64 rows there, else 16
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == (64 if avx512 else 16)
     assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
-    bf16 = avx512 and ops.bf16_dot_instructions()  # the kernel's bf16 paths need AVX-512 BF16 to beat XLA
+    bf16 = avx512 and "avx512_bf16" in ops.cpu_flags()  # the kernel's bf16 paths need AVX-512 BF16 to beat XLA
     assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == (64 if bf16 else 0)
     assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
