@@ -14,7 +14,7 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
-each XLA CPU thread setting of --ours-threads. Each goal's ratio compares every system at its own
+each XLA CPU thread setting of --ours-threads and each rollout-server count of --ours-servers. Each goal's ratio compares every system at its own
 best setting for that figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
@@ -60,6 +60,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "a pool of one thread per core and async dispatch; n >= 1: runtime.cpu_threads=n and "
                          "runtime.cpu_async_dispatch=False, each computation on its calling thread); default: "
                          "the demo config's")
+    ap.add_argument("--ours-servers", default=None,
+                    help="ours: runtime.num_servers settings (rollout servers of rollout.num_slots slots each) to "
+                         "run sync and laminar with, e.g. 1,2; default: the demo config's")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread "
                          "count); default: the demo config's")
@@ -93,6 +96,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.ours_threads = [int(x) for x in a.ours_threads.split(",") if x.strip()] if a.ours_threads else [None]
     if any(t is not None and t < 0 for t in a.ours_threads):
         raise SystemExit(f"--ours-threads: runtime.cpu_threads settings must be >= 0, got {a.ours_threads}")
+    a.ours_servers = [int(x) for x in a.ours_servers.split(",") if x.strip()] if a.ours_servers else [None]
+    if any(n is not None and n < 1 for n in a.ours_servers):
+        raise SystemExit(f"--ours-servers: runtime.num_servers settings must be >= 1, got {a.ours_servers}")
     return a
 
 
@@ -231,6 +237,8 @@ def _ours_worker(spec: dict) -> dict:
     if spec.get("cpu_threads") is not None:
         c.runtime.cpu_threads = spec["cpu_threads"]
         c.runtime.cpu_async_dispatch = spec["cpu_threads"] == 0
+    if spec.get("servers") is not None:
+        c.runtime.num_servers = spec["servers"]
     if spec.get("malloc"):
         c.runtime.host_malloc = spec["malloc"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
@@ -353,16 +361,18 @@ def main(argv: list[str]) -> Optional[dict]:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
-    labels = [(s, t, args.ours_malloc) for s in args.systems if s != "trl" for t in args.ours_threads]
+    labels = [(s, t, args.ours_malloc, n) for s in args.systems if s != "trl" for t in args.ours_threads
+              for n in args.ours_servers]
     if "trl" in args.systems:
-        labels = [("trl", t, m) for t in args.trl_threads for m in args.trl_malloc] + labels
+        labels = [("trl", t, m, None) for t in args.trl_threads for m in args.trl_malloc] + labels
     runs = []
     for rep in range(args.repeats):
-        for system, threads, malloc in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
+        for system, threads, malloc, servers in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
             label = system if threads is None else f"{system}-{threads}t" if threads else f"{system}-auto"
             label += f"+{malloc}" if system == "trl" and len(args.trl_malloc) > 1 else ""
+            label += "" if servers is None else f"-{servers}srv"
             spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label, "malloc": malloc,
-                    "threads" if system == "trl" else "cpu_threads": threads,
+                    "servers": servers, "threads" if system == "trl" else "cpu_threads": threads,
                     "decode_steps": decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)

@@ -24,6 +24,9 @@ def test_parse_args_quick_defaults_and_errors():
     assert full.ours_threads == [None] and parse_args(["--e2e", "--ours-threads", "0,1"]).ours_threads == [0, 1]
     with pytest.raises(SystemExit, match="--ours-threads"):
         parse_args(["--e2e", "--ours-threads", "-1"])
+    assert full.ours_servers == [None] and parse_args(["--e2e", "--ours-servers", "1,2"]).ours_servers == [1, 2]
+    with pytest.raises(SystemExit, match="--ours-servers"):
+        parse_args(["--e2e", "--ours-servers", "0"])
 
 
 def _run(label, tps, per_cpu, ok=True):
