@@ -15,7 +15,8 @@ TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`,
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
 each XLA CPU thread setting of --ours-threads and each rollout-server count of --ours-servers. Each
-goal's ratio compares every system at its own best setting for that figure. Every run is a fresh process; runs alternate between systems, --repeats times.
+goal's ratio compares every system at its own best setting for that figure. Every run is a fresh
+process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
 time over the training window), the batch reward at the budget (mean of the last 3 steps) and a
