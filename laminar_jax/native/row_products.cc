@@ -280,8 +280,8 @@ inline void transpose16(__m512 (&r)[16]) {
   }
 }
 
-// xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp; `row16(m, k, v)` loads
-// at(m, k .. k + 15) into v. Whole 16 x 16 blocks are transposed in registers (element by element the
+// xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp; `row16(m, k)` returns
+// at(m, k .. k + 15) as one vector. Whole 16 x 16 blocks are transposed in registers (element by element the
 // packing took 12-32 us of a 64-row product, run before the threads share out the work); the edges
 // go element by element.
 template <typename T, typename At, typename Row16>
