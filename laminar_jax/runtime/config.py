@@ -21,6 +21,7 @@ class RuntimeSection:
       mode: 'sync', 'one_step', 'stream' or 'laminar' (see docs/ARCHITECTURE.md, "Modes").
       run_dir: Run directory (resolved config, checkpoints, weight store, TensorBoard, timeline). None: runs/<timestamp>.
       num_servers: Number of rollout servers.
+      server_processes: kind='local' only: each rollout server runs in a child process of its own (spawned; the buffer over a pipe, weights pulled from an in-process relay on loopback) instead of a thread of the learner's process, so the roles share neither the interpreter lock nor XLA's CPU pool. CPU backends, placement.rollout_tp=1.
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
@@ -57,6 +58,7 @@ class RuntimeSection:
     mode: Literal["sync", "one_step", "stream", "laminar"] = "laminar"
     run_dir: Optional[str] = None
     num_servers: int = 2
+    server_processes: bool = False
     prompts_per_step: int = 8
     samples_per_prompt: int = 4
     total_steps: int = 20
@@ -101,6 +103,10 @@ class RuntimeSection:
         expect(self.learner_processes >= 1, f"{prefix}.learner_processes", self.learner_processes, ">= 1")
         expect(self.learner_processes == 1 or self.kind == "ray", f"{prefix}.learner_processes",
                self.learner_processes, "1 unless runtime.kind='ray' (the local runtime has one learner process)")
+        expect(not self.server_processes or self.kind == "local", f"{prefix}.server_processes", self.server_processes,
+               "False unless runtime.kind='local' (Ray runs every rollout server in an actor process already)")
+        expect(not (self.server_processes and self.profile), f"{prefix}.server_processes", self.server_processes,
+               "False with runtime.profile=True (the accounting reads this process's threads only)")
         expect(self.learner_gpus_per_process >= 0, f"{prefix}.learner_gpus_per_process",
                self.learner_gpus_per_process, ">= 0")
         self._validate_eval(prefix)

@@ -29,6 +29,17 @@ def server_name(i: int, generation: int) -> str:
     return f"rollout-{i}" if generation == 0 else f"rollout-{i}.{generation}"
 
 
+def sample_stats(timeline, st: dict) -> None:
+    """Put a server's stats() answer (a rollout host in another process) on the run's timeline."""
+    s = st["stats"]
+    timeline.sample(time.time(), s["server_id"], s["slots_used"], s["slots_total"], s["version"],
+                    s["kv_pages_used"], s["kv_pages_total"])
+    if st.get("env") is not None:  # multi-turn episodes: slots waiting on environments, env figures
+        from laminar_jax.env.driver import DriverStats
+
+        timeline.sample_waiting(s["server_id"], st["env"]["waiting"], DriverStats(**st["env"]["stats"]))
+
+
 def server_section(cfg, i: int, generation: int):
     """The rollout section of server i's `generation`-th incarnation: its name and its own seed."""
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)

@@ -2,7 +2,9 @@
 
 The Driver runs the learner in the calling thread; the buffer service is called in-process; the
 rollout servers are a `ThreadFleet`; weights reach them through an in-memory hand-off once the
-store has each version (relay.local_handoff), or an in-process `RelayServer`. Every thread is a
+store has each version (relay.local_handoff), or an in-process `RelayServer`. With
+runtime.server_processes the servers are child processes instead (a `ProcessFleet`), which pull
+through that relay. Every thread is a
 supervised `Worker`: a rollout server's failure is isolated (replaced by the health loop), any
 other failure stops the run with its traceback.
 """
@@ -39,8 +41,9 @@ def _relay(cfg: Config, key: bytes) -> tuple:
 
 def _weights_plane(cfg: Config, run_dir: str, key: bytes) -> WeightsPlane:
     """With relay.local_handoff (every server is in this process): the store and an in-memory
-    hand-off, no relay. Otherwise the in-process relay, which servers pull through."""
-    if not cfg.relay.local_handoff:
+    hand-off, no relay. Otherwise, or with servers in their own processes, the in-process relay,
+    which servers pull through."""
+    if not cfg.relay.local_handoff or cfg.runtime.server_processes:
         address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), key)
         return WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
     from laminar_jax.relay.handoff import Handoff
@@ -82,11 +85,33 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
     # Host copies: each server places them on its own devices (no full replica on the default device first).
-    host = unflatten_params(learner.policy_params(), nnx_params(model))
-    fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
+    if cfg.runtime.server_processes:
+        fleet = _process_fleet(cfg, buffer, weights, key, monitor)
+    else:
+        host = unflatten_params(learner.policy_params(), nnx_params(model))
+        fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
                   weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
                   summary_extra=lambda d: {"placement": layout, "weights": d.weights.path()})
+
+
+def _process_fleet(cfg: Config, buffer, weights: WeightsPlane, key: bytes, monitor):
+    """runtime.server_processes: the servers as child processes pulling from the in-process relay;
+    their CPU counts in the run's cores-busy figure."""
+    import jax
+
+    from laminar_jax.configlib import ConfigError
+    from laminar_jax.runtime.process_fleet import ProcessFleet
+
+    if jax.default_backend() != "cpu" or cfg.placement.rollout_tp != 1:
+        raise ConfigError(f"runtime.server_processes=True runs each server on its own process's CPU device "
+                          f"(backend here: {jax.default_backend()}, placement.rollout_tp="
+                          f"{cfg.placement.rollout_tp}); on accelerators use runtime.kind='ray', which gives each "
+                          "rollout actor its own devices")
+    fleet = ProcessFleet(cfg, buffer, weights.relay_addresses, weights.store_url, key, monitor.timeline,
+                         rpc_timeout(cfg))
+    monitor.cpu_sources.append(fleet.cpu_s)
+    return fleet
 
 
 def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:

@@ -109,6 +109,7 @@ class Monitor:
         self.duplicate_trajectories = 0
         self._cpu_first: Optional[tuple[float, float]] = None  # (wall, process CPU) at the first/last step
         self._cpu_last: Optional[tuple[float, float]] = None
+        self.cpu_sources: list = []  # CPU seconds of the run's other processes (rollout child processes)
         os.makedirs(run_dir, exist_ok=True)
         # runtime.loggers: TensorBoard (tb/) and/or W&B; None when there are none.
         self._tb = make_loggers(cfg.runtime.loggers, run_dir, cfg.runtime.wandb_project, _flat_config(cfg))
@@ -126,7 +127,7 @@ class Monitor:
 
     def on_step(self, metrics: dict, trajs, stats: RunStats) -> None:
         now = time.time()
-        self._cpu_last = (now, time.process_time())
+        self._cpu_last = (now, time.process_time() + sum(source() for source in self.cpu_sources))
         if self._cpu_first is None:
             self._cpu_first = self._cpu_last
         for t in trajs:
@@ -193,8 +194,9 @@ class Monitor:
                 **{f"eval_{k}": v for k, v in last["metrics"].get("overall", {}).items()}}
 
     def cpu_cores_busy(self) -> Optional[float]:
-        """CPU seconds this process spent per second of RL, first step to last (how many cores the
-        run kept busy). Local runtime only: under Ray the planes run in other processes."""
+        """CPU seconds this process (and its rollout child processes) spent per second of RL, first
+        step to last (how many cores the run kept busy). Local runtime only: under Ray the planes
+        run in other processes."""
         if self.cfg.runtime.kind != "local" or self._cpu_first is None or self._cpu_last[0] <= self._cpu_first[0]:
             return None
         return round((self._cpu_last[1] - self._cpu_first[1]) / (self._cpu_last[0] - self._cpu_first[0]), 3)

@@ -8,14 +8,10 @@ its node. The classes are plain Python; the runtime wraps them with `ray.remote`
 
 from __future__ import annotations
 
-import sys
-import threading
 import time
-import traceback
 from typing import Optional
 
-from laminar_jax.compile_cache import COMPILE_EVENTS
-from laminar_jax.threads import Worker
+from laminar_jax.runtime.rollout_host import RolloutHost
 
 
 def node_id() -> str:
@@ -139,99 +135,20 @@ def actor_mesh(tp: int):
     return tp_mesh(local[:tp])
 
 
-class RolloutActor:
-    """One rollout server: its `RolloutWorker` loop in a thread (started by `start()`, after the
-    warm-up), plus the calls the fleet makes: stats (the heartbeat), export/import of live
-    sequences for repack, fault injection, stop."""
+class RolloutActor(RolloutHost):
+    """One rollout server as a Ray actor (runtime/rollout_host.py): its own node's relay first, the
+    buffer actor behind `RemoteBuffer`, the engine over the GPUs Ray gave it."""
 
     def __init__(self, cfg, index: int, generation: int, relays: dict, store_url: Optional[str], buffer,
                  rpc_timeout_s: float, key: bytes, buffer_name: Optional[str] = None):
-        from laminar_jax.model import build_model
         from laminar_jax.process_settings import apply_process_settings
-        from laminar_jax.relay import RelayClient, WeightStore
-        from laminar_jax.rollout import make_engine
-        from laminar_jax.rollout.server import RolloutServer
-        from laminar_jax.runtime.fleet import params_from_flat, server_section
-        from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, pull_timeout
-        from laminar_jax.scheduler.modes import get_policy
 
-        section = server_section(cfg, index, generation)
-        self.name = name = section.server_id
         apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
         # Its own node's relay first (a local pull maps the relay's memory), the others after.
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]
-        store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
-        client = RelayClient(addresses, store=store, config=cfg.relay, holder=name, key=key)
-        model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
-        engine, _ = make_engine(model, section, mesh=actor_mesh(cfg.placement.rollout_tp))
-        from_flat = params_from_flat(model, engine)
-        version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
-        remote = RemoteBuffer(buffer, rpc_timeout_s, buffer_name)
-        policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
-        from laminar_jax.model import load_tokenizer
-
-        # Multi-turn episodes (env.enabled): this actor's own EnvPool and environments, in its process.
-        episodes = episode_feed(cfg, load_tokenizer(cfg.model.tokenizer), remote.episode_record)
-        self.worker = RolloutWorker(index, name, RolloutServer(engine, from_flat(flat), version=version), client,
-                                    remote, policy, from_flat, pull_timeout_s=pull_timeout(cfg), board_sync_s=0.05,
-                                    episodes=episodes)
-        remote.register(index, name, version)
-        self._loop = Worker(f"{name}-worker", self._run, stop_on_failure=False)
-        self.compiles = 0
-
-    def _run(self) -> None:
-        self.worker.run(self._loop.stop)
+        super().__init__(cfg, index, generation, addresses, store_url, RemoteBuffer(buffer, rpc_timeout_s, buffer_name),
+                         key, mesh=actor_mesh(cfg.placement.rollout_tp))
 
     def ready(self) -> dict:
-        return {"name": self.name, "version": self.worker.server.version, "node": node_id(),
-                "devices": [str(d) for d in self.worker.server.engine.devices]}
-
-    def warmup(self) -> None:
-        """Compile the engine's programs; from here on, count what still compiles (0 when the
-        warm-up covered every shape the loop meets; `stats()['compiles']`)."""
-        import jax
-
-        self.worker.server.warmup()
-        jax.monitoring.register_event_duration_secs_listener(self._count_compile)
-
-    def _count_compile(self, event: str, duration: float, **kwargs) -> None:
-        if event in COMPILE_EVENTS:  # a load from the persistent cache is a program the warm-up missed too
-            self.compiles += 1
-
-    def start(self) -> None:
-        self.worker.last_beat = time.monotonic()  # silent through the warm-up is not dead
-        if not self._loop.alive and self._loop.error is None:
-            self._loop.start()
-
-    def stats(self) -> dict:
-        """Heartbeat + the scheduler's view (RolloutWorker.snapshot) + the loop's traceback if it died."""
-        out = {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
-        episodes = self.worker.episodes
-        if episodes is not None:  # the env figures the driver's timeline and summary show
-            with self.worker.lock:
-                out["env"] = {"waiting": self.worker.server.waiting_in_slots(),
-                              "stats": episodes.driver.stats()._asdict()}
-        return out
-
-    def export_sequence(self, uid: str, version: int):
-        return self.worker.export_sequence(uid, version, portable=True)  # episodes keep their envs in-process
-
-    def import_sequence(self, state) -> int:
-        return self.worker.import_sequence(state)
-
-    def stacks(self) -> str:
-        """Every thread's Python stack (what a hung worker is stuck on, for the failure log)."""
-        names = {t.ident: t.name for t in threading.enumerate()}
-        return "\n".join(f"--- thread {names.get(tid, tid)}\n" + "".join(traceback.format_stack(frame))
-                         for tid, frame in sys._current_frames().items())
-
-    def inject_crash(self) -> None:
-        """Fault injection: the worker's next iteration raises (a crashed server)."""
-        self.worker.crash_next = True
-
-    def stop(self, timeout: float = 30.0) -> bool:
-        self._loop.stop.set()
-        joined = self._loop.join(timeout)
-        self.worker.client.close()  # its kept version-poll connections
-        return joined
+        return {**super().ready(), "node": node_id()}

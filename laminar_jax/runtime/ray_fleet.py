@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from laminar_jax.rollout.records import ServerStats
-from laminar_jax.runtime.fleet import server_name
+from laminar_jax.runtime.fleet import sample_stats, server_name
 from laminar_jax.runtime.loops import Failure, mark_replaced
 
 
@@ -153,13 +153,7 @@ class RayFleet:
             return self._fail(i, TimeoutError(f"rollout server {self.names[i]}: no heartbeat for {st['beat_age']:.1f}s "
                                               f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), stacks)
         self.latest[i] = st
-        s = st["stats"]
-        self.timeline.sample(time.time(), s["server_id"], s["slots_used"], s["slots_total"], s["version"],
-                             s["kv_pages_used"], s["kv_pages_total"])
-        if st.get("env") is not None:  # multi-turn episodes: slots waiting on environments, env figures
-            from laminar_jax.env.driver import DriverStats
-
-            self.timeline.sample_waiting(s["server_id"], st["env"]["waiting"], DriverStats(**st["env"]["stats"]))
+        sample_stats(self.timeline, st)
         return []
 
     def replace(self, i: int, record: dict, t_fail: float) -> None:
