@@ -1,6 +1,9 @@
 """Chaos run: the demo with a scripted schedule that kills a rollout server, the relay and the learner.
 
-python launch/bench.py faults [--quick] [--steps 16]
+python launch/bench.py faults [--quick] [--steps 16] [--server-processes]
+
+With --server-processes the rollout servers are child processes (runtime.server_processes) and the
+rollout kill is a SIGKILL of one of them, as a lost process would die.
 
 Prints the failure log and, last, one JSON line with what was killed, how long each recovery took,
 and whether any prompt was lost or trained on twice.
@@ -40,6 +43,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--server-processes", action="store_true", help="rollout servers as child processes")
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 16)
     out = args.out or tempfile.mkdtemp(prefix="laminar_faults_")
@@ -47,10 +51,13 @@ def main(argv: list[str]) -> dict:
     from laminar_jax.config import finalize
     from laminar_jax.runtime.local import LocalRun
 
-    cfg = finalize(chaos_config(steps, os.path.join(out, "run")))
+    c = chaos_config(steps, os.path.join(out, "run"))
+    c.runtime.server_processes = args.server_processes
+    cfg = finalize(c)
     run = LocalRun(cfg, cfg.runtime.run_dir)
     plan = schedule(steps)
-    actions = {"rollout": lambda: run.fleet.inject_crash(0), "relay": run.inject_relay_failure,
+    kill_server = run.fleet.kill if args.server_processes else run.fleet.inject_crash
+    actions = {"rollout": lambda: kill_server(0), "relay": run.inject_relay_failure,
                "learner": run.inject_learner_crash}
     killed = []
     relay_recovery = {}

@@ -14,12 +14,13 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
-each XLA CPU thread setting of --ours-threads and each rollout-server count of --ours-servers. Each
+each XLA CPU thread setting of --ours-threads, each rollout-server count of --ours-servers and each
+fleet of --ours-fleet (servers as threads of the learner's process, or as child processes). Each
 goal's ratio compares every system at its own best setting for that figure. Every run is a fresh
 process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
-time over the training window), the batch reward at the budget (mean of the last 3 steps) and a
+time, with its rollout child processes', over the training window), the batch reward at the budget (mean of the last 3 steps) and a
 held-out reward: the final weights, exported as an HF directory, complete 64 prompts that no
 system trained on, greedily, through one evaluator (this project's engine) and are scored by the
 task's reward. Medians and spread, the load average of every run and the versions are printed;
@@ -34,7 +35,7 @@ import os
 import sys
 import tempfile
 import time
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -43,6 +44,7 @@ from laminar_jax.benchmarks.machine import emit
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
+FLEETS = ("threads", "processes")
 GEOMETRY = {"prompts_per_step": 8, "samples_per_prompt": 8, "updates_per_step": 4, "max_new_tokens": 144}
 HELDOUT_SEED, HELDOUT_N, TRAIN_SEED = 9_999, 64, 0
 
@@ -64,6 +66,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ours-servers", default=None,
                     help="ours: runtime.num_servers settings (rollout servers of rollout.num_slots slots each) to "
                          "run sync and laminar with, e.g. 1,2; default: the demo config's")
+    ap.add_argument("--ours-fleet", default=None,
+                    help="ours: where the rollout servers run, e.g. threads,processes (threads of the learner's "
+                         "process, or child processes: runtime.server_processes); default: the demo config's")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread "
                          "count); default: the demo config's")
@@ -100,7 +105,28 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.ours_servers = [int(x) for x in a.ours_servers.split(",") if x.strip()] if a.ours_servers else [None]
     if any(n is not None and n < 1 for n in a.ours_servers):
         raise SystemExit(f"--ours-servers: runtime.num_servers settings must be >= 1, got {a.ours_servers}")
+    a.ours_fleet = [f.strip() for f in a.ours_fleet.split(",") if f.strip()] if a.ours_fleet else [None]
+    for f in a.ours_fleet:
+        if f not in (None, *FLEETS):
+            raise SystemExit(f"--ours-fleet: unknown fleet {f!r} (known: {', '.join(FLEETS)})")
     return a
+
+
+class Setting(NamedTuple):
+    """One configuration a system runs at (None: its default); each becomes a row of the table."""
+
+    system: str
+    threads: Optional[int] = None
+    malloc: Optional[str] = None
+    servers: Optional[int] = None
+    fleet: Optional[str] = None
+
+    def label(self, several_mallocs: bool) -> str:
+        t = self.threads
+        out = self.system if t is None else f"{self.system}-{t}t" if t else f"{self.system}-auto"
+        out += f"+{self.malloc}" if self.system == "trl" and several_mallocs else ""
+        out += "" if self.servers is None else f"-{self.servers}srv"
+        return out + ("" if self.fleet is None else "-proc" if self.fleet == "processes" else "-thr")
 
 
 # ---------------------------------------------------------------- the shared pieces
@@ -240,6 +266,8 @@ def _ours_worker(spec: dict) -> dict:
         c.runtime.cpu_async_dispatch = spec["cpu_threads"] == 0
     if spec.get("servers") is not None:
         c.runtime.num_servers = spec["servers"]
+    if spec.get("fleet") is not None:
+        c.runtime.server_processes = spec["fleet"] == "processes"
     if spec.get("malloc"):
         c.runtime.host_malloc = spec["malloc"]
     c.runtime.run_dir = os.path.join(spec["out"], "run")
@@ -362,18 +390,17 @@ def main(argv: list[str]) -> Optional[dict]:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
-    labels = [(s, t, args.ours_malloc, n) for s in args.systems if s != "trl" for t in args.ours_threads
-              for n in args.ours_servers]
+    settings = [Setting(s, t, args.ours_malloc, n, f) for s in args.systems if s != "trl" for t in args.ours_threads
+                for n in args.ours_servers for f in args.ours_fleet]
     if "trl" in args.systems:
-        labels = [("trl", t, m, None) for t in args.trl_threads for m in args.trl_malloc] + labels
+        settings = [Setting("trl", t, m) for t in args.trl_threads for m in args.trl_malloc] + settings
     runs = []
     for rep in range(args.repeats):
-        for system, threads, malloc, servers in (labels if rep % 2 == 0 else labels[::-1]):  # alternate who goes first
-            label = system if threads is None else f"{system}-{threads}t" if threads else f"{system}-auto"
-            label += f"+{malloc}" if system == "trl" and len(args.trl_malloc) > 1 else ""
-            label += "" if servers is None else f"-{servers}srv"
-            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label, "malloc": malloc,
-                    "servers": servers, "threads" if system == "trl" else "cpu_threads": threads,
+        for setting in (settings if rep % 2 == 0 else settings[::-1]):  # alternate who goes first
+            system, label = setting.system, setting.label(len(args.trl_malloc) > 1)
+            spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label,
+                    "malloc": setting.malloc, "servers": setting.servers, "fleet": setting.fleet,
+                    "threads" if system == "trl" else "cpu_threads": setting.threads,
                     "decode_steps": decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)

@@ -191,6 +191,13 @@ class Child:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
+    def exit_code(self) -> Optional[int]:
+        """Its exit status (-9: SIGKILLed), waiting a moment for a process whose pipe just ended."""
+        try:
+            return self.proc.wait(1.0)
+        except subprocess.TimeoutExpired:
+            return None
+
     def ready(self, timeout: float) -> Optional[dict]:
         """Its ready() answer once it has built its server and pulled weights (None: not within `timeout`)."""
         with self._lock:
@@ -202,7 +209,7 @@ class Child:
                 status, value = self.ctl.recv()
             except (EOFError, OSError):
                 raise ChildGone(f"rollout process {self.name} exited while starting "
-                                f"(exit code {self.proc.poll()})") from None
+                                f"(exit code {self.exit_code()})") from None
         if status != "ok":
             raise ChildGone(f"rollout process {self.name} failed to start:\n{value}")
         self.info = value
@@ -220,7 +227,7 @@ class Child:
                     raise TimeoutError(self.broken)
                 status, value = self.ctl.recv()
             except (EOFError, OSError):
-                self.broken = f"rollout process {self.name} is gone (exit code {self.proc.poll()}) at {method}()"
+                self.broken = f"rollout process {self.name} is gone (exit code {self.exit_code()}) at {method}()"
                 raise ChildGone(self.broken) from None
         if status == "error":
             raise RemoteError(f"rollout process {self.name}: {method}() raised:\n{value}")

@@ -27,6 +27,18 @@ def test_parse_args_quick_defaults_and_errors():
     assert full.ours_servers == [None] and parse_args(["--e2e", "--ours-servers", "1,2"]).ours_servers == [1, 2]
     with pytest.raises(SystemExit, match="--ours-servers"):
         parse_args(["--e2e", "--ours-servers", "0"])
+    assert full.ours_fleet == [None]
+    assert parse_args(["--e2e", "--ours-fleet", "threads,processes"]).ours_fleet == ["threads", "processes"]
+    with pytest.raises(SystemExit, match="--ours-fleet"):
+        parse_args(["--e2e", "--ours-fleet", "ray"])
+
+
+def test_setting_labels_name_every_setting_given():
+    Setting = peers_e2e.Setting
+    assert Setting("laminar").label(False) == "laminar"
+    assert Setting("laminar", 1, None, 2, "processes").label(False) == "laminar-1t-2srv-proc"
+    assert Setting("sync", 0, None, None, "threads").label(False) == "sync-auto-thr"
+    assert Setting("trl", 1, "keep").label(True) == "trl-1t+keep" and Setting("trl", 1, "keep").label(False) == "trl-1t"
 
 
 def _run(label, tps, per_cpu, ok=True):

@@ -1,0 +1,126 @@
+"""runtime.server_processes: rollout servers as child processes of the learner's. A run loses and
+repeats nothing, counts its children's CPU, and leaves no process behind: not after a clean end,
+not after a SIGKILLed server, and not after its own parent is SIGKILLed."""
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from laminar_jax.benchmarks import faults
+from laminar_jax.config import finalize, repo_config
+from laminar_jax.configlib import ConfigError
+from laminar_jax.runtime.process_fleet import HOST_METHODS, ChildGone, PipeBuffer, ProcessFleet, _reply
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHILD_MODULE = b"laminar_jax.runtime.process_fleet"
+
+
+def rollout_children(ppid: int) -> list[int]:
+    """Live rollout processes whose parent is `ppid` (zombies have no command line: not counted)."""
+    out = []
+    for d in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{d}/stat") as f:
+                parent = int(f.read().rpartition(")")[2].split()[1])
+            with open(f"/proc/{d}/cmdline", "rb") as f:
+                cmd = f.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if parent == ppid and CHILD_MODULE in cmd:
+            out.append(int(d))
+    return out
+
+
+def demo(run_dir: str, steps: int = 4):
+    c = repo_config("demo", "short")
+    c.runtime.total_steps = steps
+    c.runtime.run_dir = run_dir
+    c.runtime.server_processes = True
+    c.runtime.progress = False
+    return c
+
+
+def test_run_with_server_processes_accounts_for_every_prompt_and_reaps_its_children(tmp_path):
+    from laminar_jax.runtime.local import LocalRun
+
+    c = demo(str(tmp_path / "run"))
+    run = LocalRun(finalize(c), c.runtime.run_dir)
+    pids = [child.proc.pid for child in run.fleet.all]
+    assert sorted(pids) == sorted(rollout_children(os.getpid())) and len(pids) == c.runtime.num_servers
+    s = run.run()
+    assert s["steps"] == 4 and not s["stopped_early"]
+    assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
+    assert s["consumed_prompts"] == 4 * c.runtime.prompts_per_step
+    assert s["weights"]["path"] == "relay"  # no in-memory hand-off across processes
+    assert 0.0 < s["slot_util"] <= 1.0  # the servers' stats came back over the pipes
+    assert run.fleet.cpu_s() > 0.0  # the children's CPU counts in the run's cores-busy figure
+    assert s["cpu_cores_busy"] is not None
+    assert all(child.proc.poll() is not None for child in run.fleet.all)
+    assert rollout_children(os.getpid()) == []
+
+
+def test_chaos_with_server_processes_sigkills_a_server_and_loses_nothing(tmp_path):
+    result = faults.main(["--steps", "12", "--server-processes", "--out", str(tmp_path)])
+    assert result["completed"] and result["killed"] == ["rollout", "relay", "learner"]
+    assert result["lost_prompts"] == 0 and result["duplicated_prompts"] == 0
+    assert result["consumed_prompts"] == result["expected_prompts"]
+    assert result["recovery_s"]["rollout"] is not None and result["recovery_s"]["learner"] is not None
+    assert rollout_children(os.getpid()) == []
+
+
+def test_children_exit_when_their_parent_is_sigkilled(tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={ROOT}/configs/demo.py:short",
+           f"--config.runtime.run_dir={tmp_path / 'run'}", "--config.runtime.total_steps=200",
+           "--config.runtime.server_processes=true", "--config.runtime.progress=true"]
+    env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    try:
+        deadline, seen = time.monotonic() + 300, []
+        for line in proc.stdout:
+            seen.append(line)
+            if line.startswith("step    1"):
+                break
+            assert time.monotonic() < deadline, "".join(seen[-20:])
+        children = rollout_children(proc.pid)
+        assert len(children) == 2, "".join(seen[-20:])
+    finally:
+        proc.kill()
+        proc.wait(30)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}/cmdline") and CHILD_MODULE in open(f"/proc/{pid}/cmdline", "rb").read()
+              for pid in children):
+        assert time.monotonic() < deadline, f"rollout processes {children} outlived their SIGKILLed parent"
+        time.sleep(0.1)
+
+
+def test_a_child_that_cannot_start_says_why_and_is_not_left_running(tmp_path):
+    c = demo(str(tmp_path / "run"))
+    c.scheduler.heartbeat_timeout_s = 2.0  # the child's weight pull gives up after 1 s
+    cfg = finalize(c)
+    with pytest.raises(ChildGone, match="failed to start") as info:
+        ProcessFleet(cfg, buffer=None, addresses=["127.0.0.1:1"], store_url=None, key=b"k" * 32, timeline=None,
+                     rpc_timeout_s=10.0)
+    assert "Traceback" in str(info.value)  # the child's own traceback, for the log
+    assert rollout_children(os.getpid()) == []
+
+
+def test_calls_outside_the_agreed_methods_are_refused_by_name():
+    status, message = _reply(object(), HOST_METHODS, "a rollout host", "__init__", ())
+    assert status == "error" and "'__init__'" in message
+    with pytest.raises(AttributeError):
+        PipeBuffer(None, 1.0).get_batch  # the learner's call, not a rollout server's
+
+
+@pytest.mark.parametrize("change,field", [({"kind": "ray"}, "runtime.server_processes"),
+                                          ({"profile": True}, "runtime.server_processes")])
+def test_server_processes_config_errors_name_the_field(change, field):
+    c = repo_config("demo", "short")
+    c.runtime.server_processes = True
+    for k, v in change.items():
+        setattr(c.runtime, k, v)
+    with pytest.raises(ConfigError, match=field):
+        finalize(c)
+
