@@ -16,9 +16,8 @@ Only the two processes hold a pipe's ends, so nothing else can speak on it; what
 plain data (work items, trajectories, snapshots, sequence states). Weights never cross it: the
 child pulls each version from the in-process relay on loopback, authenticated with the run's key.
 
-Lifetime: a child whose parent dies reads the end of its control pipe and exits; children are
-daemons, so a parent that exits normally takes them along; `close()` asks each to exit, then kills
-what is left. Every call is bounded: a call that times out marks its child broken (the health loop
+Lifetime: a parent that exits, normally or killed, leaves its children's control pipes at their
+end, and each child then exits; `close()` asks each child to exit, then kills what is left. Every call is bounded: a call that times out marks its child broken (the health loop
 replaces it), since a late answer would be taken for the next call's.
 """
 
