@@ -71,7 +71,18 @@ def main(argv: list[str]) -> dict:
                 return
             time.sleep(0.02)
 
+    def await_server_recovery() -> None:
+        # A replacement server process starts in seconds (a fresh interpreter, its engine, a pull):
+        # before the last step, give it the time (bounded) so that a short run still measures it.
+        deadline = time.time() + cfg.runtime.wait_timeout_s
+        while time.time() < deadline and not run.sup.stop.is_set():
+            if any("recovery_s" in f for f in run.failures if "server" in f):
+                return
+            time.sleep(0.05)
+
     def hook(version: int) -> None:
+        if version == steps - 1 and "rollout" in killed:
+            await_server_recovery()
         if version in plan:
             killed.append(plan[version])
             actions[plan[version]]()

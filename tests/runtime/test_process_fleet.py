@@ -63,7 +63,7 @@ def test_run_with_server_processes_accounts_for_every_prompt_and_reaps_its_child
 
 
 def test_chaos_with_server_processes_sigkills_a_server_and_loses_nothing(tmp_path):
-    result = faults.main(["--steps", "12", "--server-processes", "--out", str(tmp_path)])
+    result = faults.main(["--quick", "--server-processes", "--out", str(tmp_path)])
     assert result["completed"] and result["killed"] == ["rollout", "relay", "learner"]
     assert result["lost_prompts"] == 0 and result["duplicated_prompts"] == 0
     assert result["consumed_prompts"] == result["expected_prompts"]
