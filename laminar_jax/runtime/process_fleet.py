@@ -137,7 +137,6 @@ def serve_host(ctl, host) -> None:
             return
 
 
-
 def process_cpu_s(pid: int) -> Optional[float]:
     """CPU seconds (user + system, every thread) of a live process; None once it is gone."""
     try:
@@ -182,7 +181,8 @@ class Child:
         self._buf = buf
         self._lock = threading.Lock()
         self.broken: Optional[str] = None
-        self._serving = Worker(f"{self.name}-buffer", functools.partial(serve_buffer, buf, buffer, threading.Event()),
+        stop = threading.Event()
+        self._serving = Worker(f"{self.name}-buffer", functools.partial(serve_buffer, buf, buffer, stop), stop,
                                stop_on_failure=False).start()
         self._cpu_s = 0.0
         self.info: Optional[dict] = None
