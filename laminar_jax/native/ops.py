@@ -25,11 +25,13 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # of qwen2-100m's weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the
 # kernel's GEMM path from 4 rows): float32 1 row +3%, 4 -32%, 8 -35%, 16 -41%, 32 -41%, 64 -29%,
 # 128 -3%; bfloat16 with AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a
-# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512 the kernel's
-# float32 path was measured faster up to 16 rows (its 16-lane path), and its bf16 path, widening bf16
-# weights to float32, slower than XLA's dot: bfloat16 stays on XLA there.
+# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512 every product
+# stays on XLA: on an AVX2 CPU (AMD EPYC Zen 3, g++ 12) the kernel's 16-float vectors, two registers
+# each, made it 2-10x slower than XLA's dot at 1-16 rows, for the demo's and qwen2-100m's shapes,
+# and a CPU demo run spent 57% of a server's CPU in it (docs/BENCHMARKS.md, "Rollout servers as
+# child processes"); its bf16 path, widening bf16 weights to float32, was slower than XLA's too.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
-MAX_ROWS_OTHER = {jnp.dtype(jnp.float32): 16}
+MAX_ROWS_OTHER: dict = {}
 
 
 @functools.lru_cache(maxsize=None)  # read /proc/cpuinfo once per process, not per engine built
@@ -51,6 +53,14 @@ def row_products_max_rows(dtype) -> int:
     return MAX_ROWS_OTHER.get(jnp.dtype(dtype), 0)
 
 
+def row_products_insisted_rows(dtype) -> int:
+    """The most rows run on row_products when the user insists (rollout.weight_products='native'):
+    the measured limit, or 16 where the kernel is correct but not faster (0: a dtype it cannot take)."""
+    if jnp.dtype(dtype) not in WEIGHT_DTYPES:
+        return 0
+    return max(row_products_max_rows(dtype), 16)
+
+
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
                     length: jax.Array) -> jax.Array:
     """q f32[B, H, D] (scaled by 1/sqrt(D)), K pool [P, Hkv, D, page] and V pool [P, Hkv, page, D]
@@ -70,4 +80,5 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
         x.astype(jnp.float32), w)
 
 
-__all__ = ["paged_attention", "row_products", "row_products_max_rows", "KV_DTYPES", "WEIGHT_DTYPES"]
+__all__ = ["paged_attention", "row_products", "row_products_max_rows", "row_products_insisted_rows", "KV_DTYPES",
+           "WEIGHT_DTYPES"]

@@ -379,14 +379,16 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
                        field: str = "rollout.weight_products") -> int:
     """Rows up to which an engine's decode weight products run the native kernel (0: XLA's dot).
 
-    'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (float32;
-    bfloat16 on CPUs with AVX-512 BF16), when the kernel builds here, up to that many rows (where it
-    was measured faster than XLA:CPU's dot); 'xla': never.
-    'native': as 'auto', but an error naming the field where it cannot run.
+    'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (on CPUs
+    with AVX-512: float32, and bfloat16 with AVX-512 BF16), when the kernel builds here, up to that many
+    rows (where it was measured faster than XLA:CPU's dot); 'xla': never.
+    'native': on one CPU device for float32 or bfloat16 weights, also where 'auto' would not (up to
+    row_products_insisted_rows), and an error naming the field where it cannot run.
     """
     if policy == "xla":
         return 0
-    limit = native_ops.row_products_max_rows(dtype)  # per dtype and CPU: where it beat XLA's dot
+    # Per dtype and CPU: where it beat XLA's dot; or, insisted on, wherever it is correct.
+    limit = (native_ops.row_products_max_rows if policy == "auto" else native_ops.row_products_insisted_rows)(dtype)
     why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
            else f"for {jnp.dtype(dtype)} weights on this CPU" if not limit
            else native.available(native_ops.PRODUCTS_LIBRARY))
