@@ -21,7 +21,7 @@ class RuntimeSection:
       mode: 'sync', 'one_step', 'stream' or 'laminar' (see docs/ARCHITECTURE.md, "Modes").
       run_dir: Run directory (resolved config, checkpoints, weight store, TensorBoard, timeline). None: runs/<timestamp>.
       num_servers: Number of rollout servers.
-      server_processes: kind='local' only: each rollout server runs in a child process of its own (spawned; the buffer over a pipe, weights pulled from an in-process relay on loopback) instead of a thread of the learner's process, so the roles share neither the interpreter lock nor XLA's CPU pool. CPU backends, placement.rollout_tp=1.
+      server_processes: kind='local' only: each rollout server runs in a child process of its own (a fresh interpreter; buffer calls over a socket pair, weights pulled from an in-process relay on loopback) instead of a thread of the learner's process, so the roles share neither the interpreter lock nor XLA's CPU pool. CPU backends, placement.rollout_tp=1.
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
