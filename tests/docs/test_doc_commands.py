@@ -65,6 +65,8 @@ RULES = [
     Rule(r"-m laminar_jax\.sim\.cpu_check", "help", "check replays a captured e2e run; capture runs the e2e bench (minutes)"),
     Rule(r"-m laminar_jax\.benchmarks\.relay", "help", "the relay benchmark runs for minutes; see docs/BENCHMARKS.md"),
     Rule(r"-m laminar_jax\.relay\.worker", "skip", "a relay worker process: the runtime starts it and writes its key on stdin"),
+    Rule(r"-m laminar_jax\.runtime\.process_fleet", "skip",
+         "a rollout server process: the runtime starts it with its pipes and sends its arguments down one"),
     Rule(r"launch/sft\.py .*(\.\.\.|<)", "help", "placeholder arguments (the user's config and output directory)"),
     Rule(r"launch/sft\.py", "run", "60 supervised steps of the tiny model"),
     Rule(r"launch/eval\.py .*<", "help", "placeholder checkpoint (a run directory of the user's; "
