@@ -28,8 +28,9 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512 every product
 # stays on XLA: on an AVX2 CPU (AMD EPYC Zen 3, g++ 12) the kernel's 16-float vectors, two registers
 # each, made it 2-10x slower than XLA's dot at 1-16 rows, for the demo's and qwen2-100m's shapes,
-# and a CPU demo run spent 57% of a server's CPU in it (docs/BENCHMARKS.md, "Rollout servers as
-# child processes"); its bf16 path, widening bf16 weights to float32, was slower than XLA's too.
+# and a CPU demo run spent 57% of a server's CPU in it (docs/BENCHMARKS.md, "On an AVX2 CPU: the
+# weight-product kernel made slower than XLA"); its bf16 path, widening bf16 weights to float32, was
+# slower than XLA's too.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
 MAX_ROWS_OTHER: dict = {}
 
