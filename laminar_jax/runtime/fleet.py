@@ -40,6 +40,36 @@ def sample_stats(timeline, st: dict) -> None:
         timeline.sample_waiting(s["server_id"], st["env"]["waiting"], DriverStats(**st["env"]["stats"]))
 
 
+def stats_failure(who: str, st: dict, heartbeat_s: float,
+                  stacks: Callable[[], str]) -> Optional[tuple[BaseException, str]]:
+    """Judge a remote server's stats() answer the one way both remote fleets do: its loop died
+    (with the worker's traceback), or its heartbeat is older than `heartbeat_s` (with what it is
+    stuck on, from `stacks`); None if it is healthy."""
+    if st["error"]:
+        return RuntimeError(f"{who}: worker loop died"), st["error"]
+    if st["beat_age"] > heartbeat_s:
+        try:  # what it is stuck on, for the log
+            tb = stacks()
+        except Exception as e:  # noqa: BLE001 - the failure is reported either way
+            tb = f"(no stacks: {e!r})"
+        return TimeoutError(f"{who}: no heartbeat for {st['beat_age']:.1f}s "
+                            f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), tb
+    return None
+
+
+def poll_each(handles: list, replacing: dict, check_replacement: Callable[[int], list],
+              poll: Callable[[int, object], list]) -> list[Failure]:
+    """One health pass over a remote fleet: a slot being replaced is checked for its replacement,
+    a live one polled, a dead one (None, already reported) skipped."""
+    out: list[Failure] = []
+    for i, handle in enumerate(list(handles)):
+        if i in replacing:
+            out += check_replacement(i)
+        elif handle is not None:
+            out += poll(i, handle)
+    return out
+
+
 def server_section(cfg, i: int, generation: int):
     """The rollout section of server i's `generation`-th incarnation: its name and its own seed."""
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)

@@ -36,7 +36,7 @@ import traceback
 from typing import Optional, Sequence
 
 from laminar_jax.rollout.records import ServerStats
-from laminar_jax.runtime.fleet import sample_stats, server_name
+from laminar_jax.runtime.fleet import poll_each, sample_stats, server_name, stats_failure
 from laminar_jax.runtime.loops import Failure, mark_replaced
 from laminar_jax.threads import Worker
 
@@ -346,13 +346,7 @@ class ProcessFleet:
         return c.call("import_sequence", state, timeout=self.rpc_timeout_s)
 
     def poll_health(self) -> list[Failure]:
-        out: list[Failure] = []
-        for i, c in enumerate(list(self.children)):
-            if i in self._replacing:
-                out += self._check_replacement(i)
-            elif c is not None:
-                out += self._poll(i, c)
-        return out
+        return poll_each(self.children, self._replacing, self._check_replacement, self._poll)
 
     def _poll(self, i: int, c: Child) -> list[Failure]:
         heartbeat_s = self.cfg.scheduler.heartbeat_timeout_s
@@ -360,15 +354,9 @@ class ProcessFleet:
             st = c.call("stats", timeout=heartbeat_s)
         except (ChildGone, TimeoutError, RemoteError) as e:
             return self._fail(i, e, "")
-        if st["error"]:
-            return self._fail(i, RuntimeError(f"rollout process {c.name}: worker loop died"), st["error"])
-        if st["beat_age"] > heartbeat_s:
-            try:  # what it is stuck on, for the log
-                stacks = c.call("stacks", timeout=5.0)
-            except Exception as e:  # noqa: BLE001 - the failure is handled either way
-                stacks = f"(no stacks: {e!r})"
-            return self._fail(i, TimeoutError(f"rollout server {c.name}: no heartbeat for {st['beat_age']:.1f}s "
-                                              f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), stacks)
+        bad = stats_failure(f"rollout process {c.name}", st, heartbeat_s, lambda: c.call("stacks", timeout=5.0))
+        if bad is not None:
+            return self._fail(i, *bad)
         self.latest[i] = st
         sample_stats(self.timeline, st)
         return []

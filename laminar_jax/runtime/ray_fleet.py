@@ -14,7 +14,7 @@ import time
 from typing import Optional
 
 from laminar_jax.rollout.records import ServerStats
-from laminar_jax.runtime.fleet import sample_stats, server_name
+from laminar_jax.runtime.fleet import poll_each, sample_stats, server_name, stats_failure
 from laminar_jax.runtime.loops import Failure, mark_replaced
 
 
@@ -106,13 +106,7 @@ class RayFleet:
         return self._get(self._handle(name).import_sequence.remote(state), f"{name} to import a sequence")
 
     def poll_health(self) -> list[Failure]:
-        out: list[Failure] = []
-        for i, handle in enumerate(list(self.actors)):
-            if i in self._replacing:
-                out += self._check_replacement(i)
-            elif handle is not None:
-                out += self._poll(i, handle)
-        return out
+        return poll_each(self.actors, self._replacing, self._check_replacement, self._poll)
 
     def _fail(self, i: int, error: BaseException, tb: str) -> list[Failure]:
         import ray
@@ -143,15 +137,10 @@ class RayFleet:
         except ray.exceptions.RayError as e:  # RayActorError: killed, crashed, node lost
             return self._fail(i, e, "")
         slot[1], slot[2] = handle.stats.remote(), now
-        if st["error"]:
-            return self._fail(i, RuntimeError(f"rollout actor {self.names[i]}: worker loop died"), st["error"])
-        if st["beat_age"] > heartbeat_s:
-            try:  # what it is stuck on, for the log
-                stacks = ray.get(handle.stacks.remote(), timeout=5.0)
-            except Exception as e:  # noqa: BLE001 - the failure is handled either way
-                stacks = f"(no stacks: {e!r})"
-            return self._fail(i, TimeoutError(f"rollout server {self.names[i]}: no heartbeat for {st['beat_age']:.1f}s "
-                                              f"(scheduler.heartbeat_timeout_s={heartbeat_s})"), stacks)
+        bad = stats_failure(f"rollout actor {self.names[i]}", st, heartbeat_s,
+                            lambda: ray.get(handle.stacks.remote(), timeout=5.0))
+        if bad is not None:
+            return self._fail(i, *bad)
         self.latest[i] = st
         sample_stats(self.timeline, st)
         return []

@@ -126,3 +126,21 @@ def test_server_processes_config_errors_name_the_field(change, field):
     with pytest.raises(ConfigError, match=field):
         finalize(c)
 
+
+
+def test_stats_failure_judges_an_answer_the_one_way_both_remote_fleets_do():
+    """Pure logic (no process): a dead loop carries the worker's traceback; a stale heartbeat asks
+    for the stacks and carries them, or says why it could not get them; a fresh one is healthy."""
+    from laminar_jax.runtime.fleet import stats_failure
+
+    def stacks_unreachable():
+        raise TimeoutError("no answer")
+
+    assert stats_failure("rollout process a", {"error": "", "beat_age": 1.0}, 5.0, stacks_unreachable) is None
+    err, tb = stats_failure("rollout process a", {"error": "Traceback: boom", "beat_age": 0.0}, 5.0, str)
+    assert isinstance(err, RuntimeError) and "rollout process a: worker loop died" in str(err) and tb == "Traceback: boom"
+    err, tb = stats_failure("rollout actor b", {"error": "", "beat_age": 9.5}, 5.0, lambda: "stuck in step")
+    assert isinstance(err, TimeoutError) and "no heartbeat for 9.5s" in str(err) and "heartbeat_timeout_s=5.0" in str(err)
+    assert tb == "stuck in step"
+    _, tb = stats_failure("rollout actor b", {"error": "", "beat_age": 9.5}, 5.0, stacks_unreachable)
+    assert tb.startswith("(no stacks:") and "no answer" in tb
