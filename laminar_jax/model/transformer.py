@@ -73,12 +73,13 @@ class Linear(nnx.Module):
     # of XLA's dot; 0 = never. Only the rollout engine sets it, on the model it merges inside its
     # decode programs (rollout.weight_products, use_row_kernel): never in training.
     row_kernel_rows = 0
+    row_kernel_min_weights = 0  # ... and weights of at least this many elements
 
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
         dtype = self.dtype or jnp.result_type(x, w)
         low = _low_precision(dtype)
-        if _row_kernel(self, x):  # float32 out, as XLA:CPU's low-precision products (_product_out)
+        if _row_kernel(self, x, w):  # float32 out, as XLA:CPU's low-precision products (_product_out)
             y = _kernel_product(x.astype(dtype), w.astype(dtype))
         else:
             y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
@@ -88,8 +89,8 @@ class Linear(nnx.Module):
         return y.astype(dtype) if low else y
 
 
-def _row_kernel(module, x: jax.Array) -> bool:
-    return 0 < int(np.prod(x.shape[:-1])) <= module.row_kernel_rows
+def _row_kernel(module, x: jax.Array, w: jax.Array) -> bool:
+    return 0 < int(np.prod(x.shape[:-1])) <= module.row_kernel_rows and w.size >= module.row_kernel_min_weights
 
 
 def _kernel_product(x: jax.Array, w: jax.Array) -> jax.Array:
@@ -98,13 +99,14 @@ def _kernel_product(x: jax.Array, w: jax.Array) -> jax.Array:
     return native_ops.row_products(flat, w).reshape(*x.shape[:-1], w.shape[0])
 
 
-def use_row_kernel(model: nnx.Module, rows: int) -> None:
-    """Route ``model``'s weight products (each Linear, and a tied head) of at most ``rows`` rows
-    through the native row-products kernel. For the rollout engine's own merged copy in a decode
-    program (its CPU decode steps are products of a few rows); 0 restores XLA's dot."""
+def use_row_kernel(model: nnx.Module, rows: int, min_weights: int = 0) -> None:
+    """Route ``model``'s weight products (each Linear, and a tied head) of at most ``rows`` rows, of
+    weights of at least ``min_weights`` elements, through the native row-products kernel. For the
+    rollout engine's own merged copy in a decode program (its CPU decode steps are products of a
+    few rows); 0 rows restores XLA's dot."""
     for _, m in nnx.iter_graph(model):
         if isinstance(m, (Linear, Transformer)):
-            m.row_kernel_rows = rows
+            m.row_kernel_rows, m.row_kernel_min_weights = rows, min_weights
 
 
 class RMSNorm(nnx.Module):
@@ -282,10 +284,10 @@ class Transformer(nnx.Module):
         """lm_head projection of final-normed hidden states: f[..., D] -> f32[..., V] (as `forward`)."""
         return self._logits(h)
 
-    row_kernel_rows = 0  # as Linear's: the tied head's product (use_row_kernel)
+    row_kernel_rows = row_kernel_min_weights = 0  # as Linear's: the tied head's product (use_row_kernel)
 
     def _logits(self, h):
-        if self.cfg.tie_word_embeddings and _row_kernel(self, h):
+        if self.cfg.tie_word_embeddings and _row_kernel(self, h, self.embed_tokens.embedding[...]):
             return _kernel_product(h.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
         if self.cfg.tie_word_embeddings and _low_precision(self.dtype):
             # E[V, D] . h[N, D] -> [V, N], transposed: on XLA:CPU the bf16 (f32-accumulating) kernel

@@ -25,14 +25,17 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # of qwen2-100m's weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the
 # kernel's GEMM path from 4 rows): float32 1 row +3%, 4 -32%, 8 -35%, 16 -41%, 32 -41%, 64 -29%,
 # 128 -3%; bfloat16 with AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a
-# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512 every product
-# stays on XLA: on an AVX2 CPU (AMD EPYC Zen 3, g++ 12) the kernel's 16-float vectors, two registers
-# each, made it 2-10x slower than XLA's dot at 1-16 rows, for the demo's and qwen2-100m's shapes,
-# and a CPU demo run spent 57% of a server's CPU in it (docs/BENCHMARKS.md, "On an AVX2 CPU: the
-# weight-product kernel made slower than XLA"); its bf16 path, widening bf16 weights to float32, was
-# slower than XLA's too.
+# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512, on AVX2 (AMD
+# EPYC Zen 3, g++ 12): the kernel's 8-float form (row_products.cc, "AVX2"), against XLA's dot, for
+# qwen2-100m's 768 x 768 and 2048 x 768 weights took 0.34-0.90x its time at 2-16 rows (float32
+# and bfloat16), 1.0-1.2x at 1 row and 0.9-1.1x at 32; for the tiny demo model's (at most 192 x 64
+# weights) 1.1-2.3x at 4 rows and more, where a call is too short for the FFI's overhead. So there
+# the kernel takes products of up to 16 rows of weights of at least MIN_WEIGHTS_AVX2 elements
+# (docs/BENCHMARKS.md, "On AVX2: the weight-product kernel in 8-float vectors"). Its first build,
+# with 16-float vectors (two AVX2 registers each, and spilled), was 2-10x slower than XLA's dot.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
-MAX_ROWS_OTHER: dict = {}
+MAX_ROWS_AVX2 = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 16}
+MIN_WEIGHTS_AVX2 = 1 << 16
 
 
 @functools.lru_cache(maxsize=None)  # read /proc/cpuinfo once per process, not per engine built
@@ -46,12 +49,26 @@ def cpu_flags() -> frozenset:
     return frozenset(line.partition(":")[2].split())
 
 
+def _kernel_form(dtype) -> str:
+    """Which of the kernel's builds beats XLA's dot here for ``dtype`` weights: 'avx512' (its GEMM and
+    vdpbf16ps paths), 'avx2' (its 8-float vectors), or '' (none: a CPU with AVX-512 but not its BF16
+    instructions compiles the 16-float bfloat16 path, slower than XLA's)."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return "avx512" if jnp.dtype(dtype) != jnp.bfloat16 or "avx512_bf16" in flags else ""
+    return "avx2" if {"avx2", "fma"} <= flags else ""
+
+
 def row_products_max_rows(dtype) -> int:
     """The most rows of a product of ``dtype`` weights that the engine runs on row_products (0: none)."""
-    flags = cpu_flags()
-    if "avx512f" in flags and (jnp.dtype(dtype) != jnp.bfloat16 or "avx512_bf16" in flags):
-        return MAX_ROWS_AVX512.get(jnp.dtype(dtype), 0)
-    return MAX_ROWS_OTHER.get(jnp.dtype(dtype), 0)
+    limits = {"avx512": MAX_ROWS_AVX512, "avx2": MAX_ROWS_AVX2}.get(_kernel_form(dtype), {})
+    return limits.get(jnp.dtype(dtype), 0)
+
+
+def row_products_min_weights(dtype) -> int:
+    """The fewest weight elements of a product that the engine runs on row_products under 'auto'
+    (smaller products stay on XLA's dot, where the kernel's call costs more than it saves)."""
+    return MIN_WEIGHTS_AVX2 if _kernel_form(dtype) == "avx2" else 0
 
 
 def row_products_insisted_rows(dtype) -> int:
@@ -81,5 +98,6 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
         x.astype(jnp.float32), w)
 
 
-__all__ = ["paged_attention", "row_products", "row_products_max_rows", "row_products_insisted_rows", "KV_DTYPES",
+__all__ = ["paged_attention", "row_products", "row_products_max_rows", "row_products_min_weights",
+           "row_products_insisted_rows", "KV_DTYPES",
            "WEIGHT_DTYPES"]

@@ -66,6 +66,7 @@ from laminar_jax.rollout.attention import (
     storage_dtype,
     to_pool,
 )
+from laminar_jax.native import ops as native_ops
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.extend import decode_model
 from laminar_jax.rollout.paged import (
@@ -126,10 +127,15 @@ class Engine:
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
         self.row_kernel_rows = resolve_row_kernel(section.weight_products, kv_dtype,
                                                   platform=self.devices[0].platform, tensor_parallel=mesh is not None)
+        # Under 'auto', products of smaller weights than this stay on XLA's dot (AVX2: the kernel's
+        # call costs more than it saves on the tiny model's); 'native' takes every one.
+        self.row_kernel_min_weights = (native_ops.row_products_min_weights(kv_dtype)
+                                       if self.row_kernel_rows and section.weight_products == "auto" else 0)
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
-                           vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows)
+                           vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows,
+                           row_kernel_min_weights=self.row_kernel_min_weights)
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -622,6 +628,7 @@ class _Spec(NamedTuple):
     one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
     vocab_size: int = 0  # the logits' width (sizes _call_noise)
     row_kernel_rows: int = 0  # decode weight products of at most this many rows run the native kernel
+    row_kernel_min_weights: int = 0  # ... of weights of at least this many elements
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):

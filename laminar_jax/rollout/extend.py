@@ -36,7 +36,7 @@ def decode_model(spec, params):
     rollout.weight_products). Prefill programs merge the model as it is (XLA's dot)."""
     model = nnx.merge(spec.graphdef, params)
     if spec.row_kernel_rows:
-        use_row_kernel(model, spec.row_kernel_rows)
+        use_row_kernel(model, spec.row_kernel_rows, spec.row_kernel_min_weights)
     return model
 
 

@@ -183,14 +183,19 @@ def test_row_products_refuse_other_weight_dtypes():
 
 
 def test_row_kernel_policy():
-    avx512 = "avx512f" in ops.cpu_flags()  # the kernel's GEMM path: 64 rows there; else XLA's dot is faster
-    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == (64 if avx512 else 0)
+    # Where the kernel beats XLA's dot: its GEMM path, 64 rows, on AVX-512; its 8-float form, 16 rows
+    # of the larger weights, on AVX2; elsewhere XLA's dot.
+    flags = ops.cpu_flags()
+    avx512, avx2 = "avx512f" in flags, "avx512f" not in flags and {"avx2", "fma"} <= flags
+    auto_rows = 64 if avx512 else 16 if avx2 else 0
+    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == auto_rows
+    assert ops.row_products_min_weights(jnp.float32) == (ops.MIN_WEIGHTS_AVX2 if avx2 else 0)
     # Insisted on, the kernel runs wherever it is correct (the engine tests below use it on every CPU).
     assert resolve_row_kernel("native", jnp.float32, platform="cpu", tensor_parallel=False) == (64 if avx512 else 16)
     assert resolve_row_kernel("native", jnp.bfloat16, platform="cpu", tensor_parallel=False) >= 16
     assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
-    bf16 = avx512 and "avx512_bf16" in ops.cpu_flags()  # the kernel's bf16 paths need AVX-512 BF16 to beat XLA
-    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == (64 if bf16 else 0)
+    bf16 = 64 if avx512 and "avx512_bf16" in flags else 16 if avx2 else 0  # AVX-512 without BF16: XLA's
+    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == bf16
     assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
     assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
     with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run off CPU"):
@@ -204,7 +209,7 @@ def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
     from flax import nnx
 
     from laminar_jax.model import PRESETS, Transformer
-    from laminar_jax.model.transformer import use_row_kernel
+    from laminar_jax.model.transformer import Linear, use_row_kernel
 
     import dataclasses
 
@@ -218,6 +223,14 @@ def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
     np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), atol=1e-5, rtol=1e-5)
     use_row_kernel(model, 2)  # 3 rows > 2: XLA's dot again
     assert "laminar_row_products" not in jax.jit(lambda t: model(t)).lower(tokens).as_text()
+    # A floor on the weight's size: only the products of weights that large take the kernel.
+    largest = max(m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear))
+    use_row_kernel(model, 16, largest)
+    assert "laminar_row_products" in jax.jit(lambda t: model(t)).lower(tokens).as_text()
+    use_row_kernel(model, 16, largest + 1)
+    assert "laminar_row_products" not in jax.jit(lambda t: model(t)).lower(tokens).as_text()
+    use_row_kernel(model, 16, largest)
+    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), atol=1e-5, rtol=1e-5)
 
 
 def test_engine_decodes_the_same_tokens_with_either_weight_products():
@@ -232,6 +245,7 @@ def test_engine_decodes_the_same_tokens_with_either_weight_products():
     for policy in ("xla", "native"):
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
         assert engine.row_kernel_rows == (0 if policy == "xla" else ops.row_products_insisted_rows(jnp.float32))
+        assert engine.row_kernel_min_weights == 0  # insisted on: every product, the tiny model's included
         outs[policy] = generate((engine, params), prompts, sp)
     for a, b in zip(outs["xla"], outs["native"]):
         np.testing.assert_array_equal(a.tokens, b.tokens)
