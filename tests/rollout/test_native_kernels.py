@@ -250,3 +250,27 @@ def test_engine_decodes_the_same_tokens_with_either_weight_products():
     for a, b in zip(outs["xla"], outs["native"]):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_auto_engine_takes_the_kernel_only_for_models_with_weights_over_the_floor():
+    """On AVX2 the tiny model has no weight over the floor: its engine keeps XLA's dot and never
+    builds the kernel; a model with one takes the kernel for those weights alone."""
+    import dataclasses
+
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+    from laminar_jax.rollout import make_engine
+    from tests.rollout.rollout_helpers import SECTION, tiny_model
+
+    floor = ops.row_products_min_weights(jnp.float32)
+    tiny, _ = make_engine(tiny_model(0), SECTION)
+    wide_cfg = dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512, num_layers=1)
+    wide, _ = make_engine(Transformer(wide_cfg, rngs=nnx.Rngs(0)), SECTION)
+    auto_rows = ops.row_products_max_rows(jnp.float32)
+    if floor:  # AVX2: the tiny model's largest weight (a few thousand elements) is under it
+        assert (tiny.row_kernel_rows, tiny.row_kernel_min_weights) == (0, 0)
+        assert (wide.row_kernel_rows, wide.row_kernel_min_weights) == (auto_rows, floor)
+    else:
+        assert tiny.row_kernel_rows == wide.row_kernel_rows == auto_rows
+        assert tiny.row_kernel_min_weights == wide.row_kernel_min_weights == 0
