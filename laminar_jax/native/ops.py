@@ -99,5 +99,4 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 __all__ = ["paged_attention", "row_products", "row_products_max_rows", "row_products_min_weights",
-           "row_products_insisted_rows", "KV_DTYPES",
-           "WEIGHT_DTYPES"]
+           "row_products_insisted_rows", "KV_DTYPES", "WEIGHT_DTYPES"]

@@ -9,7 +9,7 @@
 // - few rows: every weight row is read once, straight from its stored layout, and multiplied into
 //   all M rows while it is in L1; sums run over K in 16-lane partial sums, reduced at the end;
 // - from 4 rows (8 for bfloat16) on AVX-512: a GEMM micro-kernel (below, "Four rows and more");
-// - on AVX2 without AVX-512, the first form at every row count, in 8-float vectors (below, "AVX2").
+// - on AVX2 without AVX-512, the first form at every row count, in 8-float vectors (below, "The few-row form's vectors").
 // Either way the result of a row never depends on the other rows or on how the work is split
 // between threads.
 
@@ -73,38 +73,89 @@ inline void block_bf16(const uint16_t* xb, const uint16_t* w, int64_t k_n, int64
 }
 #endif
 
+// The few-row form's vectors. 16 floats: one AVX-512 register. On AVX2 without AVX-512 that is two
+// registers each and the 8 x 3 accumulators spill (2-10x slower than XLA's dot there), so 8 floats:
+// one register, groups of at most 4 rows (12 accumulators), bfloat16 widened as it loads. Against
+// XLA's dot (AMD EPYC Zen 3, one thread): qwen2-100m's 768 x 768 and 2048 x 768 products take
+// 0.34-0.9x its time at 2-16 rows, as long at 1 and 32; the tiny demo model's (at most 192 x 64)
+// 1.1-2.3x at 4 rows and more, hence native_ops.MIN_WEIGHTS_AVX2. A GEMM form there (x packed
+// transposed, weights broadcast, 2 x 6 accumulators) was slower than XLA's dot at 4-64 rows.
+struct Lanes16 {
+  typedef vf V;
+  static constexpr int64_t kN = 16, kGroup = 8;
+  template <typename T>
+  static V load(const T* p) { return load16(p); }
+  static V fma(V a, V x, V w) { return a + x * w; }
+  static float sum(V v) { return hsum(v); }
+};
+
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+inline vf8 load8(const float* p) {
+  vf8 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+inline vf8 load8(const uint16_t* p) {  // 8 bfloat16 values widened: the bits move to the high half
+  typedef uint16_t vh8 __attribute__((vector_size(16)));
+  typedef uint32_t vu8 __attribute__((vector_size(32)));
+  vh8 h;
+  std::memcpy(&h, p, sizeof h);
+  const vu8 u = __builtin_convertvector(h, vu8) << 16;
+  vf8 v;
+  std::memcpy(&v, &u, sizeof v);
+  return v;
+}
+struct Lanes8 {
+  typedef vf8 V;
+  static constexpr int64_t kN = 8, kGroup = 4;
+  template <typename T>
+  static V load(const T* p) { return load8(p); }
+  // An explicit FMA: left to the compiler, one row group's instance fused and another's did not,
+  // and a row's result depended on the rows beside it.
+  static V fma(V a, V x, V w) { return (vf8)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)a); }
+  static float sum(V v) {  // a tree of halves, as hsum
+    const vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+  }
+};
+typedef Lanes8 FewLanes;
+#else
+typedef Lanes16 FewLanes;
+#endif
+
 // Rows [m0, m0 + MG) of y for weight rows [n0, n0 + NB): MG x NB accumulators in registers.
-template <int MG, int NB, typename W>
+template <typename L, int MG, int NB, typename W>
 inline void block(const float* x, const W* w, int64_t k_n, int64_t n_n, int64_t m0, int64_t n0, float* y) {
-  vf acc[MG][NB];
+  typename L::V acc[MG][NB];
   for (int m = 0; m < MG; ++m)
-    for (int b = 0; b < NB; ++b) acc[m][b] = vf{};
-  const int64_t k_vec = k_n / kLanes * kLanes;
-  for (int64_t k = 0; k < k_vec; k += kLanes) {
-    vf wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = load16(w + (n0 + b) * k_n + k);
+    for (int b = 0; b < NB; ++b) acc[m][b] = typename L::V{};
+  const int64_t k_vec = k_n / L::kN * L::kN;
+  for (int64_t k = 0; k < k_vec; k += L::kN) {
+    typename L::V wv[NB];
+    for (int b = 0; b < NB; ++b) wv[b] = L::load(w + (n0 + b) * k_n + k);
     for (int m = 0; m < MG; ++m) {
-      const vf xv = load16(x + (m0 + m) * k_n + k);
-      for (int b = 0; b < NB; ++b) acc[m][b] += xv * wv[b];
+      const typename L::V xv = L::load(x + (m0 + m) * k_n + k);
+      for (int b = 0; b < NB; ++b) acc[m][b] = L::fma(acc[m][b], xv, wv[b]);
     }
   }
   for (int m = 0; m < MG; ++m)
     for (int b = 0; b < NB; ++b) {
-      float s = hsum(acc[m][b]);
+      float s = L::sum(acc[m][b]);
       for (int64_t k = k_vec; k < k_n; ++k) s += x[(m0 + m) * k_n + k] * widen(w[(n0 + b) * k_n + k]);
       y[(m0 + m) * n_n + n0 + b] = s;
     }
 }
 
-// All M rows for weight rows [n0, n0 + NB): groups of 8 rows (then 4, 2, 1), so the NB weight rows
-// come from memory once and from L1 for the other groups.
-template <int NB, typename W>
+// All M rows for weight rows [n0, n0 + NB): groups of L::kGroup rows (then 4, 2, 1), so the NB
+// weight rows come from memory once and from L1 for the other groups.
+template <typename L, int NB, typename W>
 inline void all_rows(const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, int64_t n0, float* y) {
   int64_t m = 0;
-  for (; m + 8 <= m_n; m += 8) block<8, NB>(x, w, k_n, n_n, m, n0, y);
-  for (; m + 4 <= m_n; m += 4) block<4, NB>(x, w, k_n, n_n, m, n0, y);
-  for (; m + 2 <= m_n; m += 2) block<2, NB>(x, w, k_n, n_n, m, n0, y);
-  for (; m < m_n; ++m) block<1, NB>(x, w, k_n, n_n, m, n0, y);
+  if constexpr (L::kGroup >= 8)
+    for (; m + 8 <= m_n; m += 8) block<L, 8, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m + 4 <= m_n; m += 4) block<L, 4, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m + 2 <= m_n; m += 2) block<L, 2, NB>(x, w, k_n, n_n, m, n0, y);
+  for (; m < m_n; ++m) block<L, 1, NB>(x, w, k_n, n_n, m, n0, y);
 }
 
 constexpr int64_t kRowsPerUnit = 48;  // weight rows per work unit (a multiple of 3)
@@ -117,8 +168,8 @@ void run(ffi::ThreadPool& pool, const float* x, const W* w, int64_t m_n, int64_t
   for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
     int64_t n = lo;
-    for (; n + 3 <= hi; n += 3) all_rows<3>(x, w, m_n, k_n, n_n, n, y);
-    for (; n < hi; ++n) all_rows<1>(x, w, m_n, k_n, n_n, n, y);
+    for (; n + 3 <= hi; n += 3) all_rows<FewLanes, 3>(x, w, m_n, k_n, n_n, n, y);
+    for (; n < hi; ++n) all_rows<FewLanes, 1>(x, w, m_n, k_n, n_n, n, y);
   });
 }
 
@@ -334,80 +385,6 @@ void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, i
 #endif
 #endif  // __AVX512F__
 
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-// AVX2 (16 registers of 8 floats): the path above keeps 16-float vectors, two registers each, and
-// its 8 x 3 accumulators spill (2-10x slower than XLA's dot). Here the same form (each weight row
-// read once, multiplied into every row while in L1) with one register per vector: groups of 4 rows
-// (then 2, 1) x 3 weight rows, 12 accumulators; bfloat16 weights widened as they load. A GEMM form
-// (x packed transposed, weights broadcast, 2 x 6 accumulators) was slower than XLA's dot at 4-64
-// rows here. Against XLA's dot (AMD EPYC Zen 3, one thread): qwen2-100m's 768 x 768 and 2048 x 768
-// products take 0.34-0.9x its time at 2-16 rows, as long at 1 and 32; the tiny demo model's (at
-// most 192 x 64) 1.1-2.3x at 4 rows and more, hence native_ops.MIN_WEIGHTS_AVX2.
-// One float32 sum per output (8 partial sums, reduced in a fixed tree): independent of the other
-// rows and of the split between threads.
-constexpr int64_t kLanes8 = 8;
-
-inline vf8 load8(const float* p) {
-  vf8 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-inline vf8 load8(const uint16_t* p) {  // 8 bfloat16 values widened: the bits move to the high half
-  typedef uint16_t vh8 __attribute__((vector_size(16)));
-  typedef uint32_t vu8 __attribute__((vector_size(32)));
-  vh8 h;
-  std::memcpy(&h, p, sizeof h);
-  const vu8 u = __builtin_convertvector(h, vu8) << 16;
-  vf8 v;
-  std::memcpy(&v, &u, sizeof v);
-  return v;
-}
-inline float hsum8(vf8 v) {
-  const vf4 b = __builtin_shufflevector(v, v, 0, 1, 2, 3) + __builtin_shufflevector(v, v, 4, 5, 6, 7);
-  return (b[0] + b[2]) + (b[1] + b[3]);
-}
-
-template <int MG, int NB, typename W>
-inline void block8(const float* x, const W* w, int64_t k_n, int64_t n_n, int64_t m0, int64_t n0, float* y) {
-  vf8 acc[MG][NB] = {};
-  const int64_t k_vec = k_n / kLanes8 * kLanes8;
-  for (int64_t k = 0; k < k_vec; k += kLanes8) {
-    vf8 wv[NB];
-    for (int b = 0; b < NB; ++b) wv[b] = load8(w + (n0 + b) * k_n + k);
-    for (int m = 0; m < MG; ++m) {
-      const vf8 xv = load8(x + (m0 + m) * k_n + k);
-      // An explicit FMA: left to the compiler, one group size's instance fused and another's did
-      // not, and a row's result depended on the rows beside it.
-      for (int b = 0; b < NB; ++b) acc[m][b] = (vf8)_mm256_fmadd_ps((__m256)xv, (__m256)wv[b], (__m256)acc[m][b]);
-    }
-  }
-  for (int m = 0; m < MG; ++m)
-    for (int b = 0; b < NB; ++b) {
-      float s = hsum8(acc[m][b]);
-      for (int64_t k = k_vec; k < k_n; ++k) s += x[(m0 + m) * k_n + k] * widen(w[(n0 + b) * k_n + k]);
-      y[(m0 + m) * n_n + n0 + b] = s;
-    }
-}
-
-template <int NB, typename W>
-inline void all_rows8(const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, int64_t n0, float* y) {
-  int64_t m = 0;
-  for (; m + 4 <= m_n; m += 4) block8<4, NB>(x, w, k_n, n_n, m, n0, y);
-  for (; m + 2 <= m_n; m += 2) block8<2, NB>(x, w, k_n, n_n, m, n0, y);
-  for (; m < m_n; ++m) block8<1, NB>(x, w, k_n, n_n, m, n0, y);
-}
-
-template <typename W>
-void few_rows8(ffi::ThreadPool& pool, const float* x, const W* w, int64_t m_n, int64_t k_n, int64_t n_n, float* y) {
-  for_units(pool, (n_n + kRowsPerUnit - 1) / kRowsPerUnit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
-    const int64_t lo = u * kRowsPerUnit, hi = std::min(n_n, lo + kRowsPerUnit);
-    int64_t n = lo;
-    for (; n + 3 <= hi; n += 3) all_rows8<3>(x, w, m_n, k_n, n_n, n, y);
-    for (; n < hi; ++n) all_rows8<1>(x, w, m_n, k_n, n_n, n, y);
-  });
-}
-
-#endif  // AVX2 without AVX-512
 
 ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
                         ffi::ResultBuffer<ffi::F32> y) {
@@ -427,15 +404,6 @@ ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
-#endif
-#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
-  if (w.element_type() == ffi::DataType::F32)
-    few_rows8(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
-  else if (w.element_type() == ffi::DataType::BF16)
-    few_rows8(pool, x.typed_data(), static_cast<const uint16_t*>(w.untyped_data()), m_n, k_n, n_n, y->typed_data());
-  else
-    return ffi::Error::InvalidArgument("weights must be float32 or bfloat16");
-  return ffi::Error::Success();
 #endif
   if (w.element_type() == ffi::DataType::F32)
     run(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
