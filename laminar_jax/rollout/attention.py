@@ -375,18 +375,41 @@ def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_siz
     return name
 
 
-def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bool,
-                       field: str = "rollout.weight_products") -> int:
-    """Rows up to which an engine's decode weight products run the native kernel (0: XLA's dot).
+class RowKernel(NamedTuple):
+    """Which decode weight products run the native kernel: those of at most ``rows`` rows whose
+    weights have at least ``min_weights`` elements (rows 0: none, every product on XLA's dot)."""
+
+    rows: int
+    min_weights: int = 0
+
+
+def largest_weight(model_cfg) -> int:
+    """Elements of a model's largest weight matrix, read from its config: the hidden size times the
+    widest of the MLP, the vocabulary (the head) and the attention heads."""
+    return model_cfg.hidden_size * max(model_cfg.intermediate_size, model_cfg.vocab_size,
+                                       model_cfg.num_heads * model_cfg.head_dim)
+
+
+def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bool, largest_weight: int,
+                       field: str = "rollout.weight_products") -> RowKernel:
+    """Which of an engine's decode weight products run the native kernel, for a model whose largest
+    weight has ``largest_weight`` elements.
 
     'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (on CPUs
-    with AVX-512: float32, and bfloat16 with AVX-512 BF16), when the kernel builds here, up to that many
-    rows (where it was measured faster than XLA:CPU's dot); 'xla': never.
-    'native': on one CPU device for float32 or bfloat16 weights, also where 'auto' would not (up to
-    row_products_insisted_rows), and an error naming the field where it cannot run.
+    with AVX-512: float32, and bfloat16 with AVX-512 BF16; on AVX2: both), when the kernel builds
+    here, up to that many rows (where it was measured faster than XLA:CPU's dot), and only for
+    weights of at least native_ops.row_products_min_weights elements (on AVX2 the kernel's call costs
+    more than it saves on smaller ones). A model with no weight that large gets none, and the
+    kernel is not even built (a first run would compile it for nothing). 'xla': never.
+    'native': on one CPU device for float32 or bfloat16 weights, every weight, also where 'auto'
+    would not (up to row_products_insisted_rows rows), and an error naming the field where it
+    cannot run.
     """
     if policy == "xla":
-        return 0
+        return RowKernel(0)
+    floor = native_ops.row_products_min_weights(dtype) if policy == "auto" else 0
+    if largest_weight < floor:
+        return RowKernel(0)  # before the build check below: that check builds the kernel
     # Per dtype and CPU: where it beat XLA's dot; or, insisted on, wherever it is correct.
     limit = (native_ops.row_products_max_rows if policy == "auto" else native_ops.row_products_insisted_rows)(dtype)
     why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
@@ -394,7 +417,7 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
            else native.available(native_ops.PRODUCTS_LIBRARY))
     if why and policy == "native":
         raise ValueError(f"{field}='native' cannot run {why}; use 'auto' or 'xla'")
-    return 0 if why else limit
+    return RowKernel(0) if why else RowKernel(limit, floor)
 
 
 def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):

@@ -52,11 +52,11 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
-from laminar_jax.native import ops as native_ops
 from laminar_jax.rollout.attention import (
     BACKENDS,
     DecodeMeta,
     from_pool,
+    largest_weight,
     live_page_list,
     pool_shape,
     prefill_dense,
@@ -125,15 +125,9 @@ class Engine:
             tpl.check_tp(model_cfg, self.tp)
         self.state_shardings = None if mesh is None else self._state_shardings(mesh)
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
-        # Under 'auto', products of smaller weights than this stay on XLA's dot (AVX2: the kernel's
-        # call costs more than it saves on the tiny model's); 'native' takes every one. A model with
-        # no weight that large never builds the kernel (a first run would compile it for nothing).
-        min_weights = native_ops.row_products_min_weights(kv_dtype) if section.weight_products == "auto" else 0
-        largest = model_cfg.hidden_size * max(model_cfg.intermediate_size, model_cfg.vocab_size,
-                                              model_cfg.num_heads * model_cfg.head_dim)
-        self.row_kernel_rows = 0 if largest < min_weights else resolve_row_kernel(
-            section.weight_products, kv_dtype, platform=self.devices[0].platform, tensor_parallel=mesh is not None)
-        self.row_kernel_min_weights = min_weights if self.row_kernel_rows else 0
+        self.row_kernel_rows, self.row_kernel_min_weights = resolve_row_kernel(
+            section.weight_products, kv_dtype, platform=self.devices[0].platform, tensor_parallel=mesh is not None,
+            largest_weight=largest_weight(model_cfg))
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,

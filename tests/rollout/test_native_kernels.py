@@ -15,8 +15,10 @@ from laminar_jax import native
 from laminar_jax.native import ops
 from laminar_jax.rollout.attention import (
     DecodeMeta,
+    RowKernel,
     as_stored,
     cpu_kernel,
+    largest_weight,
     live_page_list,
     live_pages,
     pool_shape,
@@ -188,20 +190,48 @@ def test_row_kernel_policy():
     flags = ops.cpu_flags()
     avx512, avx2 = "avx512f" in flags, "avx512f" not in flags and {"avx2", "fma"} <= flags
     auto_rows = 64 if avx512 else 16 if avx2 else 0
-    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=False) == auto_rows
-    assert ops.row_products_min_weights(jnp.float32) == (ops.MIN_WEIGHTS_AVX2 if avx2 else 0)
-    # Insisted on, the kernel runs wherever it is correct (the engine tests below use it on every CPU).
-    assert resolve_row_kernel("native", jnp.float32, platform="cpu", tensor_parallel=False) == (64 if avx512 else 16)
-    assert resolve_row_kernel("native", jnp.bfloat16, platform="cpu", tensor_parallel=False) >= 16
-    assert resolve_row_kernel("xla", jnp.float32, platform="cpu", tensor_parallel=False) == 0
+    floor = ops.MIN_WEIGHTS_AVX2 if avx2 else 0
+    assert ops.row_products_min_weights(jnp.float32) == floor
+
+    def rows(policy, dtype=jnp.float32, platform="cpu", tp=False, largest=1 << 30):
+        return resolve_row_kernel(policy, dtype, platform=platform, tensor_parallel=tp, largest_weight=largest)
+
+    assert rows("auto") == RowKernel(auto_rows, floor if auto_rows else 0)
+    # Insisted on, the kernel runs wherever it is correct (the engine tests below use it on every
+    # CPU), for every weight.
+    assert rows("native") == RowKernel(64 if avx512 else 16, 0)
+    assert rows("native", largest=16) == RowKernel(64 if avx512 else 16, 0)
+    assert rows("native", jnp.bfloat16).rows >= 16
+    assert rows("xla") == RowKernel(0, 0)
     bf16 = 64 if avx512 and "avx512_bf16" in flags else 16 if avx2 else 0  # AVX-512 without BF16: XLA's
-    assert resolve_row_kernel("auto", jnp.bfloat16, platform="cpu", tensor_parallel=False) == bf16
-    assert resolve_row_kernel("auto", jnp.float32, platform="gpu", tensor_parallel=False) == 0
-    assert resolve_row_kernel("auto", jnp.float32, platform="cpu", tensor_parallel=True) == 0
+    assert rows("auto", jnp.bfloat16).rows == bf16
+    assert rows("auto", platform="gpu") == RowKernel(0, 0)
+    assert rows("auto", tp=True) == RowKernel(0, 0)
+    # A model with no weight over the floor gets no kernel at all, in either dtype (the offline LLM
+    # asks this for its 1-row bf16 bucket).
+    if floor:
+        assert rows("auto", largest=floor - 1) == rows("auto", jnp.bfloat16, largest=floor - 1) == RowKernel(0, 0)
+        assert rows("auto", largest=floor) == RowKernel(auto_rows, floor)
     with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run off CPU"):
-        resolve_row_kernel("native", jnp.float32, platform="tpu", tensor_parallel=False)
+        rows("native", platform="tpu")
     with pytest.raises(ValueError, match="rollout.weight_products='native' cannot run for float16"):
-        resolve_row_kernel("native", jnp.float16, platform="cpu", tensor_parallel=False)
+        rows("native", jnp.float16)
+
+
+def test_largest_weight_reads_the_model_config():
+    import dataclasses
+
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+    from laminar_jax.model.transformer import Linear
+
+    for cfg in (PRESETS["tiny"], dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512,
+                                                     num_layers=1, tie_word_embeddings=False)):
+        model = Transformer(cfg, rngs=nnx.Rngs(0))
+        sizes = [m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
+        sizes.append(cfg.vocab_size * cfg.hidden_size)  # the head (tied: the embedding)
+        assert largest_weight(cfg) == max(sizes)
 
 
 @pytest.mark.parametrize("tied", [True, False])
