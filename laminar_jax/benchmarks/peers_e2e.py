@@ -61,7 +61,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--ours-threads", default=None,
                     help="ours: XLA CPU thread settings to run sync and laminar with, e.g. 0,1 (0: XLA's default, "
                          "a pool of one thread per core and async dispatch; n >= 1: runtime.cpu_threads=n and "
-                         "runtime.cpu_async_dispatch=False, each computation on its calling thread); default: "
+                         "runtime.cpu_async_dispatch=False, each computation started on its calling thread); default: "
                          "the demo config's")
     ap.add_argument("--ours-servers", default=None,
                     help="ours: runtime.num_servers settings (rollout servers of rollout.num_slots slots each) to "
