@@ -92,6 +92,11 @@ class TransformerConfig:
         head = 0 if self.tie_word_embeddings else v * d
         return self.num_layers * per_layer + v * d + head + d
 
+    def largest_weight(self) -> int:
+        """Elements of the largest weight matrix: the hidden size times the widest of the MLP, the
+        vocabulary (the head or tied embedding) and the attention heads."""
+        return self.hidden_size * max(self.intermediate_size, self.vocab_size, self.num_heads * self.head_dim)
+
 
 def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, Optional[RopeScaling]]:
     # transformers>=5 nests theta and scaling in `rope_parameters`; 4.x uses rope_theta/rope_scaling.

@@ -9,7 +9,8 @@
 // - few rows: every weight row is read once, straight from its stored layout, and multiplied into
 //   all M rows while it is in L1; sums run over K in 16-lane partial sums, reduced at the end;
 // - from 4 rows (8 for bfloat16) on AVX-512: a GEMM micro-kernel (below, "Four rows and more");
-// - on AVX2 without AVX-512, the first form at every row count, in 8-float vectors (below, "The few-row form's vectors").
+// - on AVX2 without AVX-512, the first form at every row count, in 8-float vectors (below, "The
+//   few-row form's vectors").
 // Either way the result of a row never depends on the other rows or on how the work is split
 // between threads.
 

@@ -383,17 +383,10 @@ class RowKernel(NamedTuple):
     min_weights: int = 0
 
 
-def largest_weight(model_cfg) -> int:
-    """Elements of a model's largest weight matrix, read from its config: the hidden size times the
-    widest of the MLP, the vocabulary (the head) and the attention heads."""
-    return model_cfg.hidden_size * max(model_cfg.intermediate_size, model_cfg.vocab_size,
-                                       model_cfg.num_heads * model_cfg.head_dim)
-
-
 def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bool, largest_weight: int,
                        field: str = "rollout.weight_products") -> RowKernel:
     """Which of an engine's decode weight products run the native kernel, for a model whose largest
-    weight has ``largest_weight`` elements.
+    weight has ``largest_weight`` elements (`TransformerConfig.largest_weight()`).
 
     'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (on CPUs
     with AVX-512: float32, and bfloat16 with AVX-512 BF16; on AVX2: both), when the kernel builds

@@ -56,7 +56,6 @@ from laminar_jax.rollout.attention import (
     BACKENDS,
     DecodeMeta,
     from_pool,
-    largest_weight,
     live_page_list,
     pool_shape,
     prefill_dense,
@@ -127,7 +126,7 @@ class Engine:
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
         self.row_kernel_rows, self.row_kernel_min_weights = resolve_row_kernel(
             section.weight_products, kv_dtype, platform=self.devices[0].platform, tensor_parallel=mesh is not None,
-            largest_weight=largest_weight(model_cfg))
+            largest_weight=model_cfg.largest_weight())
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,

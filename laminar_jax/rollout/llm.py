@@ -28,7 +28,7 @@ import numpy as np
 
 from laminar_jax.matmul_precision import resolve_matmul_precision, scoped_matmul_precision
 from laminar_jax.model.arch import TransformerConfig
-from laminar_jax.rollout.attention import largest_weight, resolve_row_kernel
+from laminar_jax.rollout.attention import resolve_row_kernel
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
 from laminar_jax.rollout.offline import complete, per_prompt
@@ -153,7 +153,7 @@ class LLM:
         # A 1-row decode batch where its products are fast: float32, or bf16 on the native kernel.
         one_row = dtype == "float32" or resolve_row_kernel(
             section_overrides.get("weight_products", "auto"), dtype, platform=jax.devices()[0].platform,
-            tensor_parallel=False, largest_weight=largest_weight(cfg)).rows > 0
+            tensor_parallel=False, largest_weight=cfg.largest_weight()).rows > 0
         self.section = size_section(cfg, kv_memory_gb, dtype, max_num_seqs, max_model_len, max_prompt_len,
                                     page_size, eos, one_row=one_row, **section_overrides)
         self.model = from_pretrained(model, dtype=dtype)

@@ -18,7 +18,6 @@ from laminar_jax.rollout.attention import (
     RowKernel,
     as_stored,
     cpu_kernel,
-    largest_weight,
     live_page_list,
     live_pages,
     pool_shape,
@@ -231,7 +230,7 @@ def test_largest_weight_reads_the_model_config():
         model = Transformer(cfg, rngs=nnx.Rngs(0))
         sizes = [m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
         sizes.append(cfg.vocab_size * cfg.hidden_size)  # the head (tied: the embedding)
-        assert largest_weight(cfg) == max(sizes)
+        assert cfg.largest_weight() == max(sizes)
 
 
 @pytest.mark.parametrize("tied", [True, False])
