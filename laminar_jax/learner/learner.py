@@ -36,6 +36,26 @@ class SkippedUpdatesError(RuntimeError):
     """Too many consecutive non-finite updates."""
 
 
+class PreparedBatch(NamedTuple):
+    """A batch collated and placed for the step that starts at `version` (`Learner.prepare`)."""
+    version: int
+    n: int  # trajectories
+    host: TrainBatch
+    batch: TrainBatch  # on the mesh
+    rng: np.random.Generator  # the step's draws, past the collation order
+
+
+class InFlightStep(NamedTuple):
+    """A dispatched step (`Learner.dispatch`) whose updates may still be computing."""
+    version: int  # the version it makes
+    per_update: list  # each update's metrics, on the device
+    optimizer_step: Any  # the optimizer's step count after it, on the device
+    figures: dict  # the batch's host-side metrics
+    publish: bool
+    t0: float  # perf_counter at dispatch
+    publish_wait_s: float  # spent in dispatch waiting for the previous version's host copy
+
+
 def _split_params(model: nnx.Module, what: str) -> tuple[Any, nnx.State]:
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
     if jax.tree.leaves(rest):
@@ -155,19 +175,37 @@ class Learner:
         """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
         advantages) once, then ppo_epochs x mini_batches optimizer updates, then publish version+1
         through `self.publisher` (`publish=False`: a replayed step whose version is published already)."""
-        t0, wait0 = time.perf_counter(), self.publish_wait_s
+        return self.finish(self.dispatch(trajectories, publish=publish))
+
+    def prepare(self, trajectories: Sequence[Trajectory], version: int) -> PreparedBatch:
+        """The host half of the step that starts at `version`: the batch collated (in the order that
+        version's step draws) and placed on the mesh. A caller does this while the step before is
+        still computing, and hands the result to `dispatch`."""
+        s = self.section
+        rng = np.random.default_rng([s.seed, version])
+        host = self.collate(trajectories, rng.permutation(len(trajectories)) if s.pack_length else None)
+        return PreparedBatch(version, len(trajectories), host, place(host, self.batch_shardings), rng)
+
+    def dispatch(self, trajectories: Sequence[Trajectory], prepared: Optional[PreparedBatch] = None,
+                 publish: bool = True) -> InFlightStep:
+        """Start a step: enqueue its log-prob pass and updates and return without waiting for them
+        (XLA runs them while the caller does other host work). `finish` completes it; call it before
+        the next `dispatch`. `prepared`: this batch from `prepare` at the learner's version."""
+        t0 = time.perf_counter()
         s = self.section
         if self._pending is not None:
             self._pending.check()
-        rng = np.random.default_rng([s.seed, self.version])
-        # Packed: mini-batches are drawn over trajectories once per step (collate lays them out as
-        # row blocks); each epoch visits the blocks in a new order. Unpacked: rows are shuffled.
-        host = self.collate(trajectories, rng.permutation(len(trajectories)) if s.pack_length else None)
+        if prepared is None:
+            prepared = self.prepare(trajectories, self.version)
+        elif (prepared.version, prepared.n) != (self.version, len(trajectories)):
+            raise ValueError(f"learner.dispatch: batch prepared for version {prepared.version} with {prepared.n} "
+                             f"trajectories; the learner is at version {self.version} with {len(trajectories)}")
+        host, rng = prepared.host, prepared.rng
         stale = staleness(host.versions, self.version)
-        batch = place(host, self.batch_shardings)
-        prepared = self._prepare(self.state.params, self.ref_params, batch)
+        prep = self._prepare(self.state.params, self.ref_params, prepared.batch)
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
+        wait0 = self.publish_wait_s
         if self._pending is not None and not self.snapshot_publish:
             self._wait_copied()  # donation below would free buffers the host copy still reads
         per_update = []
@@ -178,29 +216,42 @@ class Learner:
             if self._balance:
                 perm = balance_ranks(np.arange(b) if perm is None else perm, row_tokens, rows, self.ranks)
             for j in range(s.mini_batches):
-                mb = prepared if perm is None else self._select(
-                    prepared, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
+                mb = prep if perm is None else self._select(
+                    prep, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
                 self.state, m = self._train_step(self.state, mb)
                 per_update.append(m)
+        n = len(trajectories)
+        figures = dict(
+            rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
+                                                self.ranks),
+            staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
+            num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
+            seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
+            pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
+            updates=len(per_update))
+        return InFlightStep(self.version + 1, per_update, self.state.step, figures, publish, t0,
+                            self.publish_wait_s - wait0)
+
+    def finish(self, step: InFlightStep) -> dict:
+        """Wait for a dispatched step's updates, check them, count the version and publish it; the
+        step's metrics. `step_s` is the wall time from the step's dispatch to here."""
+        s = self.section
+        if step.version != self.version + 1:
+            raise ValueError(f"learner.finish: step for version {step.version}; the learner is at {self.version}")
+        per_update = step.per_update
         metrics = {k: float(np.mean([_scalar(m[k]) for m in per_update])) for k in per_update[0]}
         metrics["skipped"] = float(sum(_scalar(m["skipped"]) for m in per_update))
         consecutive = int(_scalar(per_update[-1]["consecutive_skips"]))
         if consecutive >= s.max_consecutive_skips:
             raise SkippedUpdatesError(
-                f"learner step {self.version + 1} (optimizer step {int(_scalar(self.state.step))}): "
+                f"learner step {step.version} (optimizer step {int(_scalar(step.optimizer_step))}): "
                 f"{consecutive} consecutive updates skipped for a non-finite loss or gradient "
                 f"(max_consecutive_skips={s.max_consecutive_skips})")
         self.version += 1
-        self._start_publish(publish)
-        n = len(trajectories)
-        metrics.update(
-            rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
-                                                self.ranks),
-            version=self.version, staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
-            num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
-            seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
-            pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
-            updates=len(per_update), step_s=time.perf_counter() - t0, publish_wait_s=self.publish_wait_s - wait0)
+        wait0 = self.publish_wait_s
+        self._start_publish(step.publish)
+        metrics.update(step.figures, version=self.version, step_s=time.perf_counter() - step.t0,
+                       publish_wait_s=step.publish_wait_s + self.publish_wait_s - wait0)
         return metrics
 
     def warmup(self, num_trajectories: int, max_tokens: Optional[int] = None) -> int:

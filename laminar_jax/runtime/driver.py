@@ -76,6 +76,8 @@ class Driver:
         self.on_step_hooks: list = []  # called with the new learner version after each step
         self._replay: list = []  # trajectory batches trained since the last checkpoint
         self._crash_learner = False
+        self._ahead: Optional[tuple] = None  # (trajectories, prepared) taken while the last step computed
+        self._unrecorded: Optional[tuple] = None  # (metrics, trajectories) of a step the monitor has not heard of
         self._last_ckpt = learner.version if resumed else None
         self.redispatched = buffer.ready()
         self.buffer_stats = buffer.stats()
@@ -115,18 +117,27 @@ class Driver:
             if self.evals is not None:
                 self.evals.begin(self.learner.version)
             while self.learner.version < rt.total_steps:
-                if rt.max_wall_s is not None and time.time() - self.t_rl > rt.max_wall_s:
-                    stopped_early = True
-                    break
-                try:
-                    rows = self._next_batch()
-                except InterruptedError:
-                    stopped_early = True
-                    break
-                self._train_on(rows)
+                # A batch taken ahead is trained whatever else says stop: its prompts are consumed.
+                trajs, prepared = self._ahead or (None, None)
+                self._ahead = None
+                if trajs is None:
+                    if self._out_of_time():
+                        stopped_early = True
+                        break
+                    try:
+                        trajs = [from_row(r) for r in self._next_batch()]  # prompts marked consumed
+                    except InterruptedError:
+                        stopped_early = True
+                        break
+                self._train_on(trajs, prepared)
+            self._record()
             self._end_evals(stopped_early)
         except BaseException:
             self._stop_profile()
+            try:
+                self._record()  # the last finished step's metrics line, if the monitor can still take it
+            except Exception:  # noqa: BLE001 - the error that stopped the run is the one to raise
+                log.exception("could not record the last step's metrics")
             self._shutdown(clean=False)
             raise
         self._stop_profile()
@@ -161,9 +172,12 @@ class Driver:
                     f"complete groups; ready={b['ready_groups']}, queued={b['queue']}, owned={b['owned']}, "
                     f"servers={self.fleet.server_stats()}")
 
-    def _train_on(self, rows: list[dict]) -> None:
-        trajs = [from_row(r) for r in rows]  # their prompts were marked consumed by get_batch
-        metrics = self._learner_step(trajs)
+    def _out_of_time(self) -> bool:
+        wall = self.cfg.runtime.max_wall_s
+        return wall is not None and time.time() - self.t_rl > wall
+
+    def _train_on(self, trajs: list, prepared=None) -> None:
+        metrics = self._learner_step(trajs, prepared)
         self._replay.append(trajs)
         # Servers learn of the new version from the hand-off or the relays (pulls wait for it); only then may
         # dispatch run ahead: no prompt is admitted under a version the mode says is superseded.
@@ -171,7 +185,7 @@ class Driver:
         self.monitor.on_publish(time.time(), self.learner.version)
         if self.repacker is not None:
             self.repacker.poke()
-        self.monitor.on_step(metrics, trajs, self.stats())
+        self._unrecorded = (metrics, trajs)  # the monitor hears of it while the next step computes
         if self.evals is not None:
             self.evals.after_step(self.learner.version)
         every = self.cfg.runtime.checkpoint_every
@@ -179,6 +193,28 @@ class Driver:
             self._checkpoint()
         for hook in list(self.on_step_hooks):
             hook(self.learner.version)
+
+    def _while_computing(self, next_version: int) -> None:
+        """Host work done while a dispatched step computes: the step before it goes to the monitor,
+        and the next batch, if the buffer has it now, is taken and prepared for `next_version`."""
+        self._record()
+        rt = self.cfg.runtime
+        if self._ahead is not None or next_version >= rt.total_steps or self.sup.stop.is_set() \
+                or self._out_of_time():
+            return
+        out = self.buffer.get_batch(rt.prompts_per_step, next_version, 0.0)
+        if out is None:
+            return
+        self.monitor.duplicates += out["duplicates"]
+        trajs = [from_row(r) for r in out["rows"]]
+        with profile.phase("learner.host"):
+            self._ahead = (trajs, self.learner.prepare(trajs, next_version))
+
+    def _record(self) -> None:
+        """The last finished step's metrics to the monitor (metrics.jsonl, TensorBoard, the console)."""
+        if self._unrecorded is not None:
+            (metrics, trajs), self._unrecorded = self._unrecorded, None
+            self.monitor.on_step(metrics, trajs, self.stats())
 
     def _end_evals(self, stopped_early: bool) -> None:
         """Collect the eval rounds: wait (bounded) for those in flight after a full run; a stopped
@@ -200,19 +236,25 @@ class Driver:
         self._replay.clear()  # batches up to here live in the checkpoint
 
     # ----------------------------------------------------------------------- learner failures
-    def _learner_step(self, trajs) -> dict:
-        """One learner step; if the learner dies, restart it from its checkpoint (rollouts keep
-        generating meanwhile), replay the batches trained since then, and train this batch."""
+    def _learner_step(self, trajs, prepared=None) -> dict:
+        """One learner step, its computation overlapped with `_while_computing`; if the learner dies,
+        restart it from its checkpoint (rollouts keep generating meanwhile), replay the batches
+        trained since then, and train this batch."""
         try:
             if self._crash_learner:
                 self._crash_learner = False
                 raise InjectedFault("injected learner crash")
             with profile.phase("learner.host"):
-                return self.learner.step(trajs)
+                running = self.learner.dispatch(trajs, prepared)
+            self._while_computing(self.learner.version + 1)
+            with profile.phase("learner.host"):
+                return self.learner.finish(running)
         except self.learner_failures as e:
             t_fail = time.time()
             log.warning("learner died (%r); restarting from its checkpoint", e)
             self._restart_learner()
+            if self._ahead is not None:
+                self._ahead = (self._ahead[0], None)  # prepared by the dead learner: the new one collates it
             metrics = self.learner.step(trajs)
             self.failures.append({"learner": repr(e), "t": round(t_fail - self.monitor.t0, 2),
                                   "replayed_steps": len(self._replay), "recovery_s": round(time.time() - t_fail, 3)})

@@ -288,10 +288,24 @@ class LearnerGroup:
     # ---------------------------------------------------------------------- Learner interface
     def step(self, trajectories: Sequence[Trajectory], publish: bool = True) -> dict:
         """One learner step on every process (the same batch); process 0's metrics."""
+        return self.finish(self.dispatch(trajectories, publish=publish))
+
+    def prepare(self, trajectories: Sequence[Trajectory], version: int):
+        """The batch in Ray's object store, for the step that starts at `version` (the processes
+        collate it themselves)."""
         import ray
 
-        batch = ray.put(list(trajectories))
-        out = self._all("step", f"learner step {self.version + 1} on every process", batch, publish)
+        return ray.put(list(trajectories))
+
+    def dispatch(self, trajectories: Sequence[Trajectory], prepared=None, publish: bool = True) -> list:
+        """Start the step on every process without waiting for it; `finish` waits."""
+        if self.broken:
+            raise LearnerGroupError(f"learner group is broken ({self.broken}); not starting step {self.version + 1}")
+        batch = prepared if prepared is not None else self.prepare(trajectories, self.version)
+        return [a.step.remote(batch, publish) for a in self.actors]
+
+    def finish(self, running: list) -> dict:
+        out = self._wait(running, f"learner step {self.version + 1} on every process", self.timeout_s)
         versions = {o["version"] for o in out}
         if versions != {self.version + 1}:
             self.broken = f"versions {sorted(versions)}"

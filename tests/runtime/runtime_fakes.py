@@ -151,9 +151,24 @@ class FakeLearner:
         return 0
 
     def step(self, trajectories, publish: bool = True) -> dict:
+        return self.finish(self.dispatch(trajectories, publish=publish))
+
+    def prepare(self, trajectories, version: int):
+        return ("prepared", version, [t.uid for t in trajectories])
+
+    def dispatch(self, trajectories, prepared=None, publish: bool = True):
+        """Checks the Learner's protocol: a batch prepared for this version, one step in flight."""
         if self.fail_with is not None:
             e, self.fail_with = self.fail_with, None
             raise e
+        assert prepared is None or prepared == self.prepare(trajectories, self.version), (prepared, self.version)
+        assert not getattr(self, "_running", False), "dispatch before the last step was finished"
+        self._running = True
+        return trajectories, publish
+
+    def finish(self, running) -> dict:
+        trajectories, publish = running
+        self._running = False
         if publish:  # a replayed step's batch was trained (and counted) already
             self.trained.extend(t.uid for t in trajectories)
         self.version += 1
