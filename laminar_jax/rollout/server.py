@@ -113,6 +113,7 @@ class RolloutServer:
         self._resume: collections.deque = collections.deque()  # uids of released episodes with their observation
         self._n_consumed = 0  # generate() outputs read so far
         self._holders: dict[bytes, list[int]] = {}  # prompt bytes -> slots holding its KV (share_prompt_kv)
+        self._last_stats = self._stats()  # what stats(wait=False) answers while a step holds the lock
 
     @property
     def device_ids(self) -> tuple:
@@ -629,23 +630,34 @@ class RolloutServer:
 
     # ---------------------------------------------------------------- stats
 
-    def stats(self) -> ServerStats:
-        with self._lock:
-            per_version = collections.Counter(x.version for x in [*self._slots, *self._released.values()]
-                                              if x is not None)
-            span = (self._rate[-1][0] - self._rate[0][0]) if len(self._rate) > 1 else 0.0
-            # Tokens after the first entry over the span they were produced in.
-            rate = (self._rate_sum - self._rate[0][1]) / span if span > 0 else 0.0
-            alloc = self.engine.allocator
-            return ServerStats(
-                server_id=self.section.server_id, version=self._version, slots_used=sum(x is not None for x in self._slots),
-                slots_total=len(self._slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,
-                live_per_version=dict(per_version), tokens_per_s=rate,
-                queue_length=self._queue.qsize() + (self._head is not None),
-                pending_version=None if self._pending is None else self._pending[0],
-                completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
-                truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"],
-                prompts_prefilled=self._counts["prompts_prefilled"], prompts_shared=self._counts["prompts_shared"])
+    def stats(self, wait: bool = True) -> ServerStats:
+        """The server's figures now; `wait=False`: without waiting for a step in progress (which holds
+        the lock through a generate call's device wait), the figures last taken instead, as the
+        process and Ray fleets report their servers' latest poll."""
+        if not self._lock.acquire(blocking=wait):
+            return self._last_stats
+        try:
+            self._last_stats = self._stats()
+            return self._last_stats
+        finally:
+            self._lock.release()
+
+    def _stats(self) -> ServerStats:  # under the lock
+        per_version = collections.Counter(x.version for x in [*self._slots, *self._released.values()]
+                                          if x is not None)
+        span = (self._rate[-1][0] - self._rate[0][0]) if len(self._rate) > 1 else 0.0
+        # Tokens after the first entry over the span they were produced in.
+        rate = (self._rate_sum - self._rate[0][1]) / span if span > 0 else 0.0
+        alloc = self.engine.allocator
+        return ServerStats(
+            server_id=self.section.server_id, version=self._version, slots_used=sum(x is not None for x in self._slots),
+            slots_total=len(self._slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,
+            live_per_version=dict(per_version), tokens_per_s=rate,
+            queue_length=self._queue.qsize() + (self._head is not None),
+            pending_version=None if self._pending is None else self._pending[0],
+            completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
+            truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"],
+            prompts_prefilled=self._counts["prompts_prefilled"], prompts_shared=self._counts["prompts_shared"])
 
 
 def _slot_init(adm: _Admission) -> SlotInit:

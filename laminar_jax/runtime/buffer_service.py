@@ -18,6 +18,7 @@ Everything crossing its methods is plain host data (WorkItem, Trajectory, dicts 
 
 from __future__ import annotations
 
+import collections
 import threading
 import time
 from typing import Optional, Sequence
@@ -28,6 +29,8 @@ from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
 from laminar_jax.runtime.dispatch import WorkItem
 from laminar_jax.threads import Worker
 from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
+
+LATENCY_WINDOW = 4096  # samples whose dispatch-to-completion latency the percentiles cover
 
 
 class BufferService:
@@ -67,7 +70,9 @@ class BufferService:
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
         self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0}
-        self._latencies: list[float] = []  # dispatch -> completion of each accepted sample
+        # Dispatch -> completion of the latest accepted samples: stats() (every learner step) takes their
+        # percentiles, which over the whole run would cost O(samples so far) per step.
+        self._latencies: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
         self.evals = eval_sink(cfg)  # eval rounds: apart from the store and the ledger
         self._val_prompts: Optional[list] = None  # the held-out prompts, read at the first eval round
         self._stop = threading.Event()
@@ -294,6 +299,7 @@ class BufferService:
             owned: dict[str, int] = {}
             for name, _ in self._owner.values():
                 owned[name] = owned.get(name, 0) + 1
+            # over the latest LATENCY_WINDOW samples
             lat = np.percentile(self._latencies, [50, 99]).tolist() if self._latencies else [None, None]
             counters = dict(self.counters)
         return {"queue": len(self.queue), "ledger": self.ledger.summary(),

@@ -175,7 +175,8 @@ class ThreadFleet:
         return {w.index: w.snapshot() for w in self._live()}
 
     def server_stats(self) -> list:
-        return [w.server.stats() for w in list(self.workers)]
+        # Not waiting on a server mid-step: the Driver asks while its learner step computes.
+        return [w.server.stats(wait=False) for w in list(self.workers)]
 
     def _by_name(self, name: str) -> Optional[RolloutWorker]:
         return next((w for w in self._live() if w.name == name), None)

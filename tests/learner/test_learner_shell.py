@@ -169,3 +169,32 @@ def test_publish_snapshot_publishes_each_versions_weights_while_the_next_step_do
         for k in want:
             np.testing.assert_array_equal(got[k], want[k], err_msg=f"v{version} {k}")
     learner.close()
+
+
+@pytest.mark.parametrize("pack_length", [None, 16])
+def test_a_step_prepared_while_the_last_one_computes_is_the_same_step(pack_length):
+    """dispatch / prepare / finish, as the Driver overlaps them, train what step() trains, bit for bit."""
+    section = dataclasses.replace(SECTION, pack_length=pack_length)
+    batches = [_batch(s) for s in range(3)]
+    a = Learner(section, _model(), publisher=LocalPublisher(keep=3))
+    want = [a.step(b) for b in batches]
+    b = Learner(section, _model(), publisher=LocalPublisher(keep=3))
+    got, prepared = [], None
+    for i, batch in enumerate(batches):
+        running = b.dispatch(batch, prepared)
+        assert b.version == i  # counted when finished
+        prepared = b.prepare(batches[i + 1], i + 1) if i + 1 < len(batches) else None
+        got.append(b.finish(running))
+    for m_want, m_got in zip(want, got):
+        timing = {"step_s", "publish_wait_s"}
+        assert {k: v for k, v in m_got.items() if k not in timing} == {k: v for k, v in m_want.items() if k not in timing}
+    for k, x in a.policy_params().items():
+        np.testing.assert_array_equal(b.policy_params()[k], x, err_msg=k)
+    a.flush(), b.flush()
+    assert a.publisher.latest()[0] == b.publisher.latest()[0] == 3
+    with pytest.raises(ValueError, match="prepared for version 2 with 8 trajectories; the learner is at version 3"):
+        b.dispatch(batches[0], b.prepare(batches[0], 2))
+    running = b.dispatch(batches[0])
+    with pytest.raises(ValueError, match="step for version 4; the learner is at 4"):
+        b.finish(running), b.finish(running)
+    a.close(), b.close()

@@ -1,6 +1,7 @@
 """RolloutServer: continuous batching, back-pressure, page exhaustion, versions, the thread wrapper."""
 
 import dataclasses
+import threading
 import time
 
 import jax
@@ -31,6 +32,24 @@ def test_continuous_batching_output_is_independent_of_batch_company():
         assert t.version == 0 and t.prompt_ids.tolist() == list(r.prompt_ids)
     s = server.stats()
     assert s.completed == 10 and s.slots_used == 0 and s.kv_pages_used == 0
+
+
+def test_stats_without_waiting_answer_the_last_figures_while_a_step_holds_the_lock():
+    server = make_server()
+    server.submit(request(0, max_new=6))
+    server.step()
+    now = server.stats()
+    assert now.slots_used == 1 and now.queue_length == 0
+    server.submit(request(1, max_new=6))
+    with server._lock:  # as a step does through its generate call's device wait (another thread below)
+        got = []
+        t = threading.Thread(target=lambda: got.append((server.stats(wait=False), time.monotonic())))
+        t0 = time.monotonic()
+        t.start()
+        t.join(5.0)
+        assert got and got[0][1] - t0 < 1.0
+        assert got[0][0] == now  # the figures last taken: the second request is not counted yet
+    assert server.stats(wait=False).queue_length == 1  # the lock is free: the figures now
 
 
 def test_stop_token_ends_the_sequence_and_is_kept():

@@ -44,7 +44,7 @@ class FakeServer:
     def warmup(self) -> None:
         pass
 
-    def stats(self) -> ServerStats:
+    def stats(self, wait: bool = True) -> ServerStats:
         n = len(self.live)
         return ServerStats(self.section.server_id, self._version, n, self.slots, n, self.slots, {self._version: n}, 0.0,
                            0, None, self.completed, 0, 0, 0)

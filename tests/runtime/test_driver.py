@@ -73,6 +73,25 @@ def test_driver_trains_every_prompt_exactly_once(mode, tmp_path):
         assert s["mean_staleness"] == 0.0
 
 
+def test_the_next_batch_is_taken_while_a_step_computes_and_trained_even_past_the_budget(tmp_path):
+    """The learner's host work for step N+1 overlaps step N: a batch the buffer already holds is taken
+    and prepared (for version N+1: FakeLearner.dispatch checks it) while N computes. A batch so taken
+    has its prompts consumed, so it is trained even when the wall budget ends the run first."""
+    cfg = _config(tmp_path, steps=1000, max_wall_s=3.0)
+    driver, trained = _driver(cfg)
+    prepared = []
+    prepare = driver.learner.prepare
+    driver.learner.prepare = lambda trajs, version: prepared.append(version) or prepare(trajs, version)
+    driver.on_step_hooks.append(lambda v: time.sleep(0.2))  # the servers fill the buffer meanwhile
+    s = driver.run()
+    rt = cfg.runtime
+    assert prepared and s["stopped_early"]
+    assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
+    assert s["consumed_prompts"] == s["steps"] * rt.prompts_per_step  # nothing consumed and left untrained
+    assert len(trained) == len(set(trained)) == s["steps"] * rt.prompts_per_step * rt.samples_per_prompt
+    assert len(driver.monitor.steps) == s["steps"]  # every step reached the monitor, the last one too
+
+
 def test_a_crashed_server_is_replaced_and_its_work_regenerated(tmp_path):
     cfg = _config(tmp_path, steps=5)
     driver, trained = _driver(cfg, server_steps=20)  # long sequences: the server holds work when it dies
