@@ -116,13 +116,12 @@ class BufferService:
                 self.board.update(i, version, live)
         return self.board.view(i)
 
-    def set_learner_version(self, version: int) -> dict:
+    def set_learner_version(self, version: int) -> None:
         """The learner finished step `version`: servers may take it, dispatch may run ahead."""
         self.check()
         self.board.set_newest(version)
         self.board.set_learner_version(version)
         self.store.evict_consumed(["learner"])
-        return self.stats()
 
     # ------------------------------------------------------------------------------ work
     def take_work(self, i: int, name: str, version: int, n: int) -> list[WorkItem]:

@@ -181,7 +181,7 @@ class Driver:
         self._replay.append(trajs)
         # Servers learn of the new version from the hand-off or the relays (pulls wait for it); only then may
         # dispatch run ahead: no prompt is admitted under a version the mode says is superseded.
-        self.buffer_stats = self.buffer.set_learner_version(self.learner.version)
+        self.buffer.set_learner_version(self.learner.version)
         self.monitor.on_publish(time.time(), self.learner.version)
         if self.repacker is not None:
             self.repacker.poke()
@@ -214,6 +214,7 @@ class Driver:
         """The last finished step's metrics to the monitor (metrics.jsonl, TensorBoard, the console)."""
         if self._unrecorded is not None:
             (metrics, trajs), self._unrecorded = self._unrecorded, None
+            self.buffer_stats = self.buffer.stats()
             self.monitor.on_step(metrics, trajs, self.stats())
 
     def _end_evals(self, stopped_early: bool) -> None:
