@@ -25,7 +25,7 @@ from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
 from laminar_jax.learner.step import (
-    Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step)
+    Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step, make_updates)
 from laminar_jax.naming import host_arrays, pinned_host_sharding
 from laminar_jax.types import Trajectory
 
@@ -48,7 +48,7 @@ class PreparedBatch(NamedTuple):
 class InFlightStep(NamedTuple):
     """A dispatched step (`Learner.dispatch`) whose updates may still be computing."""
     version: int  # the version it makes
-    per_update: list  # each update's metrics, on the device
+    per_update: dict  # the updates' metrics on the device (stacked over them, or one update's)
     optimizer_step: Any  # the optimizer's step count after it, on the device
     figures: dict  # the batch's host-side metrics
     publish: bool
@@ -150,11 +150,14 @@ class Learner:
         self._prepare = jax.jit(make_prepare_fn(section, self.graphs, mesh),
                                 in_shardings=(p_shard, ref_shard, self.batch_shardings),
                                 out_shardings=self.batch_shardings)
-        self._train_step = jax.jit(make_train_step(section, self.graphs, self.optimizer, mesh),
-                                   in_shardings=(self.state_shardings, self.batch_shardings),
+        train_step = make_train_step(section, self.graphs, self.optimizer, mesh)
+        # One update over the whole batch (mini_batches = ppo_epochs = 1), else every update of a step
+        # in one program over its mini-batches' rows.
+        self._train_step = jax.jit(train_step, in_shardings=(self.state_shardings, self.batch_shardings),
                                    out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
-        self._select = jax.jit(lambda b, idx: jax.tree.map(lambda x: x[idx], b),
-                               in_shardings=(self.batch_shardings, rep), out_shardings=self.batch_shardings)
+        self._updates = jax.jit(make_updates(train_step, self.batch_shardings),
+                                in_shardings=(self.state_shardings, self.batch_shardings, rep),
+                                out_shardings=(self.state_shardings, rep), donate_argnums=(0,))
         shape = dict(mesh.shape)
         self.ranks = shape["data"] * shape["fsdp"]  # data-parallel ranks: each gets a contiguous block of rows
         self.row_multiple = self.ranks * section.micro_batches * section.mini_batches
@@ -208,18 +211,19 @@ class Learner:
         wait0 = self.publish_wait_s
         if self._pending is not None and not self.snapshot_publish:
             self._wait_copied()  # donation below would free buffers the host copy still reads
-        per_update = []
         row_tokens = (host.segment_ids > 0).sum(axis=1)
+        perms = []
         for _ in range(s.ppo_epochs):
             perm = _epoch_rows(rng, b, s.mini_batches, bool(s.pack_length)) \
                 if s.mini_batches > 1 or s.ppo_epochs > 1 else None
             if self._balance:
                 perm = balance_ranks(np.arange(b) if perm is None else perm, row_tokens, rows, self.ranks)
-            for j in range(s.mini_batches):
-                mb = prep if perm is None else self._select(
-                    prep, place(perm[j * rows:(j + 1) * rows].astype(np.int32), replicated(self.mesh)))
-                self.state, m = self._train_step(self.state, mb)
-                per_update.append(m)
+            perms.append(perm)
+        if perm is None:
+            self.state, per_update = self._train_step(self.state, prep)
+        else:  # update u trains on rows perms[u] (epoch by epoch, its mini-batches in order)
+            order = np.concatenate(perms).reshape(-1, rows).astype(np.int32)
+            self.state, per_update = self._updates(self.state, prep, place(order, replicated(self.mesh)))
         n = len(trajectories)
         figures = dict(
             rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
@@ -228,7 +232,7 @@ class Learner:
             num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
             seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
             pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
-            updates=len(per_update))
+            updates=s.ppo_epochs * s.mini_batches if perm is not None else 1)
         return InFlightStep(self.version + 1, per_update, self.state.step, figures, publish, t0,
                             self.publish_wait_s - wait0)
 
@@ -238,10 +242,10 @@ class Learner:
         s = self.section
         if step.version != self.version + 1:
             raise ValueError(f"learner.finish: step for version {step.version}; the learner is at {self.version}")
-        per_update = step.per_update
-        metrics = {k: float(np.mean([_scalar(m[k]) for m in per_update])) for k in per_update[0]}
-        metrics["skipped"] = float(sum(_scalar(m["skipped"]) for m in per_update))
-        consecutive = int(_scalar(per_update[-1]["consecutive_skips"]))
+        per_update = {k: np.atleast_1d(_values(v)) for k, v in step.per_update.items()}
+        metrics = {k: float(np.mean(v)) for k, v in per_update.items()}
+        metrics["skipped"] = float(per_update["skipped"].sum())
+        consecutive = int(per_update["consecutive_skips"][-1])
         if consecutive >= s.max_consecutive_skips:
             raise SkippedUpdatesError(
                 f"learner step {step.version} (optimizer step {int(_scalar(step.optimizer_step))}): "
@@ -274,11 +278,13 @@ class Learner:
         for b, t in shapes:
             batch = self._abstract_batch(b, t, slots)
             self._prepare.lower(self.state.params, self.ref_params, batch).compile()
-            mb = b // s.mini_batches
-            self._train_step.lower(self.state, self._abstract_batch(mb, t, mb)).compile()
             if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
-                idx = jax.ShapeDtypeStruct((mb,), np.int32, sharding=replicated(self.mesh))
-                self._select.lower(batch, idx).compile()
+                mb = b // s.mini_batches
+                order = jax.ShapeDtypeStruct((s.ppo_epochs * s.mini_batches, mb), np.int32,
+                                             sharding=replicated(self.mesh))
+                self._updates.lower(self.state, batch, order).compile()
+            else:
+                self._train_step.lower(self.state, batch).compile()
         if self.snapshot_publish:
             jax.block_until_ready(self._snapshot(flatten_params(self.state.params["actor"])))
         return len(shapes)
@@ -361,11 +367,16 @@ def _snapshot_fn(flat: dict[str, jax.Array]):
     return jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in f.items()})
 
 
-def _scalar(x: Any) -> float:
-    """Replicated scalar -> float (works for arrays that span processes)."""
+def _values(x: Any) -> np.ndarray:
+    """Replicated array -> numpy (works for arrays that span processes)."""
     if isinstance(x, jax.Array) and not x.is_fully_addressable:
         x = x.addressable_data(0)
-    return float(np.asarray(x))
+    return np.asarray(x)
+
+
+def _scalar(x: Any) -> float:
+    """Replicated scalar -> float (works for arrays that span processes)."""
+    return float(_values(x))
 
 
 def balance_ranks(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> np.ndarray:

@@ -45,7 +45,7 @@ from typing import Iterator, Optional, Sequence
 _CLK = os.sysconf("SC_CLK_TCK")
 
 # Phases whose XLA-thread CPU is theirs while they are active (they dispatch and wait for programs).
-DEVICE_PHASES = ("decode", "learner.train", "learner.select", "learner.logprob", "publish.host_copy", "pull")
+DEVICE_PHASES = ("decode", "learner.train", "learner.logprob", "publish.host_copy", "pull")
 # Phases that run Python only (their off-CPU time that is not run-queue delay is GIL or lock wait).
 PY_ONLY = ("dispatch",)
 
@@ -56,7 +56,7 @@ IO_THREADS = ("native:ts_pool_worker",)
 # The report's rows: (row, phases and thread-name prefixes charged to it).
 ROWS = (
     ("decode and prefill", ("decode",)),
-    ("learner fwd/bwd + optimizer", ("learner.train", "learner.select")),  # select: a mini-batch's rows
+    ("learner fwd/bwd + optimizer", ("learner.train",)),  # with the mini-batches' row gathers
     ("log-prob recomputation", ("learner.logprob",)),
     ("learner host work (collate, place, metrics)", ("learner.host",)),
     ("publish (host copy, store write, relay)", ("publish.host_copy", "thread:publish", "thread:relay",
@@ -360,7 +360,7 @@ def active() -> Optional[Profiler]:
 
 
 def instrument_learner(learner) -> None:
-    """Time the learner's log-prob pass and train step (with its mini-batch gather) as phases of
+    """Time the learner's log-prob pass and its updates (with the mini-batches' row gathers) as phases of
     their own. Each waits for its result inside the phase (profile runs only): with jax's
     asynchronous dispatch the pass would otherwise end before its program ran, and its XLA CPU
     would land on whatever phase came next."""
@@ -373,5 +373,5 @@ def instrument_learner(learner) -> None:
         return call
 
     learner._prepare = timed(learner._prepare, "learner.logprob")
-    learner._train_step = timed(learner._train_step, "learner.train")
-    learner._select = timed(learner._select, "learner.select")  # a mini-batch's rows, charged with the updates
+    learner._train_step = timed(learner._train_step, "learner.train")  # one update over the whole batch
+    learner._updates = timed(learner._updates, "learner.train")  # a step's updates with their row gathers

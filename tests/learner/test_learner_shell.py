@@ -149,17 +149,17 @@ def test_publish_snapshot_publishes_each_versions_weights_while_the_next_step_do
     if snapshot:  # written by the snapshot program into pinned host memory (the CPU has it too)
         assert {v.sharding.memory_kind for v in learner._pending._flat.values()} == {"pinned_host"}
     after1 = _fresh_host_params(learner)
-    uncopied_at_update = []  # per update of step 2: was version 1's host copy still pending?
-    train_step = learner._train_step
+    uncopied_at_update = []  # when step 2's updates start: was version 1's host copy still pending?
+    updates = learner._updates
 
-    def recording_train_step(state, batch):
+    def recording_updates(state, batch, order):
         uncopied_at_update.append(learner._pending.host is None)
-        return train_step(state, batch)
+        return updates(state, batch, order)
 
-    learner._train_step = recording_train_step
+    learner._updates = recording_updates
     learner.step(_batch(1))
     after2 = _fresh_host_params(learner)
-    assert uncopied_at_update == [snapshot] * 4  # 2 epochs x 2 mini-batches
+    assert uncopied_at_update == [snapshot]  # one program: 2 epochs x 2 mini-batches
     held.set()
     learner.flush()
     assert pub.versions == [1, 2]

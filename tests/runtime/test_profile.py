@@ -176,20 +176,20 @@ def test_instrumented_learner_passes_wait_inside_their_phase():
         def __init__(self):
             self._prepare = jax.jit(lambda x: x * 2)
             self._train_step = jax.jit(lambda x: x + 1)
-            self._select = jax.jit(lambda x: x - 3)
+            self._updates = jax.jit(lambda x: x - 3)
 
     lr = FakeLearner()
     profile.instrument_learner(lr)
     p = profile.Profiler().start()
     try:
-        assert int(lr._train_step(lr._select(lr._prepare(jnp.int32(3))))) == 4
+        assert int(lr._train_step(lr._updates(lr._prepare(jnp.int32(3))))) == 4
     finally:
         p.stop()
     ph = p.report(trained_tokens=1)["phases"]
-    assert ph["learner.logprob"]["calls"] == 1 and ph["learner.train"]["calls"] == 1
-    # The mini-batch gather feeds the update: a phase of its own, charged to the learner's row.
-    assert ph["learner.select"]["calls"] == 1
-    assert any("learner.select" in keys for row, keys in profile.ROWS if row.startswith("learner fwd/bwd"))
+    # A step's updates (one program, with the mini-batches' row gathers) and a whole-batch update
+    # are both the learner's train phase.
+    assert ph["learner.logprob"]["calls"] == 1 and ph["learner.train"]["calls"] == 2
+    assert any("learner.train" in keys for row, keys in profile.ROWS if row.startswith("learner fwd/bwd"))
 
 
 @pytest.mark.slow
