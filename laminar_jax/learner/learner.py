@@ -102,6 +102,9 @@ def _collect_models(section: LearnerSection, model: nnx.Module, critic_model: Op
 class Learner:
     """Learner(section, model, mesh=...) -> .step(trajectories) -> metrics dict.
 
+    `step` is `finish(dispatch(...))`; a caller with host work to overlap (the runtime's Driver)
+    calls the two apart, and may `prepare` the next batch in between.
+
     model: the actor (an nnx Transformer; needs a value head when section.critic == 'shared').
     mesh: a jax Mesh with axes ('data','fsdp','tensor'), a MeshSection, or None (all devices on fsdp).
     critic_model: the value model when section.critic == 'separate' (built with value_head=True).

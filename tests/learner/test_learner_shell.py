@@ -3,6 +3,7 @@
 import dataclasses
 import threading
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -198,3 +199,27 @@ def test_a_step_prepared_while_the_last_one_computes_is_the_same_step(pack_lengt
     with pytest.raises(ValueError, match="step for version 4; the learner is at 4"):
         b.finish(running), b.finish(running)
     a.close(), b.close()
+
+
+def test_a_steps_updates_in_one_program_equal_an_update_per_mini_batch():
+    """make_updates' scan: update u trains on the rows order[u] of the prepared batch, in order, as
+    one train step per mini-batch on those rows would (2 epochs x 2 mini-batches here)."""
+    learner = Learner(SECTION, _model())
+    p = learner.prepare(_batch(0), 0)
+    prep = learner._prepare(learner.state.params, learner.ref_params, p.batch)
+    b = p.host.tokens.shape[0]
+    rng = np.random.default_rng(1)
+    order = np.concatenate([rng.permutation(b), rng.permutation(b)]).reshape(4, b // 2).astype(np.int32)
+    copy = lambda tree: jax.tree.map(jnp.copy, tree)
+    start = copy(learner.state)
+    fused, fused_m = learner._updates(copy(start), prep, jnp.asarray(order))
+    state, per_update = copy(start), []
+    for idx in order:
+        state, m = learner._train_step(state, jax.tree.map(lambda x: x[idx], prep))
+        per_update.append(m)
+    assert int(fused.step) == int(state.step) == 4
+    for k in ("loss", "grad_norm", "skipped", "consecutive_skips"):
+        np.testing.assert_allclose(np.asarray(fused_m[k]), [float(m[k]) for m in per_update], rtol=1e-5, err_msg=k)
+    for a, c in zip(jax.tree.leaves(fused.params), jax.tree.leaves(state.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), rtol=1e-5, atol=1e-6)
+    learner.close()
