@@ -199,8 +199,11 @@ class Driver:
         and the next batch, if the buffer has it now, is taken and prepared for `next_version`."""
         self._record()
         rt = self.cfg.runtime
+        every = rt.checkpoint_every
+        # Not before a checkpoint: its buffer snapshot would count the batch consumed while the saved
+        # learner has not trained it, and a resume from it would never train those prompts.
         if self._ahead is not None or next_version >= rt.total_steps or self.sup.stop.is_set() \
-                or self._out_of_time():
+                or self._out_of_time() or (every and next_version % every == 0):
             return
         out = self.buffer.get_batch(rt.prompts_per_step, next_version, 0.0)
         if out is None:

@@ -77,8 +77,9 @@ def test_the_next_batch_is_taken_while_a_step_computes_and_trained_even_past_the
     """The learner's host work for step N+1 overlaps step N: a batch the buffer already holds is taken
     and prepared (for version N+1: FakeLearner.dispatch checks it) while N computes. A batch so taken
     has its prompts consumed, so it is trained even when the wall budget ends the run first."""
-    cfg = _config(tmp_path, steps=1000, max_wall_s=3.0)
+    cfg = _config(tmp_path, steps=1000, max_wall_s=3.0, checkpoint_every=3)
     driver, trained = _driver(cfg)
+    checkpoints = driver.learner.checkpoints
     prepared = []
     prepare = driver.learner.prepare
     driver.learner.prepare = lambda trajs, version: prepared.append(version) or prepare(trajs, version)
@@ -90,6 +91,13 @@ def test_the_next_batch_is_taken_while_a_step_computes_and_trained_even_past_the
     assert s["consumed_prompts"] == s["steps"] * rt.prompts_per_step  # nothing consumed and left untrained
     assert len(trained) == len(set(trained)) == s["steps"] * rt.prompts_per_step * rt.samples_per_prompt
     assert len(driver.monitor.steps) == s["steps"]  # every step reached the monitor, the last one too
+    # No batch is taken ahead across a checkpoint: each one's buffer snapshot counts consumed exactly
+    # the prompts its learner has trained, so a resume from it trains every other prompt.
+    assert not [v for v in prepared if v % 3 == 0]
+    assert len(checkpoints) >= 2
+    for step, (version, extra) in checkpoints.items():
+        consumed = sum(e["state"] == "consumed" for e in extra["runtime"]["ledger"]["entries"].values())
+        assert consumed == version * rt.prompts_per_step, (step, version, consumed)
 
 
 def test_a_crashed_server_is_replaced_and_its_work_regenerated(tmp_path):
