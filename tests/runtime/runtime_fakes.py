@@ -146,6 +146,7 @@ class FakeLearner:
     def __init__(self, checkpoints: dict, trained: list, fail_with: Optional[BaseException] = None):
         self.checkpoints, self.trained, self.fail_with = checkpoints, trained, fail_with
         self.version, self.publisher = 0, None
+        self._running = False  # a step dispatched and not finished
 
     def warmup(self, n: int, max_tokens: int) -> int:
         return 0
@@ -162,7 +163,7 @@ class FakeLearner:
             e, self.fail_with = self.fail_with, None
             raise e
         assert prepared is None or prepared == self.prepare(trajectories, self.version), (prepared, self.version)
-        assert not getattr(self, "_running", False), "dispatch before the last step was finished"
+        assert not self._running, "dispatch before the last step was finished"
         self._running = True
         return trajectories, publish
 
