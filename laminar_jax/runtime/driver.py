@@ -176,6 +176,10 @@ class Driver:
         wall = self.cfg.runtime.max_wall_s
         return wall is not None and time.time() - self.t_rl > wall
 
+    def _checkpoint_after(self, version: int) -> bool:
+        every = self.cfg.runtime.checkpoint_every
+        return bool(every) and version % every == 0
+
     def _train_on(self, trajs: list, prepared=None) -> None:
         metrics = self._learner_step(trajs, prepared)
         self._replay.append(trajs)
@@ -188,8 +192,7 @@ class Driver:
         self._unrecorded = (metrics, trajs)  # the monitor hears of it while the next step computes
         if self.evals is not None:
             self.evals.after_step(self.learner.version)
-        every = self.cfg.runtime.checkpoint_every
-        if every and self.learner.version % every == 0:
+        if self._checkpoint_after(self.learner.version):
             self._checkpoint()
         for hook in list(self.on_step_hooks):
             hook(self.learner.version)
@@ -199,11 +202,10 @@ class Driver:
         and the next batch, if the buffer has it now, is taken and prepared for `next_version`."""
         self._record()
         rt = self.cfg.runtime
-        every = rt.checkpoint_every
         # Not before a checkpoint: its buffer snapshot would count the batch consumed while the saved
         # learner has not trained it, and a resume from it would never train those prompts.
         if self._ahead is not None or next_version >= rt.total_steps or self.sup.stop.is_set() \
-                or self._out_of_time() or (every and next_version % every == 0):
+                or self._out_of_time() or self._checkpoint_after(next_version):
             return
         out = self.buffer.get_batch(rt.prompts_per_step, next_version, 0.0)
         if out is None:
