@@ -19,63 +19,94 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
 #include <vector>
 
 #include "parallel.h"
-#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+// The kernel's vectors: one register of this CPU. On AVX-512 (and elsewhere) 16 floats. On AVX2
+// without AVX-512 a 16-float vector is two registers, so a pass's accumulators (kBlocks x G of them)
+// took twice the 16 registers there are and lived in memory: 32 rows of 128 tokens took 1.9 ms per
+// layer in 16-float vectors and 0.17 ms in 8-float ones (qwen2-100m's heads, AMD EPYC Zen 3).
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr int kW = 8, kAccumulators = 12;  // of 16 registers: the rest hold a pass's loaded rows
+#else
+constexpr int kW = 16, kAccumulators = 24;  // of 32
+#endif
+typedef float va __attribute__((vector_size(kW * 4)));
+typedef int32_t vai __attribute__((vector_size(kW * 4)));
+typedef uint32_t vau __attribute__((vector_size(kW * 4)));
+typedef uint16_t vah __attribute__((vector_size(kW * 2)));
+
+inline va loadv(const float* p) {
+  va v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline va loadv(const uint16_t* p) {  // bfloat16 bits widened to float32: the bits move to the high half
+  vah h;
+  std::memcpy(&h, p, sizeof h);
+  vau w = __builtin_convertvector(h, vau) << 16;
+  va v;
+  std::memcpy(&v, &w, sizeof v);
+  return v;
+}
+
+inline void storev(float* p, va v) { std::memcpy(p, &v, sizeof v); }
+
 struct Dims {
   int64_t b, h, d, hkv, g, page, n, pages;
 };
 
-// exp(x) for x <= 0 on 16 lanes (Cephes' expf polynomial, relative error ~1e-7; -87 and below
+// exp(x) for x <= 0 on kW lanes (Cephes' expf polynomial, relative error ~1e-7; -87 and below
 // give ~1e-38); floor through integer conversion.
-inline vf exp16(vf x) {
-  x = x < -87.0f ? vf{} - 87.0f : x;
-  const vf fx = x * 1.44269504088896341f + 0.5f;
-  vf fl = __builtin_convertvector(__builtin_convertvector(fx, vi), vf);
+inline va expv(va x) {
+  x = x < -87.0f ? va{} - 87.0f : x;
+  const va fx = x * 1.44269504088896341f + 0.5f;
+  va fl = __builtin_convertvector(__builtin_convertvector(fx, vai), va);
   fl = fl > fx ? fl - 1.0f : fl;
-  const vf r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
-  vf y = vf{} + 1.9875691500e-4f;
+  const va r = x - fl * 0.693359375f + fl * 2.12194440e-4f;
+  va y = va{} + 1.9875691500e-4f;
   y = y * r + 1.3981999507e-3f;
   y = y * r + 8.3334519073e-3f;
   y = y * r + 4.1665795894e-2f;
   y = y * r + 1.6666665459e-1f;
   y = y * r + 5.0000001201e-1f;
   y = y * r * r + r + 1.0f;
-  const vi bits = (__builtin_convertvector(fl, vi) + 127) << 23;
-  vf scale;
+  const vai bits = (__builtin_convertvector(fl, vai) + 127) << 23;
+  va scale;
   std::memcpy(&scale, &bits, sizeof scale);
   return y * scale;
 }
 
-// Independent accumulators per pass: NB blocks of 16 lanes x G heads, at most 24 registers. With
-// only G chains the FMAs would wait on each other's latency.
+// Independent accumulators per pass: NB blocks of kW lanes x G heads, at most kAccumulators
+// registers. With only G chains the FMAs would wait on each other's latency.
 template <int G>
-constexpr int kBlocks = 24 / G < 4 ? 24 / G : 4;
+constexpr int kBlocks = kAccumulators / G < 1 ? 1 : kAccumulators / G < 4 ? kAccumulators / G : 4;
 
-// out[g, NB blocks of 16 lanes] (+)= sum_i a[g * a_g + i] * rows[i * row_stride + those lanes].
+// out[g, NB blocks of kW lanes] (+)= sum_i a[g * a_g + i] * rows[i * row_stride + those lanes].
 template <int G, int NB, typename KV>
 inline void accumulate_blocks(const float* a, int64_t a_g, const KV* rows, int64_t row_stride, int64_t n_i,
                               float* out, int64_t out_g, bool add) {
-  vf acc[NB][G];
+  va acc[NB][G];
   for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < G; ++g) acc[b][g] = add ? load16(out + g * out_g + b * kLanes) : vf{};
+    for (int g = 0; g < G; ++g) acc[b][g] = add ? loadv(out + g * out_g + b * kW) : va{};
   for (int64_t i = 0; i < n_i; ++i) {
-    vf r[NB];
-    for (int b = 0; b < NB; ++b) r[b] = load16(rows + i * row_stride + b * kLanes);
+    va r[NB];
+    for (int b = 0; b < NB; ++b) r[b] = loadv(rows + i * row_stride + b * kW);
     for (int g = 0; g < G; ++g) {
       const float x = a[g * a_g + i];
       for (int b = 0; b < NB; ++b) acc[b][g] += x * r[b];
     }
   }
   for (int b = 0; b < NB; ++b)
-    for (int g = 0; g < G; ++g) store16(out + g * out_g + b * kLanes, acc[b][g]);
+    for (int g = 0; g < G; ++g) storev(out + g * out_g + b * kW, acc[b][g]);
 }
 
 // accumulate_blocks over n_blocks blocks: passes of kBlocks<G>, then single blocks. Both products of
@@ -86,31 +117,31 @@ inline void products(const float* a, int64_t a_g, const KV* rows, int64_t row_st
                      int64_t out_g, int64_t n_blocks, bool add) {
   int64_t b = 0;
   for (; b + kBlocks<G> <= n_blocks; b += kBlocks<G>)
-    accumulate_blocks<G, kBlocks<G>>(a, a_g, rows + b * kLanes, row_stride, n_i, out + b * kLanes, out_g, add);
+    accumulate_blocks<G, kBlocks<G>>(a, a_g, rows + b * kW, row_stride, n_i, out + b * kW, out_g, add);
   for (; b < n_blocks; ++b)
-    accumulate_blocks<G, 1>(a, a_g, rows + b * kLanes, row_stride, n_i, out + b * kLanes, out_g, add);
+    accumulate_blocks<G, 1>(a, a_g, rows + b * kW, row_stride, n_i, out + b * kW, out_g, add);
 }
 
-// One head's scores of a page (s[0, ntok), padded to `blocks` x 16) become exp(s - m') in place, with
+// One head's scores of a page (s[0, ntok), padded to `blocks` x kW) become exp(s - m') in place, with
 // m' the running max; l and m are updated and the factor for the old accumulator is returned.
 inline float softmax_page(float* s, int64_t ntok, int64_t blocks, float& m, float& l) {
-  for (int64_t t = ntok; t < blocks * kLanes; ++t) s[t] = -3.0e38f;  // the last page's unwritten tail
-  vf mv = vf{} + m;
+  for (int64_t t = ntok; t < blocks * kW; ++t) s[t] = -3.0e38f;  // the last page's unwritten tail
+  va mv = va{} + m;
   for (int64_t b = 0; b < blocks; ++b) {
-    const vf x = load16(s + b * kLanes);
+    const va x = loadv(s + b * kW);
     mv = x > mv ? x : mv;
   }
   float mx = mv[0];
-  for (int i = 1; i < kLanes; ++i) mx = std::max(mx, mv[i]);
-  vf sum{};
+  for (int i = 1; i < kW; ++i) mx = std::max(mx, mv[i]);
+  va sum{};
   for (int64_t b = 0; b < blocks; ++b) {
-    const vf e = exp16(load16(s + b * kLanes) - mx);
-    store16(s + b * kLanes, e);
+    const va e = expv(loadv(s + b * kW) - mx);
+    storev(s + b * kW, e);
     sum += e;
   }
   float total = 0.0f;
-  for (int i = 0; i < kLanes; ++i) total += sum[i];
-  const float rescale = exp16(vf{} + (m - mx))[0];
+  for (int i = 0; i < kW; ++i) total += sum[i];
+  const float rescale = expv(va{} + (m - mx))[0];
   l = l * rescale + total;
   m = mx;
   return rescale;
@@ -152,13 +183,13 @@ void attend(const Dims& s, const float* q, const KV* kp, const KV* vp, const int
       prefetch_block(s, kp, vp, table[row * s.n + j + 1], kvh);
     else if (next_head)  // the unit's next KV head starts on the row's first page
       prefetch_block(s, kp, vp, table[row * s.n], kvh + 1);
-    const int64_t blocks = (ntok + kLanes - 1) / kLanes;
+    const int64_t blocks = (ntok + kW - 1) / kW;
     products<G>(qr, d_n, kp + (p * s.hkv + kvh) * d_n * page, page, d_n, sc, page, blocks, false);
     for (int g = 0; g < G; ++g) {
       const float r = softmax_page(sc + g * page, ntok, blocks, m[g], l[g]);
       for (int64_t dd = 0; dd < d_n; ++dd) acc[g * d_n + dd] *= r;
     }
-    products<G>(sc, page, vp + (p * s.hkv + kvh) * page * d_n, d_n, ntok, acc, d_n, d_n / kLanes, true);
+    products<G>(sc, page, vp + (p * s.hkv + kvh) * page * d_n, d_n, ntok, acc, d_n, d_n / kW, true);
   }
   for (int g = 0; g < G; ++g)  // length 0 (an inactive row): l = 0 and acc = 0 give 0 * inf; write zeros
     for (int64_t dd = 0; dd < d_n; ++dd) o[g * d_n + dd] = length > 0 ? acc[g * d_n + dd] / l[g] : 0.0f;
@@ -215,7 +246,7 @@ ffi::Error paged_attention(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::A
   if (kd[2] != s.d || vd[0] != s.pages || vd[1] != s.hkv || vd[2] != s.page || vd[3] != s.d || td[0] != s.b ||
       s.hkv <= 0 || s.h % s.hkv != 0)
     return ffi::Error::InvalidArgument("pool, query and table shapes disagree");
-  if (s.page % kLanes != 0 || s.d % kLanes != 0)
+  if (s.page % 16 != 0 || s.d % 16 != 0)
     return ffi::Error::InvalidArgument("page size and head dim must be multiples of 16");
   s.g = s.h / s.hkv;
   if (k_pool.element_type() != v_pool.element_type())
