@@ -413,6 +413,38 @@ def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bo
     return RowKernel(0) if why else RowKernel(limit, floor)
 
 
+def prefill_packed(q, k, v, layer_cache, *, segments: jax.Array, window: int):
+    """Prefill of prompts packed end to end in one row (q, k, v f[1, N, ...]): each token attends
+    itself and the tokens before it of its own prompt, ``segments`` i32[N] naming every token's prompt.
+    ``window``: no prompt is longer (static).
+
+    Returns the new k/v (f[1, N, Hkv, D] each) as the 'cache', as prefill_dense.
+
+    Why in windows: a query's prompt starts at most window - 1 tokens before it, so a chunk of
+    ``window`` queries needs only its own and the previous chunk's keys. Attention over the whole
+    row cost O(N^2): at N = 256 the call took 35% longer than the same tokens padded in rows of 32
+    (qwen2-100m, 2 CPU cores); in chunks it is a batch of [window, 2 * window] products.
+    """
+    del layer_cache
+    n = q.shape[1]
+    pos = jnp.arange(n)
+    if n <= window or n % window:
+        mask = (pos[None, :] <= pos[:, None]) & (segments[None, :] == segments[:, None])
+        return gqa_attention(q, k, v, mask[None]), (k, v)
+    c = n // window
+
+    def pair(x):  # [1, N, ...] -> [C, 2 * window, ...]: each chunk after the one before it (zeros first)
+        x = x.reshape(c, window, *x.shape[2:])
+        return jnp.concatenate([jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]]), x], axis=1)
+
+    key_seg = pair(segments[None]).at[0, :window].set(-1)  # chunk 0 has no previous chunk
+    key_pos = pair(pos[None]).at[0, :window].set(-1)
+    q_seg, q_pos = segments.reshape(c, window), pos.reshape(c, window)
+    mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_seg[:, None, :] == q_seg[:, :, None])
+    out = gqa_attention(q.reshape(c, window, *q.shape[2:]), pair(k), pair(v), mask)
+    return out.reshape(q.shape), (k, v)
+
+
 def prefill_dense(q, k, v, layer_cache, *, valid_len: jax.Array):
     """Prefill of B padded prompts (B >= 1): row b attends causally over its first ``valid_len[b]`` tokens.
 

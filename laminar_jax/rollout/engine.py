@@ -10,7 +10,7 @@ Compiled programs: one prefill per prompt bucket, one insert per bucket, one gen
 live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
 export/import page copies and one shared-prompt copy (``share_prompt``) per padded batch size; with
 ``rollout.decode_row_buckets`` one generate per row bucket, with ``rollout.prefill_rows`` > 1 one
-batched prefill per prompt bucket and padded batch size.
+packed prefill per packed width (``packed_widths``).
 
 Row buckets: a generate() call whose slots with a sequence fit a bucket runs just those rows
 (gathered like a compaction chunk, as straight-line code), so a long tail of a few sequences pays
@@ -59,6 +59,7 @@ from laminar_jax.rollout.attention import (
     live_page_list,
     pool_shape,
     prefill_dense,
+    prefill_packed,
     resolve_backend,
     resolve_row_kernel,
     scatter_pages,
@@ -117,6 +118,8 @@ class Engine:
                              if self.uses_live_pages else (0,))
         self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
         self.row_buckets = tuple(section.decode_row_buckets)  # smaller batches for few live slots
+        # Token counts prefill_insert_rows() pads its packed prompts to (one program each).
+        self.packed_widths = _packed_widths(self.buckets[0], self.buckets[-1], section.prefill_rows)
         self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
         self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.tp = 1 if mesh is None else tpl.tp_width(mesh)
@@ -131,7 +134,7 @@ class Engine:
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
                            vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows,
-                           row_kernel_min_weights=self.row_kernel_min_weights)
+                           row_kernel_min_weights=self.row_kernel_min_weights, longest_prompt=self.buckets[-1])
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -275,28 +278,51 @@ class Engine:
 
     def prefill_insert_rows(self, params: Any, decode_state: DecodeState, slots: list[int], prompts: list,
                             inits: list[SlotInit]) -> DecodeState:
-        """prefill_insert() of several prompts in one call: one [B, T] forward, one weight read.
+        """prefill_insert() of several prompts (at most rollout.prefill_rows) in one call: one forward,
+        one weight read.
 
-        T is the largest prompt's bucket and B the number of prompts rounded up to a power of two
-        (padding rows write only the null page and no slot), so a few shapes serve every admission.
-        The KV equals the one-prompt path's to float rounding (products of other shapes), not bit for
-        bit. Raises OutOfPages (state and allocator untouched) when the pool cannot hold them all.
+        The prompts are packed end to end in one row, each attending only its own tokens, padded to
+        the smallest of ``packed_widths`` that holds them, so the call costs about their tokens, not
+        their count times the longest one's bucket (a [B, T] batch of prompts of 8-31 tokens was ~40%
+        padding). The KV equals the one-prompt path's to float rounding (products of other shapes),
+        not bit for bit. Raises OutOfPages (state and allocator untouched) when the pool cannot hold
+        them all.
         """
         if len(set(slots)) != len(slots) or any(s in self.slot_pages for s in slots):
             raise ValueError(f"slots {slots}: must be distinct and free")
         if not (len(slots) == len(prompts) == len(inits) >= 1):
             raise ValueError(f"got {len(slots)} slots, {len(prompts)} prompts, {len(inits)} inits")
+        b = self.section.prefill_rows
+        if len(slots) > b:
+            raise ValueError(f"{len(slots)} prompts in one call: rollout.prefill_rows={b} at most")
         ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
-        t = max(self.bucket_for(len(x)) for x in ids)
-        b = 1 << (len(ids) - 1).bit_length()
+        for x in ids:
+            self.bucket_for(len(x))  # a prompt over the largest bucket is refused, as prefill_insert() does
+        width = next(w for w in self.packed_widths if w >= sum(len(x) - 1 for x in ids))
         taken = self._allocate_all(ids, inits)
-        tokens, lengths = np.zeros((b, t), np.int32), np.ones((b,), np.int32)
-        for i, x in enumerate(ids):
-            tokens[i, :len(x)], lengths[i] = x, len(x)
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
+        last, cached = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
+        for i, x in enumerate(ids):
+            last[i], cached[i] = x[-1], len(x) - 1
         leaves, progs = self._bind(params)
-        return progs.prefill_insert_rows(leaves, decode_state, tokens, lengths, slot_ids, rows,
-                                         *self._init_columns(inits, b))
+        return progs.prefill_insert_rows(leaves, decode_state, *self._pack(ids, taken, width), slot_ids, rows, last,
+                                         cached, *self._init_columns(inits, b))
+
+    def _pack(self, ids: list, taken: list[list[int]], width: int) -> tuple[np.ndarray, ...]:
+        """Packed prefill inputs, i32[width] each: every prompt's tokens but its last, end to end, as
+        (token, position in its prompt, prompt index, KV page, offset in the page). Padding tokens form
+        a prompt of their own (index len(ids)) whose KV goes to the null page."""
+        tokens, positions, page = (np.zeros((width,), np.int32) for _ in range(3))
+        segment = np.full((width,), len(ids), np.int32)
+        offset = np.arange(width, dtype=np.int32) % self.page_size
+        at = 0
+        for i, (x, pages) in enumerate(zip(ids, taken)):
+            p = np.arange(len(x) - 1, dtype=np.int32)
+            span = slice(at, at + len(p))
+            tokens[span], positions[span], segment[span] = x[:-1], p, i
+            page[span], offset[span] = np.asarray(pages, np.int32)[p // self.page_size], p % self.page_size
+            at += len(p)
+        return tokens, positions, segment, page, offset
 
     def share_prompt(self, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
                      inits: list[SlotInit]) -> DecodeState:
@@ -418,7 +444,7 @@ class Engine:
                 state, shared = self._warmup_share_prompt(state, free_slot, b, init)
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
-            state = self._warmup_prefill_rows(params, state, b, init)
+        state = self._warmup_prefill_rows(params, state, init)
         leaves, _ = self._bind(params)
         n = self.section.warmup_live_buckets or len(self.live_buckets)
         rows = np.full((self._num_rows,), self.num_slots, np.int32)
@@ -446,21 +472,16 @@ class Engine:
             b, compiled = b * 2, True
         return state, compiled
 
-    def _warmup_prefill_rows(self, params: Any, state: DecodeState, bucket: int, init: SlotInit) -> DecodeState:
-        """Compile prefill_insert_rows at every padded batch size up to section.prefill_rows, for one
-        prompt bucket (each size with the fewest prompts that round up to it; skipped if the engine
-        lacks the free slots or pages)."""
-        b = 2
-        while b // 2 < self.section.prefill_rows:
-            m = min(b // 2 + 1, self.section.prefill_rows)
-            free = [s for s in range(self.num_slots) if s not in self.slot_pages][:m]
-            if len(free) < m or self.allocator.num_free < m * self.reserve_pages(bucket, 1):
-                break
-            state = self.prefill_insert_rows(params, state, free, [np.zeros(bucket, np.int32)] * m, [init] * m)
-            for slot in free:
-                state = self.deactivate(state, slot)
-                self.free_resource(slot)
-            b *= 2
+    def _warmup_prefill_rows(self, params: Any, state: DecodeState, init: SlotInit) -> DecodeState:
+        """Compile prefill_insert_rows at every packed width: calls of padding alone, which write
+        only the null page and no slot (so they need no free slot or page)."""
+        b = self.section.prefill_rows
+        leaves, progs = self._bind(params)
+        none, rows = np.full((b,), self.num_slots, np.int32), np.zeros((b, self.pages_per_seq), np.int32)
+        for width in self.packed_widths:
+            state = progs.prefill_insert_rows(leaves, state, *self._pack([], [], width), none, rows,
+                                              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
+                                              *self._init_columns([init], b))
         return state
 
     def free_resource(self, slot: int) -> None:
@@ -625,6 +646,7 @@ class _Spec(NamedTuple):
     vocab_size: int = 0  # the logits' width (sizes _call_noise)
     row_kernel_rows: int = 0  # decode weight products of at most this many rows run the native kernel
     row_kernel_min_weights: int = 0  # ... of weights of at least this many elements
+    longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -680,14 +702,18 @@ def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
     return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
 
 
-def _insert_rows_impl(spec: _Spec, params, state, tokens, lengths, slots, page_rows, *init):
-    """_insert_impl for B prompts at once: page in each row's KV, activate its slot (padding rows:
-    slot >= num_slots, page row of zeros, so their KV goes to the null page and no slot changes)."""
-    k, v = _prefill_rows_impl(spec, params, tokens, lengths)
-    page, off = _prompt_positions(spec.page_size, page_rows, lengths, tokens.shape[1])
-    state = _scatter_prompt_kv(state, k, v, page, off)
-    last = jnp.take_along_axis(tokens, (lengths - 1)[:, None], axis=1)[:, 0]
-    return _set_slot(state, slots, page_rows, lengths - 1, last, *init)
+def _insert_packed_impl(spec: _Spec, params, state, tokens, positions, segments, page, offset, slots, page_rows,
+                        last_token, num_cached, *init):
+    """_insert_impl for B prompts packed in one row (Engine._pack: i32[N] each): one forward, each
+    token's KV into the pools at (page, offset), then each slot set (padding rows: slot >= num_slots,
+    page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
+    model = nnx.merge(spec.graphdef, params)
+    backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
+    _, cache = model.forward_cached(tokens[None], positions[None], [None] * spec.num_layers, backend)
+    k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
+    v = tuple(c[1][0].astype(spec.kv_dtype) for c in cache)
+    state = _scatter_prompt_kv(state, k, v, page, offset)
+    return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
 
 
 def _share_prompt_impl(state, src, dst, slot, page_row, num_cached, last_token, *init):
@@ -820,7 +846,7 @@ class _Programs(NamedTuple):
     prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
     prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
     generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
-    prefill_insert_rows: Callable  # (leaves, state, tokens i32[B, T], lengths, slots, page rows, *init) -> state
+    prefill_insert_rows: Callable  # (leaves, state, Engine._pack's 5 i32[N], slots, page rows, last, cached, *init) -> state
 
 
 @functools.lru_cache(maxsize=32)
@@ -837,9 +863,8 @@ def _programs(spec: _Spec, params_treedef) -> _Programs:
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
                          static_argnums=(4,), donate_argnums=(1,)),
-        prefill_insert_rows=jax.jit(lambda leaves, state, tokens, lengths, slots, rows, *init: tpl.constrain(
-            _insert_rows_impl(spec, unflatten(leaves), state, tokens, lengths, slots, rows, *init),
-            spec.state_shardings), donate_argnums=(1,)))
+        prefill_insert_rows=jax.jit(lambda leaves, state, *args: tpl.constrain(
+            _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
 
 
 def _live_buckets(max_entries: int, policy: str = "fine", smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:
@@ -862,6 +887,21 @@ def _live_buckets(max_entries: int, policy: str = "fine", smallest: int = 16, ha
             out.append(b + b // 2)
         b *= growth
     return tuple(out) + (max_entries,)
+
+
+def _packed_widths(smallest: int, window: int, rows: int) -> tuple[int, ...]:
+    """Packed prefill widths for calls of up to ``rows`` prompts of at most ``window`` tokens: powers
+    of two from ``smallest`` up to the window, then every multiple of it up to rows x window (none
+    for rows = 1). A call pads to the next width, so above the window it wastes less than one
+    prompt's worth: powers of two alone padded the first admissions of 32 prompts of 8-31 tokens
+    (4 calls of 124-154 tokens) to 704 tokens, multiples of 32 pad them to 608."""
+    if rows < 2:
+        return ()
+    out, b = [], smallest
+    while b < window:
+        out.append(b)
+        b *= 2
+    return tuple(out) + tuple(window * i for i in range(1, rows + 1))
 
 
 _insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))

@@ -254,8 +254,6 @@ class RolloutServer:
             (shared if key is not None and key in keys else fresh).append(start)
             keys.add(key)
         n = self.section.prefill_rows
-        if n > 1:  # calls pad to their longest prompt's bucket: group prompts of like length
-            fresh.sort(key=lambda start: len(start[1].prompt))
         for i in range(0, len(fresh), n):
             self._start(fresh[i:i + n])
         if shared:

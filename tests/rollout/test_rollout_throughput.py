@@ -284,10 +284,14 @@ def test_prefill_insert_equals_prefill_then_insert():
 def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_of_pages():
     from laminar_jax.rollout import OutOfPages, SlotInit
 
-    one, two = make_server(), make_server()
+    rows4 = dataclasses.replace(SECTION, prefill_rows=4)
+    one, two = make_server(), make_server(rows4)
     params = one._params
+    assert two.engine.packed_widths == (16, 32, 48, 64)
     inits = [SlotInit(np.arange(2, dtype=np.uint32) + i, 0.7, 5, 0.9, 9, np.array([3], np.int32)) for i in range(3)]
-    prompts = [np.arange(3, 14), np.arange(5, 8), np.arange(20, 35)]  # 3 rows: padded to 4, the longest bucket
+    # 10 + 2 + 14 tokens packed into a width of 32 (attended in two windows of 16), across pages of 8;
+    # the rest is padding (null page)
+    prompts = [np.arange(3, 14), np.arange(5, 8), np.arange(20, 35)]
     a = one.engine.init_decode_state()
     for slot, p, init in zip((1, 3, 0), prompts, inits):
         a = one.engine.prefill_insert(params, a, slot, p, init)
@@ -301,7 +305,7 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
         else:
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
     # A pool too small for all of them: OutOfPages, and the allocator and slots are as before.
-    eng = make_server().engine
+    eng = make_server(rows4).engine
     eng.allocator.allocate(eng.allocator.num_free - 20)  # 20 pages left: two of the four rows fit
     free = eng.allocator.num_free
     big = [SlotInit(np.zeros(2, np.uint32), 1.0, 0, 1.0, 48, np.zeros(0, np.int32))] * 4
@@ -310,6 +314,9 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
     assert eng.allocator.num_free == free and not eng.slot_pages and not eng._cached_hi
     with pytest.raises(ValueError, match="distinct and free"):
         eng.prefill_insert_rows(params, eng.init_decode_state(), [0, 0], prompts[:2], inits[:2])
+    with pytest.raises(ValueError, match="rollout.prefill_rows=1 at most"):  # more prompts than one call takes
+        solo = make_server().engine
+        solo.prefill_insert_rows(params, solo.init_decode_state(), [1, 3], prompts[:2], inits[:2])
 
 
 def test_server_prefilling_admissions_together_gives_the_same_tokens():
@@ -336,3 +343,34 @@ def test_seed_keys_equal_jax_random_key():
     for seed in (0, 1, 7, 2**31 - 1, 2**31, -3, 2**40 + 5):
         got = server._key_data(Request(uid="u", prompt_ids=[1], seed=seed))
         np.testing.assert_array_equal(got, np.asarray(jax.random.key_data(jax.random.key(seed))))
+
+
+def test_packed_prefill_attends_each_prompt_alone_in_windows():
+    """prefill_packed: in windows of the longest prompt, each token attends exactly its own prompt's
+    tokens up to itself, as if the prompt were alone (dense attention over that prompt)."""
+    from laminar_jax.model.attention import gqa_attention
+    from laminar_jax.rollout.attention import prefill_packed
+
+    rng = np.random.default_rng(3)
+    lens, window, n = [5, 16, 1, 9, 16, 3, 7], 16, 64  # 57 tokens, then padding (a prompt of its own)
+    segments = np.repeat(np.arange(len(lens) + 1), lens + [n - sum(lens)]).astype(np.int32)
+    q, k, v = (jnp.asarray(rng.normal(size=(1, n, h, 8)), jnp.float32) for h in (4, 2, 2))
+    out, (k_out, v_out) = prefill_packed(q, k, v, None, segments=jnp.asarray(segments), window=window)
+    assert out.shape == q.shape and k_out is k and v_out is v
+    whole, _ = prefill_packed(q, k, v, None, segments=jnp.asarray(segments), window=n)  # one window: the full mask
+    np.testing.assert_allclose(np.asarray(out), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    at = 0
+    for m in lens:
+        span = slice(at, at + m)
+        alone = gqa_attention(q[:, span], k[:, span], v[:, span], jnp.tril(jnp.ones((1, m, m), bool)))
+        np.testing.assert_allclose(np.asarray(out[:, span]), np.asarray(alone), rtol=1e-5, atol=1e-6)
+        at += m
+
+
+def test_packed_widths_are_powers_of_two_then_multiples_of_the_longest_prompt():
+    from laminar_jax.rollout.engine import _packed_widths
+
+    assert _packed_widths(16, 32, 8) == (16, 32, 64, 96, 128, 160, 192, 224, 256)
+    assert _packed_widths(16, 16, 4) == (16, 32, 48, 64)
+    assert _packed_widths(8, 64, 2) == (8, 16, 32, 64, 128)
+    assert _packed_widths(16, 32, 1) == ()  # one prompt per call: no packed prefill
