@@ -349,7 +349,8 @@ AUTO = "auto"  # rollout.attention_impl's default: see resolve_backend
 
 
 def cpu_kernel_shape_issue(page_size: int, head_dim: int, group: int) -> Optional[str]:
-    """Why the native attention kernel cannot take this geometry, or None (it vectorises 16 lanes)."""
+    """Why the native attention kernel cannot take this geometry, or None (it takes pages and head
+    dims in blocks of 16 floats: one AVX-512 vector, two AVX2 ones)."""
     if page_size % 16 or head_dim % 16:
         return f"page_size={page_size} and head_dim={head_dim} must be multiples of 16"
     if not 1 <= group <= 8:
