@@ -19,10 +19,10 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 #include <vector>
 
 #include "parallel.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -43,20 +43,8 @@ typedef int32_t vai __attribute__((vector_size(kW * 4)));
 typedef uint32_t vau __attribute__((vector_size(kW * 4)));
 typedef uint16_t vah __attribute__((vector_size(kW * 2)));
 
-inline va loadv(const float* p) {
-  va v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline va loadv(const uint16_t* p) {  // bfloat16 bits widened to float32: the bits move to the high half
-  vah h;
-  std::memcpy(&h, p, sizeof h);
-  vau w = __builtin_convertvector(h, vau) << 16;
-  va v;
-  std::memcpy(&v, &w, sizeof v);
-  return v;
-}
+inline va loadv(const float* p) { return load_floats<va>(p); }
+inline va loadv(const uint16_t* p) { return load_floats<va, vau, vah>(p); }  // bfloat16 bits
 
 inline void storev(float* p, va v) { std::memcpy(p, &v, sizeof v); }
 
