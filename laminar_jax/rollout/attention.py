@@ -438,8 +438,8 @@ def prefill_packed(q, k, v, layer_cache, *, segments: jax.Array, window: int):
         x = x.reshape(c, window, *x.shape[2:])
         return jnp.concatenate([jnp.concatenate([jnp.zeros_like(x[:1]), x[:-1]]), x], axis=1)
 
-    key_seg = pair(segments[None]).at[0, :window].set(-1)  # chunk 0 has no previous chunk
-    key_pos = pair(pos[None]).at[0, :window].set(-1)
+    key_seg = pair(segments[None]).at[0, :window].set(-1)  # chunk 0 has no previous chunk: no segment
+    key_pos = pair(pos[None])
     q_seg, q_pos = segments.reshape(c, window), pos.reshape(c, window)
     mask = (key_pos[:, None, :] <= q_pos[:, :, None]) & (key_seg[:, None, :] == q_seg[:, :, None])
     out = gqa_attention(q.reshape(c, window, *q.shape[2:]), pair(k), pair(v), mask)
