@@ -187,9 +187,9 @@ def decode_step_b64(model, section, device_kind: str, batch: int = 64, context: 
             "decode_roofline_frac": None if roof is None else roof / step_s, "hbm_bytes_per_s": bw}
 
 
-def matmul_peak(dtype: str, n: int = 2048, iters: int = 5) -> float:
-    """GFLOP/s of one [n, n] x [n, n] product on this machine (bf16 accumulates in f32, as the model's
-    Linear): the best of ``iters`` (a peak), measured in the same run as what it is compared with."""
+def peak_product(dtype: str, n: int = 2048):
+    """(fn, flops): one [n, n] x [n, n] product (bf16 accumulates in f32, as the model's Linear), compiled
+    and run once, as this machine's matmul peak."""
     import jax
     import jax.numpy as jnp
 
@@ -198,12 +198,32 @@ def matmul_peak(dtype: str, n: int = 2048, iters: int = 5) -> float:
     b = jax.random.normal(jax.random.key(1), (n, n), jnp.float32).astype(dt)
     f = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32))
     jax.block_until_ready(f(a, b))
-    times = []
-    for _ in range(iters):
-        t = time.perf_counter()
-        jax.block_until_ready(f(a, b))
-        times.append(time.perf_counter() - t)
-    return 2 * n ** 3 / min(times) / 1e9
+    return (lambda: f(a, b)), 2 * n ** 3
+
+
+def paired_fractions(step, step_flops: float, peak, peak_flops: float, rounds: int) -> dict:
+    """The step's GFLOP/s over the peak product's, from ``rounds`` rounds that each time both, back to
+    back (the faster of two calls of each: one call alone is interrupted often enough on a shared
+    machine to put single rounds at 50-170%). The machine's speed drifts by 10-25% within minutes, so
+    a step and a peak measured apart give a ratio of two moments; a round compares the same moment."""
+    import jax
+
+    def timed(fn):
+        best = float("inf")
+        for _ in range(2):
+            t = time.perf_counter()
+            jax.block_until_ready(fn())
+            best = min(best, time.perf_counter() - t)
+        return best
+
+    fracs, peaks = [], []
+    for _ in range(rounds):
+        tp, ts = timed(peak), timed(step)
+        peaks.append(peak_flops / tp / 1e9)
+        fracs.append((step_flops / ts) / (peak_flops / tp))
+    return {"frac_of_peak": float(np.median(fracs)), "frac_of_peak_min": min(fracs),
+            "frac_of_peak_max": max(fracs), "peak_gflops": max(peaks), "peak_gflops_median": float(np.median(peaks)),
+            "paired_rounds": rounds}
 
 
 def _skip_attention(q, k, v, layer_cache, *, meta):
@@ -279,7 +299,7 @@ def _matmul_fn(model, rows: int, kernel_rows: int = 0, kernel_min_weights: int =
 
 
 def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Optional[str] = None,
-                   page: int = 64, attention_impl: str = "auto") -> dict:
+                   page: int = 64, attention_impl: str = "auto", peak=None) -> dict:
     """One decode step of ``rows`` live slots at ``context`` tokens, broken down (all medians, ms):
 
     step (engine.generate), attention over pages (step minus the same step with attention skipped),
@@ -287,7 +307,9 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     or XLA's dot; and their GFLOP/s), sampling (greedy over the vocabulary), host work per server
     step (server.step() wall minus the device step), and the rest (norms, RoPE, embedding, state
     updates). With ``trace_dir``, also the step's time per XLA op from a jax.profiler trace ('ops',
-    see optrace.py).
+    see optrace.py). With ``peak`` ((fn, flops), ``peak_product``), also the step's products' share of
+    it, per round of one step and one peak product back to back (``paired_fractions``; 2 x iters + 1
+    rounds).
     """
     import jax
     import jax.numpy as jnp
@@ -327,7 +349,8 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
     if server.stats().slots_used != rows:
         raise RuntimeError(f"profile server holds {server.stats().slots_used} live sequences, not {rows}")
     srv = _median_ms(lambda: server.step(), iters)
-    return {"rows": rows, "context": context, "page_size": page, "attention_impl": attention_impl, "step_ms": full,
+    paired = {} if peak is None else paired_fractions(step, flops, *peak, 2 * iters + 1)
+    return {**paired, "rows": rows, "context": context, "page_size": page, "attention_impl": attention_impl, "step_ms": full,
             "tokens_per_s": rows / full * 1e3,
             "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
             "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
@@ -337,8 +360,10 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
 
 def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: int, iters: int,
                 trace_dir: Optional[str] = None, page: int = 64, attention_impl: str = "auto") -> dict:
-    """Decode-step profile per dtype and row count, with the matmul peak measured in the same run
-    (and each step's time per XLA op, traced into trace_dir/<dtype>_<rows>, when trace_dir is set)."""
+    """Decode-step profile per dtype and row count, against the matmul peak measured in the same run:
+    '%peak' is the median over rounds of one step and one peak product back to back, with its range;
+    '%best' the median step against the best peak product of those rounds (the step's worst case).
+    Each step's time per XLA op is traced into trace_dir/<dtype>_<rows> when trace_dir is set."""
     import jax.numpy as jnp
     from flax import nnx
 
@@ -350,22 +375,22 @@ def run_profile(preset: str, dtypes: list[str], rows_list: list[int], context: i
     print(f"decode-step profile: preset={preset} ({cfg.num_params() / 1e6:.1f}M params) context={context} "
           f"page_size={page} attention={attention_impl}")
     print(f"{'dtype':<9}{'rows':>5}{'step ms':>9}{'tok/s':>8}{'attn':>7}{'matmul':>8}{'GF/s':>7}{'step GF/s':>10}"
-          f"{'peak':>7}{'%peak':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
+          f"{'peak':>7}{'%peak':>7}{'range':>10}{'%best':>7}{'sample':>8}{'host':>7}{'other':>7}{'load':>6}")
     for dtype in dtypes:
         apply_matmul_precision("auto", dtype)  # as a run of this dtype would (runtime.matmul_precision)
         dt = jnp.bfloat16 if dtype == "bfloat16" else jnp.float32
         model = Transformer(cfg, rngs=nnx.Rngs(0), dtype=dt, param_dtype=dt)
         for rows in rows_list:
-            peak = matmul_peak(dtype)
             r = profile_decode(model, rows, context, iters,
                                None if trace_dir is None else os.path.join(trace_dir, f"{dtype}_{rows}"), page,
-                               attention_impl)
-            r.update(peak_gflops=peak, frac_of_peak=r["step_matmul_gflops"] / peak, load_avg=os.getloadavg()[0])
+                               attention_impl, peak=peak_product(dtype))
+            r.update(frac_of_best_peak=r["step_matmul_gflops"] / r["peak_gflops"], load_avg=os.getloadavg()[0])
             out["rows"][f"{dtype}_{rows}"] = r
+            spread = f"{r['frac_of_peak_min']:.0%}-{r['frac_of_peak_max']:.0%}"
             print(f"{dtype:<9}{rows:>5}{r['step_ms']:>9.1f}{r['tokens_per_s']:>8.0f}{r['attention_ms']:>7.1f}"
-                  f"{r['matmul_ms']:>8.1f}{r['matmul_gflops']:>7.0f}{r['step_matmul_gflops']:>10.0f}{peak:>7.0f}"
-                  f"{r['frac_of_peak']:>7.0%}{r['sampling_ms']:>8.1f}{r['host_ms']:>7.1f}{r['other_ms']:>7.1f}"
-                  f"{r['load_avg']:>6.1f}", flush=True)
+                  f"{r['matmul_ms']:>8.1f}{r['matmul_gflops']:>7.0f}{r['step_matmul_gflops']:>10.0f}"
+                  f"{r['peak_gflops']:>7.0f}{r['frac_of_peak']:>7.0%}{spread:>10}{r['frac_of_best_peak']:>7.0%}"
+                  f"{r['sampling_ms']:>8.1f}{r['host_ms']:>7.1f}{r['other_ms']:>7.1f}{r['load_avg']:>6.1f}", flush=True)
             if r["ops"] is not None:
                 optrace.print_table(r["ops"], f"  {dtype} decode step call at {rows} rows, traced")
     return out
