@@ -258,8 +258,10 @@ class Profiler:
         for tid, (name, cpu) in now.items():
             prev = self._threads.get(tid)
             if prev is None:
-                self._seen[tid] = (name, 0.0)  # started after start(): all its CPU is in the window
-            elif name.startswith("native:") and name not in IO_THREADS:
+                # Started after start(): all its CPU is in the window, and in this tick (its phases
+                # are the ones active now), so that the ticks add up to the threads' totals.
+                self._seen[tid] = prev = (name, 0.0)
+            if name.startswith("native:") and name not in IO_THREADS:
                 native += cpu - prev[1]
         self._threads.update(now)
         if native <= 0:
