@@ -9,7 +9,7 @@ Child processes inherit it through JAX's environment variables.
 The tests run in parallel processes (pytest-xdist, `-n auto --dist loadfile` in pyproject.toml): one
 per core, at most 4 (``pytest_xdist_auto_num_workers``), each test file on one worker so that its
 module fixtures run once. Much of a test's time is single-threaded (XLA compiles, child processes
-starting, waits on timeouts), so two workers on 2 cores took the tier from 30 to 22 minutes. The
+starting, waits on timeouts), so two workers on 2 cores took the tier from 30 to 20 minutes. The
 workers share the controller's compilation cache (``_SHARED_CACHE``): it is made once, before they
 start, and removed by the controller alone.
 """

@@ -350,8 +350,8 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
         raise RuntimeError(f"profile server holds {server.stats().slots_used} live sequences, not {rows}")
     srv = _median_ms(lambda: server.step(), iters)
     paired = {} if peak is None else paired_fractions(step, flops, *peak, 2 * iters + 1)
-    return {**paired, "rows": rows, "context": context, "page_size": page, "attention_impl": attention_impl, "step_ms": full,
-            "tokens_per_s": rows / full * 1e3,
+    return {**paired, "rows": rows, "context": context, "page_size": page, "attention_impl": attention_impl,
+            "step_ms": full, "tokens_per_s": rows / full * 1e3,
             "attention_ms": full - no_attn, "matmul_ms": mm, "matmul_gflops": flops / mm / 1e6,
             "step_matmul_gflops": flops / full / 1e6, "sampling_ms": sampling,
             "host_ms": max(srv - full, 0.0), "server_step_ms": srv,
