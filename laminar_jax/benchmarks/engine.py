@@ -206,19 +206,9 @@ def paired_fractions(step, step_flops: float, peak, peak_flops: float, rounds: i
     back (the faster of two calls of each: one call alone is interrupted often enough on a shared
     machine to put single rounds at 50-170%). The machine's speed drifts by 10-25% within minutes, so
     a step and a peak measured apart give a ratio of two moments; a round compares the same moment."""
-    import jax
-
-    def timed(fn):
-        best = float("inf")
-        for _ in range(2):
-            t = time.perf_counter()
-            jax.block_until_ready(fn())
-            best = min(best, time.perf_counter() - t)
-        return best
-
     fracs, peaks = [], []
     for _ in range(rounds):
-        tp, ts = timed(peak), timed(step)
+        tp, ts = min(_call_times(peak, 2)), min(_call_times(step, 2))
         peaks.append(peak_flops / tp / 1e9)
         fracs.append((step_flops / ts) / (peak_flops / tp))
     return {"frac_of_peak": float(np.median(fracs)), "frac_of_peak_min": min(fracs),
@@ -232,16 +222,21 @@ def _skip_attention(q, k, v, layer_cache, *, meta):
     return q, layer_cache
 
 
-def _median_ms(fn, iters: int) -> float:
+def _call_times(fn, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``fn``, each waited on to its results."""
     import jax
 
-    jax.block_until_ready(fn())
     times = []
-    for _ in range(iters):
+    for _ in range(n):
         t = time.perf_counter()
         jax.block_until_ready(fn())
         times.append(time.perf_counter() - t)
-    return float(np.median(times)) * 1e3
+    return times
+
+
+def _median_ms(fn, iters: int) -> float:
+    _call_times(fn, 1)  # compile, first-touch
+    return float(np.median(_call_times(fn, iters))) * 1e3
 
 
 def _profile_section(rows: int, context: int, attention_impl: str = "auto", page: int = 64):
