@@ -45,6 +45,14 @@ def test_bad_value_names_key_value_and_expectation():
     cd["rollout"]["top_p"] = 1.5
     with pytest.raises(ConfigError, match=r"rollout\.top_p=1\.5"):
         finalize(cd)
+    cd = default_config()
+    cd.learner.pack_rows_per_doubling = 0
+    with pytest.raises(ConfigError, match=r"learner\.pack_rows_per_doubling=0: must be >= 1"):
+        finalize(cd)
+    cd = default_config()
+    cd.learner.mini_batch_draw = "sorted"
+    with pytest.raises(ConfigError, match=r"learner\.mini_batch_draw='sorted': must be one of"):
+        finalize(cd)
 
 
 def test_optional_fields_accept_overrides_and_types_are_checked():

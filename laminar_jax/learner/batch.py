@@ -60,6 +60,35 @@ def bucket_length(n: int, buckets: Sequence[int]) -> int:
     raise ValueError(f"sequence of {n} tokens exceeds the largest seq_len_bucket {buckets[-1]}")
 
 
+def row_bucket(n: int, per_doubling: int = 1) -> int:
+    """Smallest row-count bucket >= n. Buckets are the powers of two, each doubling split into
+    `per_doubling` equal steps (rounded up): 1 -> 1, 2, 4, 8, ...; 2 -> 1, 2, 3, 4, 6, 8, 12, ...
+    Finer buckets pad fewer rows and give the learner more shapes to compile."""
+    if n <= 1:
+        return 1
+    low = 1 << (int(n).bit_length() - 1)  # the largest power of two <= n
+    return next(b for t in range(per_doubling + 1) if (b := low + -(-t * low // per_doubling)) >= n)
+
+
+def stratified_order(rng: np.random.Generator, lengths: Sequence[int], parts: int) -> np.ndarray:
+    """A random order whose `parts` consecutive parts (np.array_split) need about the same room:
+    the trajectories, longest first (ties in random order), are dealt a stratum of `parts` at a
+    time, one to each part at random. Every part is still a random draw (one of each stratum), and
+    every trajectory is in exactly one; the packed mini-batches then need near-equal row counts, so
+    fewer rows of the fullest one are padding in all the others."""
+    n = len(lengths)
+    by_length = rng.permutation(n)
+    by_length = by_length[np.argsort(-np.asarray(lengths)[by_length], kind="stable")]
+    sizes = [len(a) for a in np.array_split(np.arange(n), parts)]
+    dealt: list[list[int]] = [[] for _ in range(parts)]
+    for start in range(0, n, parts):
+        stratum = by_length[start:start + parts]
+        open_parts = [j for j in range(parts) if len(dealt[j]) < sizes[j]]
+        for j, i in zip(rng.permutation(open_parts)[:len(stratum)], stratum):
+            dealt[j].append(int(i))
+    return np.concatenate([np.asarray(d, np.int64) for d in dealt])
+
+
 def _check(tr: Trajectory, i: int) -> None:
     where = f"trajectory[{i}] uid={tr.uid!r}"
     if tr.reward is None:
@@ -76,7 +105,7 @@ def _check(tr: Trajectory, i: int) -> None:
 
 def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_token_id: int = 0,
             row_multiple: int = 1, pack_length: int = 0, mini_batches: int = 1,
-            order: Optional[Sequence[int]] = None) -> TrainBatch:
+            order: Optional[Sequence[int]] = None, rows_per_doubling: int = 1) -> TrainBatch:
     """Pad (or pack) trajectories into a numpy TrainBatch.
 
     Unpacked (pack_length=0): T = bucket_length(longest prompt+response), one trajectory per row,
@@ -85,7 +114,8 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
     Packed: T = pack_length. The trajectories, taken in `order` (a permutation; default as given),
     are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
     rows [j R, (j+1) R) where R = the most rows any part needs, rounded up to
-    row_multiple / mini_batches x a power of two (few distinct shapes -> few compilations). So a
+    row_multiple / mini_batches x a row_bucket (`rows_per_doubling` buckets per power of two: few
+    distinct shapes -> few compilations). So a
     mini-batch is a set of whole trajectories chosen without regard to the mesh: only the number
     of fully masked padding rows depends on it. S = len(trajectories) rounded up to row_multiple.
     """
@@ -102,7 +132,8 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
             i = too_long[0]
             raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {lengths[i]} tokens exceed "
                              f"learner.pack_length={pack_length}")
-        t, placement, b = pack_length, *_pack_blocks(lengths, pack_length, row_multiple, mini_batches, order)
+        t, placement, b = pack_length, *_pack_blocks(lengths, pack_length, row_multiple, mini_batches, order,
+                                                        rows_per_doubling)
     else:
         try:
             t = bucket_length(max(lengths), buckets)
@@ -142,7 +173,7 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
 
 
 def _pack_blocks(lengths: Sequence[int], capacity: int, row_multiple: int, mini_batches: int,
-                 order: Optional[Sequence[int]]) -> tuple[list[tuple[int, int]], int]:
+                 order: Optional[Sequence[int]], rows_per_doubling: int = 1) -> tuple[list[tuple[int, int]], int]:
     """(row, offset) per trajectory and the row count B for the packed layout (see collate)."""
     if row_multiple % mini_batches:
         raise ValueError(f"row_multiple={row_multiple} must be a multiple of mini_batches={mini_batches}")
@@ -151,7 +182,7 @@ def _pack_blocks(lengths: Sequence[int], capacity: int, row_multiple: int, mini_
     fits = [_first_fit_decreasing([lengths[i] for i in part], capacity) for part in parts]
     used = max((max(r for r, _ in fit) + 1 if fit else 1) for fit in fits)
     unit = row_multiple // mini_batches
-    per_block = unit * (1 << max(0, (-(-used // unit) - 1).bit_length()))
+    per_block = unit * row_bucket(-(-used // unit), rows_per_doubling)
     placement: list[tuple[int, int]] = [(0, 0)] * len(lengths)
     for j, (part, fit) in enumerate(zip(parts, fits)):
         for i, (row, off) in zip(part, fit):

@@ -67,6 +67,8 @@ class LearnerSection:
       pad_token_id: Token id used for padding.
       balance_tokens: Order each mini-batch's rows so the data-parallel ranks get near-equal token counts (equal row counts; balanced greedily, Karmarkar-Karp style); acts only on meshes with more than one data-parallel rank.
       pack_length: None (default): set at finalize to rollout.max_total_len, the longest possible trajectory (a LearnerSection used without the whole config treats None as 0). 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
+      pack_rows_per_doubling: Row-count buckets of a packed batch per doubling: 1 = powers of two (each mini-batch 1, 2, 4, 8, ... rows, times row_multiple / mini_batches), 2 = those and the midpoints (3, 6, 12, ...), more = finer. A batch takes the smallest bucket its fullest mini-batch fits, so finer buckets pad fewer rows and give learner warm-up more shapes to compile (one prepare pass and one update program each).
+      mini_batch_draw: How a packed step's trajectories are drawn into its mini-batches. 'stratified': longest first, each run of mini_batches trajectories is dealt one to each mini-batch at random, so every mini-batch is still a random draw and all need about the same number of rows (fewer padded rows). 'random': consecutive parts of a random permutation. Unpacked batches shuffle rows freely either way.
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       publish_snapshot: Publish from a snapshot of the policy weights that a small program writes into the devices' pinned host memory (a DMA at the link's speed: 2 GB of a 0.5B model's f32 weights in 39 ms on an H100, against 990 ms for the copy of device arrays into unpinned numpy memory), so the next step's donating update need not wait and the publish only wraps host memory. Devices without pinned host memory snapshot into device memory (one more copy of the actor weights) and the host copy reads that. None = on where the learner's devices are accelerators, off on CPU (there the host copy is a view).
       seed: Seed of the learner RNG and of the mini-batch shuffles.
@@ -118,6 +120,8 @@ class LearnerSection:
     pad_token_id: int = 0
     pack_length: Optional[int] = None
     balance_tokens: bool = True
+    pack_rows_per_doubling: int = 2
+    mini_batch_draw: Literal["stratified", "random"] = "stratified"
     publish_timeout_s: float = 300.0
     publish_snapshot: Optional[bool] = None
     seed: int = 0
@@ -158,6 +162,10 @@ class LearnerSection:
         expect(self.attention_chunk >= 1, f"{prefix}.attention_chunk", self.attention_chunk, ">= 1")
         expect(self.pack_length is None or self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length,
                "None (= rollout.max_total_len) or >= 0 (0 disables packing)")
+        expect(self.pack_rows_per_doubling >= 1, f"{prefix}.pack_rows_per_doubling", self.pack_rows_per_doubling,
+               ">= 1 (1 = powers of two)")
+        draws = ("stratified", "random")
+        expect(self.mini_batch_draw in draws, f"{prefix}.mini_batch_draw", self.mini_batch_draw, f"one of {list(draws)}")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")

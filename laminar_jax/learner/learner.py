@@ -18,7 +18,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
-from laminar_jax.learner.batch import TrainBatch, bucket_length, collate, staleness
+from laminar_jax.learner.batch import TrainBatch, bucket_length, collate, row_bucket, staleness, stratified_order
 from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
 from laminar_jax.learner.mesh import (
@@ -175,7 +175,14 @@ class Learner:
     def collate(self, trajectories: Sequence[Trajectory], order: Optional[np.ndarray] = None) -> TrainBatch:
         s = self.section
         return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple, s.pack_length,
-                       s.mini_batches, order)
+                       s.mini_batches, order, s.pack_rows_per_doubling)
+
+    def _draw(self, rng: np.random.Generator, trajectories: Sequence[Trajectory]) -> np.ndarray:
+        """The packed step's order: its mini-batches are consecutive parts of it (learner.mini_batch_draw)."""
+        s = self.section
+        if s.mini_batch_draw == "stratified" and s.mini_batches > 1:
+            return stratified_order(rng, [t.num_tokens for t in trajectories], s.mini_batches)
+        return rng.permutation(len(trajectories))
 
     def step(self, trajectories: Sequence[Trajectory], publish: bool = True) -> dict:
         """One learner step on a list of scored trajectories: prepare (proximal/ref log-probs, values,
@@ -189,7 +196,7 @@ class Learner:
         still computing, and hands the result to `dispatch`."""
         s = self.section
         rng = np.random.default_rng([s.seed, version])
-        host = self.collate(trajectories, rng.permutation(len(trajectories)) if s.pack_length else None)
+        host = self.collate(trajectories, self._draw(rng, trajectories) if s.pack_length else None)
         return PreparedBatch(version, len(trajectories), host, place(host, self.batch_shardings), rng)
 
     def dispatch(self, trajectories: Sequence[Trajectory], prepared: Optional[PreparedBatch] = None,
@@ -269,12 +276,12 @@ class Learner:
         s = self.section
         slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
         if s.pack_length:
-            shapes, rows = [], self.row_multiple
-            while True:
-                shapes.append((rows, s.pack_length))
-                if rows // s.mini_batches >= -(-num_trajectories // s.mini_batches):  # a row each
+            shapes, unit, units = [], self.row_multiple // s.mini_batches, 1
+            while True:  # every row bucket up to a row per trajectory in each mini-batch
+                shapes.append((unit * units * s.mini_batches, s.pack_length))
+                if unit * units >= -(-num_trajectories // s.mini_batches):
                     break
-                rows *= 2
+                units = row_bucket(units + 1, s.pack_rows_per_doubling)
         else:
             top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
             shapes = [(slots, t) for t in s.seq_len_buckets if t <= top]

@@ -5,8 +5,10 @@ import pytest
 from flax import nnx
 
 from laminar_jax.learner import Learner, LearnerSection, collate
+from laminar_jax.learner.batch import row_bucket, stratified_order
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.types import Trajectory
+from tests.compile_events import count_compiles
 
 
 def _batch(seed: int, n: int = 12, group: int = 4):
@@ -122,3 +124,69 @@ def test_packed_steps_on_a_mesh_match_one_device():
     proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT, root], capture_output=True, text=True, timeout=600,
                           env=env)
     assert "PACKED_MESH_OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_row_buckets_split_each_doubling():
+    assert [row_bucket(n, 1) for n in range(1, 10)] == [1, 2, 4, 4, 8, 8, 8, 8, 16]
+    assert [row_bucket(n, 2) for n in range(1, 14)] == [1, 2, 3, 4, 6, 6, 8, 8, 12, 12, 12, 12, 16]
+    assert [row_bucket(n, 4) for n in range(8, 13)] == [8, 10, 10, 12, 12]
+
+
+def test_stratified_order_deals_each_stratum_one_to_each_mini_batch():
+    lengths = list(np.random.default_rng(0).permutation(18) + 1)  # distinct, so the strata are exact
+    parts_seen = set()
+    for seed in range(6):
+        order = stratified_order(np.random.default_rng(seed), lengths, 4)
+        assert sorted(order.tolist()) == list(range(18))
+        parts = np.array_split(order, 4)
+        assert [len(p) for p in parts] == [5, 5, 4, 4]  # collate's split of any order of 18
+        by_length = sorted(range(18), key=lambda i: -lengths[i])
+        for start in range(0, 16, 4):  # every full stratum: one member in each part
+            stratum = set(by_length[start:start + 4])
+            assert all(len(stratum & set(p.tolist())) == 1 for p in parts)
+        assert set(by_length[16:]) == set(parts[0].tolist() + parts[1].tolist()) - set(by_length[:16])
+        parts_seen.add(tuple(sorted(parts[0].tolist())))
+    assert len(parts_seen) > 1  # still a random draw
+
+
+def _grpo_like(seed: int, groups: int = 4, group: int = 8):
+    """Groups of equal-length samples with a long-tail length per group (the RL loop's shape)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for g in range(groups):
+        n = int(min(60, rng.geometric(1 / 10)))
+        for i in range(group):
+            out.append(Trajectory(f"s{seed}p{g}/{i}", f"s{seed}p{g}", i, np.array([1, 5, 6]), rng.integers(3, 100, n),
+                                  rng.normal(-4.8, 0.3, n).astype(np.float32), 0, reward=float(rng.random())))
+    return out
+
+
+def test_stratified_draw_and_finer_row_buckets_pad_fewer_rows():
+    """Over long-tail batches, the stratified draw and midpoint row buckets pack the same
+    trajectories into fewer rows than a random draw and power-of-two buckets (never more rows
+    per mini-batch than the random draw's fullest one)."""
+    rows = {"random/pow2": 0, "stratified/pow2": 0, "stratified/half": 0}
+    for seed in range(40):
+        trajs = _grpo_like(seed)
+        lengths = [t.num_tokens for t in trajs]
+        rnd = np.random.default_rng(seed).permutation(len(trajs))
+        strat = stratified_order(np.random.default_rng(seed), lengths, 4)
+        for key, order, per in (("random/pow2", rnd, 1), ("stratified/pow2", strat, 1), ("stratified/half", strat, 2)):
+            b = collate(trajs, (64,), row_multiple=4, pack_length=64, mini_batches=4, order=order, rows_per_doubling=per)
+            assert (b.seq_ids >= 0).sum() == sum(lengths)
+            rows[key] += b.tokens.shape[0]
+    assert rows["stratified/half"] < rows["stratified/pow2"] < rows["random/pow2"], rows
+
+
+def test_packed_warmup_compiles_every_row_bucket_ahead():
+    section = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=4, pack_length=64, seq_len_buckets=(64,),
+                             pack_rows_per_doubling=2)
+    learner = Learner(section, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
+    with count_compiles() as compiles:
+        assert learner.warmup(16) == 4  # 1, 2, 3 and 4 rows per mini-batch (up to a row per trajectory)
+        before, shapes = len(compiles), set()
+        for seed in range(8):
+            trajs = _grpo_like(seed, groups=2)
+            shapes.add(learner.step(trajs)["rows"])
+        assert len(compiles) == before, f"steps after warmup compiled {len(compiles) - before} programs"
+    assert shapes & {12}, shapes  # a midpoint bucket (3 rows per mini-batch) was used
