@@ -1,6 +1,7 @@
 """Benchmarks: python launch/bench.py <name> [--quick] [options]   (python launch/bench.py <name> --help)
 
-  learner   one learner step: tokens/s, MFU; --memory-plan (does a row fit), --attention-speed
+  learner   one learner step: tokens/s, MFU; --memory-plan (does a row fit), --attention-speed,
+            --packing (the packed step's mini-batch draws and row buckets, side by side)
   engine    the paged-KV rollout engine vs a padded-batch and an HF baseline, long-tail workload
             (--preset qwen2-100m, --profile: a decode step broken down against the matmul peak)
   relay     weight publishing: learner stall, publish-to-visible latency, pull bandwidth, chain fan-out

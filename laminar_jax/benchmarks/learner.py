@@ -310,7 +310,14 @@ def main(argv: list[str]) -> dict:
                     help="only time forward + backward of each training attention (see attention_speed)")
     ap.add_argument("--host-copy-speed", action="store_true",
                     help="only time the ways of bringing the preset's f32 weights to host numpy (see host_copy_speed)")
+    ap.add_argument("--packing", action="store_true",
+                    help="only time the demo's packed step under each mini-batch draw and row-bucket setting, "
+                         "side by side (benchmarks/packing.py; --quick, --steps)")
     args = ap.parse_args(argv)
+    if args.packing:
+        from laminar_jax.benchmarks import packing
+
+        return packing.main(argv)
     if args.host_copy_speed:
         return emit(host_copy_speed(PRESETS[args.preset or ("small" if args.quick or not on_gpu else "qwen2.5-0.5b")]))
     if args.attention_speed:
