@@ -165,7 +165,8 @@ class LearnerSection:
         expect(self.pack_rows_per_doubling >= 1, f"{prefix}.pack_rows_per_doubling", self.pack_rows_per_doubling,
                ">= 1 (1 = powers of two)")
         draws = ("stratified", "random")
-        expect(self.mini_batch_draw in draws, f"{prefix}.mini_batch_draw", self.mini_batch_draw, f"one of {list(draws)}")
+        expect(self.mini_batch_draw in draws, f"{prefix}.mini_batch_draw", self.mini_batch_draw,
+               f"one of {list(draws)}")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")

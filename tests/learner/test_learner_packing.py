@@ -172,7 +172,8 @@ def test_stratified_draw_and_finer_row_buckets_pad_fewer_rows():
         rnd = np.random.default_rng(seed).permutation(len(trajs))
         strat = stratified_order(np.random.default_rng(seed), lengths, 4)
         for key, order, per in (("random/pow2", rnd, 1), ("stratified/pow2", strat, 1), ("stratified/half", strat, 2)):
-            b = collate(trajs, (64,), row_multiple=4, pack_length=64, mini_batches=4, order=order, rows_per_doubling=per)
+            b = collate(trajs, (64,), row_multiple=4, pack_length=64, mini_batches=4, order=order,
+                        rows_per_doubling=per)
             assert (b.seq_ids >= 0).sum() == sum(lengths)
             rows[key] += b.tokens.shape[0]
     assert rows["stratified/half"] < rows["stratified/pow2"] < rows["random/pow2"], rows
