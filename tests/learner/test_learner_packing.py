@@ -163,8 +163,7 @@ def _grpo_like(seed: int, groups: int = 4, group: int = 8):
 
 def test_stratified_draw_and_finer_row_buckets_pad_fewer_rows():
     """Over long-tail batches, the stratified draw and midpoint row buckets pack the same
-    trajectories into fewer rows than a random draw and power-of-two buckets (never more rows
-    per mini-batch than the random draw's fullest one)."""
+    trajectories into fewer rows than a random draw and power-of-two buckets."""
     rows = {"random/pow2": 0, "stratified/pow2": 0, "stratified/half": 0}
     for seed in range(40):
         trajs = _grpo_like(seed)
