@@ -22,7 +22,10 @@ workload (a learner step waits ~10-20 s for its episodes).
 Loop efficiency (demo workload): after the modes, the run's rollout servers run alone for the same
 budget (engine_alone(): same model, servers, slots, section and sampling, fed the task's prompts so
 no slot waits, no learner, buffer or weight traffic). `loop_gen_efficiency` is each mode's
-generation tokens/s over that figure; `--no-engine-alone` skips it.
+generation tokens/s over that figure; `--no-engine-alone` skips it. `loop_gen_efficiency_parts`
+splits it (loop_efficiency()): cores the run kept busy over the engine alone's, times the engine
+alone's CPU per generated token over the whole loop's (learner included); `bound` is the figure
+with every core busy at the loop's own CPU cost per generated token.
 
 --profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
@@ -41,6 +44,7 @@ import os
 import sys
 import tempfile
 import time
+from typing import Optional
 
 from laminar_jax.benchmarks.machine import emit
 
@@ -188,17 +192,35 @@ def engine_alone(cfg, budget_s: float) -> dict:
     deadline = time.perf_counter() + budget_s
     threads = [threading.Thread(target=drive, args=(i, deadline), name=f"engine-alone-{i}", daemon=True)
                for i in range(len(servers))]
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     for t in threads:
         t.start()
     for t in threads:
         t.join(timeout=budget_s + 60)
-    wall = time.perf_counter() - t0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     if errors or any(t.is_alive() for t in threads):
         raise RuntimeError(f"engine alone: {errors or 'a server thread did not finish within budget + 60 s'}")
     return {"servers": len(servers), "slots": cfg.rollout.num_slots, "wall_s": round(wall, 2),
             "gen_tokens": sum(tokens), "gen_tokens_per_s": round(sum(tokens) / wall, 1),
-            "load_avg": [round(x, 2) for x in os.getloadavg()]}
+            "cpu_cores_busy": round(cpu / wall, 3), "load_avg": [round(x, 2) for x in os.getloadavg()]}
+
+
+def loop_efficiency(gen_tps: float, cores_busy: Optional[float], alone: dict, cores: int) -> dict:
+    """Generation in the loop over the engine alone, and why: tokens/s = cores busy / CPU-s per
+    generated token, so the efficiency is exactly (cores the run kept busy / cores the engine alone
+    kept busy) x (the engine alone's CPU per generated token / the run's, learner and all). The
+    second factor is the share of the loop's CPU per generated token that generation itself needs;
+    with every one of `cores` busy at the run's own cost per token, the efficiency is at most
+    `bound` = cores / (cores the engine alone used) x that share."""
+    eff = gen_tps / alone["gen_tokens_per_s"]
+    out = {"efficiency": round(eff, 3), "cores_ratio": None, "cost_ratio": None, "bound": None}
+    if cores_busy and alone.get("cpu_cores_busy"):
+        run_cost = cores_busy / gen_tps  # CPU-s per generated token, the whole loop
+        alone_cost = alone["cpu_cores_busy"] / alone["gen_tokens_per_s"]
+        out.update(cores_ratio=round(cores_busy / alone["cpu_cores_busy"], 3),
+                   cost_ratio=round(alone_cost / run_cost, 3),
+                   bound=round(cores / alone["cpu_cores_busy"] * alone_cost / run_cost, 3))
+    return out
 
 
 def main(argv: list[str]) -> dict:
@@ -294,12 +316,19 @@ def main(argv: list[str]) -> dict:
         "cpu_threads": args.cpu_threads, "cpu_inline": args.cpu_inline, "xla_cpu_pool_threads": xla_cpu_pool_threads(),
     }
     if alone is not None:
-        eff = {m: round(r["gen_tokens_per_s"] / alone["gen_tokens_per_s"], 3)
-               for m, r in results.items() if r["gen_tokens_per_s"] and alone["gen_tokens_per_s"]}
-        result.update(engine_alone=alone, loop_gen_efficiency=eff)
+        parts = {m: loop_efficiency(r["gen_tokens_per_s"], r["cpu_cores_busy"], alone, os.cpu_count() or 1)
+                 for m, r in results.items() if r["gen_tokens_per_s"] and alone["gen_tokens_per_s"]}
+        result.update(engine_alone=alone, loop_gen_efficiency={m: p["efficiency"] for m, p in parts.items()},
+                      loop_gen_efficiency_parts=parts)
         print(f"engine alone ({alone['servers']} servers x {alone['slots']} slots, every slot fed, no learner): "
-              f"{alone['gen_tokens_per_s']:.0f} gen tok/s; in the loop: "
-              + ", ".join(f"{m} {100 * e:.0f}%" for m, e in eff.items()) + f"; load average {alone['load_avg']}")
+              f"{alone['gen_tokens_per_s']:.0f} gen tok/s on {alone['cpu_cores_busy']:.2f} cores; in the loop: "
+              + ", ".join(f"{m} {100 * p['efficiency']:.0f}%" for m, p in parts.items())
+              + f"; load average {alone['load_avg']}")
+        for m, p in parts.items():
+            if p["bound"] is not None:
+                print(f"  {m}: {p['efficiency']:.2f} = cores {p['cores_ratio']:.2f} x cost {p['cost_ratio']:.2f} "
+                      f"(the engine alone's CPU per generated token over the loop's); with all "
+                      f"{os.cpu_count()} cores busy at the loop's cost, at most {p['bound']:.2f}")
     if args.profile:
         result.update(profile_result(results, tps))
     if args.workload == "agentic":

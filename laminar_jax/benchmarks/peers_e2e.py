@@ -24,7 +24,10 @@ time, with its rollout child processes', over the training window), the batch re
 held-out reward: the final weights, exported as an HF directory, complete 64 prompts that no
 system trained on, greedily, through one evaluator (this project's engine) and are scored by the
 task's reward. Medians and spread, the load average of every run and the versions are printed;
-the last line is one JSON object.
+the last line is one JSON object. Each run also reports the cores it kept busy (its CPU time over
+its training time): tokens/s = cores busy x tokens per CPU-s, so `laminar_vs_sync_core_bound`
+(laminar at its median tokens per CPU-s with every core busy, over sync's tokens/s) is the ratio's
+bound on this machine, printed beside it.
 """
 
 from __future__ import annotations
@@ -309,17 +312,20 @@ def run_one(system: str, spec: dict, spec_dir: str, timeout_s: float) -> dict:
         return run
     r = run["result"]
     return {"ok": True, **r, "train_tps": r["trained_tokens"] / max(r["train_s"], 1e-9),
-            "tokens_per_cpu_s": r["trained_tokens"] / max(r["cpu_s"], 1e-9), "load_avg": run["load_avg"]}
+            "tokens_per_cpu_s": r["trained_tokens"] / max(r["cpu_s"], 1e-9),
+            "cores_busy": r["cpu_s"] / max(r["train_s"], 1e-9), "load_avg": run["load_avg"]}
 
 
 # ---------------------------------------------------------------- result assembly (pure)
 
-FIGURES = ("train_tps", "tokens_per_cpu_s", "reward_at_budget", "heldout_reward")
+FIGURES = ("train_tps", "tokens_per_cpu_s", "cores_busy", "reward_at_budget", "heldout_reward")
 
 
-def summarize(runs: list[dict]) -> dict:
+def summarize(runs: list[dict], cores: int = 2) -> dict:
     """Per system label: median / min / max of each figure over successful runs, load averages,
-    version, failures; the ratios the goals name (laminar vs the best TRL thread count, vs sync)."""
+    version, failures; the ratios the goals name (laminar vs the best TRL thread count, vs sync) and
+    the `cores`-core bound on laminar / sync (tok/s = cores busy x tokens per CPU-s, so laminar at its
+    measured tokens per CPU-s with every core busy, over sync's tok/s)."""
     rows: dict[str, Any] = {}
     for r in runs:
         row = rows.setdefault(r["label"], {"system": r["system"], "load_avg": [], "version": None, "failures": [],
@@ -356,6 +362,11 @@ def summarize(runs: list[dict]) -> dict:
                 ratios[f"laminar_vs_{peer}_{name}"] = round(med[lam][figure] / med[other][figure], 3)
                 ratios[f"{peer}_best_{name}"] = other
         ratios[f"laminar_best_{name}"] = lam
+    lam, syn = best("laminar", "tokens_per_cpu_s"), best("sync", "train_tps")
+    if lam is not None and syn is not None and med[syn]["cores_busy"] and med[lam]["cores_busy"]:
+        ratios["laminar_vs_sync_core_bound"] = round(cores * med[lam]["tokens_per_cpu_s"] / med[syn]["train_tps"], 3)
+        ratios["sync_cores_busy"] = round(med[syn]["cores_busy"], 3)
+        ratios["laminar_cores_busy"] = round(med[lam]["cores_busy"], 3)
     return {"rows": rows, "ratios": ratios}
 
 
@@ -410,7 +421,7 @@ def main(argv: list[str]) -> Optional[dict]:
                 f"held-out {r['heldout_reward']:.3f}, {r['steps']} steps" if r["ok"] else f"failed: {r['reason']}")
                 + f"  load {r['load_avg']:.1f}", flush=True)
             runs.append(r)
-    summary = summarize(runs)
+    summary = summarize(runs, os.cpu_count() or 1)
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
               "decode_steps_per_call": decode_steps, "lr": args.lr,

@@ -2,6 +2,7 @@
 figure (the run's servers with the machine to themselves)."""
 
 import argparse
+import os
 import types
 
 import pytest
@@ -54,4 +55,21 @@ def test_engine_alone_drives_the_runs_own_servers_and_counts_finished_tokens(tmp
     # at most 16 tokens per sequence: many sequences finished in a second
     assert out["gen_tokens"] > 16 * 8
     assert abs(out["gen_tokens_per_s"] - out["gen_tokens"] / out["wall_s"]) < 0.01 * out["gen_tokens_per_s"]
+    assert 0.1 < out["cpu_cores_busy"] <= (os.cpu_count() or 1) + 0.5  # process CPU over the window's wall
     assert not [t for t in threading.enumerate() if t.name.startswith("engine-alone-")]
+
+
+def test_loop_efficiency_is_cores_times_cost_and_bounded_by_all_cores():
+    """gen tok/s = cores busy / CPU per generated token: the efficiency splits exactly into the two
+    ratios, and the bound puts every core to work at the loop's own cost per token."""
+    alone = {"gen_tokens_per_s": 10_000.0, "cpu_cores_busy": 1.9}
+    p = e2e.loop_efficiency(6_000.0, 1.5, alone, cores=2)
+    assert p["efficiency"] == 0.6
+    assert abs(p["cores_ratio"] * p["cost_ratio"] - p["efficiency"]) < 2e-3
+    # the loop spends 1.5 / 6000 CPU-s per generated token, the engine alone 1.9 / 10000
+    assert p["cost_ratio"] == round((1.9 / 10_000) / (1.5 / 6_000), 3)
+    assert p["bound"] == round(2 / 1.9 * p["cost_ratio"], 3)
+    assert p["bound"] > p["efficiency"]
+    # no CPU figure (a run under Ray, or an older engine-alone record): the efficiency alone
+    q = e2e.loop_efficiency(6_000.0, None, alone, cores=2)
+    assert q["efficiency"] == 0.6 and q["cores_ratio"] is q["cost_ratio"] is q["bound"] is None

@@ -46,7 +46,7 @@ def _run(label, tps, per_cpu, ok=True):
     if not ok:
         return {"label": label, "system": system, "ok": False, "reason": "No module named 'trl'", "load_avg": 3.0}
     return {"label": label, "system": system, "ok": True, "load_avg": 3.0, "version": label, "train_tps": tps,
-            "tokens_per_cpu_s": per_cpu, "reward_at_budget": 0.3, "heldout_reward": 0.31}
+            "tokens_per_cpu_s": per_cpu, "cores_busy": tps / per_cpu, "reward_at_budget": 0.3, "heldout_reward": 0.31}
 
 
 def test_summarize_medians_and_ratios_against_the_best_trl_setting():
@@ -73,6 +73,19 @@ def test_summarize_compares_each_system_at_its_best_setting_per_figure():
     assert r["laminar_vs_sync_per_cpu_s"] == pytest.approx(3300 / 2800, abs=1e-3)
     assert r["laminar_vs_trl_tps"] == pytest.approx(2600 / 1500, abs=1e-3)
     assert r["laminar_vs_sync_tps"] == pytest.approx(2600 / 1800, abs=1e-3)
+
+
+def test_summarize_bounds_laminar_over_sync_by_every_core_at_its_own_cost():
+    """tok/s = cores busy x tokens per CPU-s: with both cores busy at its measured tokens per CPU-s,
+    laminar reaches at most 2 x 3000 tok/s, over sync's 1800."""
+    runs = [_run("sync", 1800, 2500), _run("laminar", 2400, 3000), _run("laminar", 2600, 3000)]
+    r = summarize(runs, cores=2)["ratios"]
+    assert r["laminar_vs_sync_core_bound"] == pytest.approx(2 * 3000 / 1800, abs=1e-3)
+    assert r["sync_cores_busy"] == pytest.approx(1800 / 2500, abs=1e-3)
+    assert r["laminar_cores_busy"] == pytest.approx(2500 / 3000, abs=1e-3)
+    assert r["laminar_vs_sync_core_bound"] > r["laminar_vs_sync_tps"]
+    old = [{k: v for k, v in run.items() if k != "cores_busy"} for run in runs]  # records without the figure
+    assert "laminar_vs_sync_core_bound" not in summarize(old)["ratios"]
 
 
 def test_summarize_keeps_failures_without_figures():
