@@ -14,8 +14,8 @@ advantages), temperature 1.0, at most 144 new tokens, and the same wall-clock bu
 TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`, no vLLM), at each
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
-each XLA CPU thread setting of --ours-threads, each rollout-server count of --ours-servers and each
-fleet of --ours-fleet (servers as threads of the learner's process, or as child processes). Each
+each XLA CPU thread setting of --ours-threads, each rollout fleet of --ours-servers (a server count,
+or servers x slots each) and each fleet of --ours-fleet (servers as threads of the learner's process, or as child processes). Each
 goal's ratio compares every system at its own best setting for that figure. Every run is a fresh
 process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
@@ -67,8 +67,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "runtime.cpu_async_dispatch=False, each computation started on its calling thread); default: "
                          "the demo config's")
     ap.add_argument("--ours-servers", default=None,
-                    help="ours: runtime.num_servers settings (rollout servers of rollout.num_slots slots each) to "
-                         "run sync and laminar with, e.g. 1,2; default: the demo config's")
+                    help="ours: rollout fleets to run sync and laminar with: N (runtime.num_servers=N servers of the "
+                         "demo's rollout.num_slots) or NxS (N servers of S slots each; the KV pool keeps the demo's "
+                         "pages per slot), e.g. 2,1x32: the demo's 32 sequences at once on two servers or on one; "
+                         "default: the demo config's")
     ap.add_argument("--ours-fleet", default=None,
                     help="ours: where the rollout servers run, e.g. threads,processes (threads of the learner's "
                          "process, or child processes: runtime.server_processes); default: the demo config's")
@@ -105,14 +107,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     a.ours_threads = [int(x) for x in a.ours_threads.split(",") if x.strip()] if a.ours_threads else [None]
     if any(t is not None and t < 0 for t in a.ours_threads):
         raise SystemExit(f"--ours-threads: runtime.cpu_threads settings must be >= 0, got {a.ours_threads}")
-    a.ours_servers = [int(x) for x in a.ours_servers.split(",") if x.strip()] if a.ours_servers else [None]
-    if any(n is not None and n < 1 for n in a.ours_servers):
-        raise SystemExit(f"--ours-servers: runtime.num_servers settings must be >= 1, got {a.ours_servers}")
+    a.ours_servers = [_fleet_shape(x.strip()) for x in a.ours_servers.split(",") if x.strip()] \
+        if a.ours_servers else [(None, None)]
     a.ours_fleet = [f.strip() for f in a.ours_fleet.split(",") if f.strip()] if a.ours_fleet else [None]
     for f in a.ours_fleet:
         if f not in (None, *FLEETS):
             raise SystemExit(f"--ours-fleet: unknown fleet {f!r} (known: {', '.join(FLEETS)})")
     return a
+
+
+def _fleet_shape(text: str) -> tuple[int, Optional[int]]:
+    """'N' -> (N, None: the demo's slots per server); 'NxS' -> (N, S)."""
+    servers, x, slots = text.partition("x")
+    try:
+        shape = int(servers), (int(slots) if x else None)
+    except ValueError:
+        raise SystemExit(f"--ours-servers: {text!r} is not N or NxS (servers, or servers x slots each)") from None
+    if shape[0] < 1 or (shape[1] is not None and shape[1] < 1):
+        raise SystemExit(f"--ours-servers: {text!r}: servers and slots must be >= 1")
+    return shape
 
 
 class Setting(NamedTuple):
@@ -123,12 +136,14 @@ class Setting(NamedTuple):
     malloc: Optional[str] = None
     servers: Optional[int] = None
     fleet: Optional[str] = None
+    slots: Optional[int] = None
 
     def label(self, several_mallocs: bool) -> str:
         t = self.threads
         out = self.system if t is None else f"{self.system}-{t}t" if t else f"{self.system}-auto"
         out += f"+{self.malloc}" if self.system == "trl" and several_mallocs else ""
-        out += "" if self.servers is None else f"-{self.servers}srv"
+        out += "" if self.servers is None else f"-{self.servers}srv" if self.slots is None \
+            else f"-{self.servers}x{self.slots}"
         return out + ("" if self.fleet is None else "-proc" if self.fleet == "processes" else "-thr")
 
 
@@ -269,6 +284,9 @@ def _ours_worker(spec: dict) -> dict:
         c.runtime.cpu_async_dispatch = spec["cpu_threads"] == 0
     if spec.get("servers") is not None:
         c.runtime.num_servers = spec["servers"]
+    if spec.get("slots") is not None:  # the KV pool keeps the demo's pages per slot (plus the null page)
+        pages_per_slot = (c.rollout.num_pages - 1) // c.rollout.num_slots
+        c.rollout.num_slots, c.rollout.num_pages = spec["slots"], spec["slots"] * pages_per_slot + 1
     if spec.get("fleet") is not None:
         c.runtime.server_processes = spec["fleet"] == "processes"
     if spec.get("malloc"):
@@ -401,8 +419,8 @@ def main(argv: list[str]) -> Optional[dict]:
     os.makedirs(out, exist_ok=True)
     t0 = time.time()
     ckpt = prepare_checkpoint(os.path.join(out, "checkpoint"), args.sft_steps)
-    settings = [Setting(s, t, args.ours_malloc, n, f) for s in args.systems if s != "trl" for t in args.ours_threads
-                for n in args.ours_servers for f in args.ours_fleet]
+    settings = [Setting(s, t, args.ours_malloc, n, f, k) for s in args.systems if s != "trl" for t in args.ours_threads
+                for n, k in args.ours_servers for f in args.ours_fleet]
     if "trl" in args.systems:
         settings = [Setting("trl", t, m) for t in args.trl_threads for m in args.trl_malloc] + settings
     runs = []
@@ -411,6 +429,7 @@ def main(argv: list[str]) -> Optional[dict]:
             system, label = setting.system, setting.label(len(args.trl_malloc) > 1)
             spec = {"dir": ckpt, "budget_s": args.budget_s, "system": system, "label": label,
                     "malloc": setting.malloc, "servers": setting.servers, "fleet": setting.fleet,
+                    "slots": setting.slots,
                     "threads" if system == "trl" else "cpu_threads": setting.threads,
                     "decode_steps": decode_steps, "lr": args.lr,
                     "out": os.path.join(out, f"{label}_{rep}")}

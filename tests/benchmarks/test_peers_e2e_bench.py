@@ -24,9 +24,12 @@ def test_parse_args_quick_defaults_and_errors():
     assert full.ours_threads == [None] and parse_args(["--e2e", "--ours-threads", "0,1"]).ours_threads == [0, 1]
     with pytest.raises(SystemExit, match="--ours-threads"):
         parse_args(["--e2e", "--ours-threads", "-1"])
-    assert full.ours_servers == [None] and parse_args(["--e2e", "--ours-servers", "1,2"]).ours_servers == [1, 2]
-    with pytest.raises(SystemExit, match="--ours-servers"):
-        parse_args(["--e2e", "--ours-servers", "0"])
+    assert full.ours_servers == [(None, None)]
+    assert parse_args(["--e2e", "--ours-servers", "1,2"]).ours_servers == [(1, None), (2, None)]
+    assert parse_args(["--e2e", "--ours-servers", "2,1x32"]).ours_servers == [(2, None), (1, 32)]
+    for bad in ("0", "1x0", "two", "2x"):
+        with pytest.raises(SystemExit, match="--ours-servers"):
+            parse_args(["--e2e", "--ours-servers", bad])
     assert full.ours_fleet == [None]
     assert parse_args(["--e2e", "--ours-fleet", "threads,processes"]).ours_fleet == ["threads", "processes"]
     with pytest.raises(SystemExit, match="--ours-fleet"):
@@ -38,6 +41,7 @@ def test_setting_labels_name_every_setting_given():
     assert Setting("laminar").label(False) == "laminar"
     assert Setting("laminar", 1, None, 2, "processes").label(False) == "laminar-1t-2srv-proc"
     assert Setting("sync", 0, None, None, "threads").label(False) == "sync-auto-thr"
+    assert Setting("laminar", 0, None, 1, "threads", 32).label(False) == "laminar-auto-1x32-thr"
     assert Setting("trl", 1, "keep").label(True) == "trl-1t+keep" and Setting("trl", 1, "keep").label(False) == "trl-1t"
 
 
