@@ -15,9 +15,9 @@ TRL runs with its recommended CPU settings (`use_cpu=True`, fp32, HF `generate`,
 torch thread count of --trl-threads; ours with the demo's settings (2 rollout servers, the
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
 each XLA CPU thread setting of --ours-threads, each rollout fleet of --ours-servers (a server count,
-or servers x slots each) and each fleet of --ours-fleet (servers as threads of the learner's process, or as child processes). Each
-goal's ratio compares every system at its own best setting for that figure. Every run is a fresh
-process; runs alternate between systems, --repeats times.
+or servers x slots each) and each fleet of --ours-fleet (servers as threads of the learner's process,
+or as child processes). Each goal's ratio compares every system at its own best setting for that
+figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
 time, with its rollout child processes', over the training window), the batch reward at the budget (mean of the last 3 steps) and a
