@@ -72,15 +72,19 @@ def _caches(sysfs: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     return out
 
 
+def usable_cores() -> int:
+    """Cores this process may run on (its CPU affinity; all of the machine's where that is unknown)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1
+
+
 def describe(cpuinfo_path: str = "/proc/cpuinfo", cache_dir: str = "/sys/devices/system/cpu/cpu0/cache") -> dict:
     """{'cpu': model name, 'cores': usable cores, 'isa': the ISA_FEATURES this CPU has, 'load_avg': now,
     'id': {vendor, family, model, stepping} as /proc/cpuinfo gives them, 'caches': {'L2': '1024K', ...}}."""
     model, flags, ident = _cpuinfo(cpuinfo_path)
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):  # not Linux
-        cores = os.cpu_count() or 0
-    return {"cpu": model or platform.processor() or platform.machine(), "cores": cores,
+    return {"cpu": model or platform.processor() or platform.machine(), "cores": usable_cores(),
             "isa": [f for f in ISA_FEATURES if f in flags],
             "load_avg": [round(x, 2) for x in os.getloadavg()], "id": ident, "caches": _caches(cache_dir)}
 

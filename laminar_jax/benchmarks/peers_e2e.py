@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from laminar_jax import host_malloc
-from laminar_jax.benchmarks.machine import emit
+from laminar_jax.benchmarks.machine import emit, usable_cores
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
@@ -440,7 +440,7 @@ def main(argv: list[str]) -> Optional[dict]:
                 f"held-out {r['heldout_reward']:.3f}, {r['steps']} steps" if r["ok"] else f"failed: {r['reason']}")
                 + f"  load {r['load_avg']:.1f}", flush=True)
             runs.append(r)
-    summary = summarize(runs, os.cpu_count() or 1)
+    summary = summarize(runs, usable_cores())
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
               "decode_steps_per_call": decode_steps, "lr": args.lr,
