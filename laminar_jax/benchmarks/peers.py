@@ -88,8 +88,8 @@ def _laminar_worker(spec: dict, fixed: bool = False) -> dict:
               max_num_seqs=spec["concurrency"], max_model_len=spec["max_model_len"],
               max_prompt_len=spec["max_prompt_len"], prefill_buckets=(16, 32), warmup=True, **extra)
     sps = [SamplingParams(temperature=0.0, max_new_tokens=m, stop_token_ids=()) for m in spec["max_new"]]
-    llm.generate(spec["prompts"][:spec["concurrency"]], [SamplingParams(temperature=0.0, max_new_tokens=2,
-                                                                         stop_token_ids=())] * spec["concurrency"])
+    warm = spec["prompts"][:spec["concurrency"]]  # fewer than the concurrency when the workload is smaller
+    llm.generate(warm, [SamplingParams(temperature=0.0, max_new_tokens=2, stop_token_ids=())] * len(warm))
     t0 = time.perf_counter()
     outs = llm.generate(spec["prompts"], sps)
     wall = time.perf_counter() - t0

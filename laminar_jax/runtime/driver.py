@@ -307,7 +307,7 @@ class Driver:
         s["restore"] = getattr(self.learner, "restore_report", None)
         s["redone_steps"] = getattr(self.weights, "redone_steps", 0)
         if self.profiler is not None:
-            s["profile"] = self.profiler.report(sum(r["tokens"] for r in self.monitor.steps),
+            s["profile"] = self.profiler.report(self.monitor.trained_tokens,
                                                 int(self.buffer_stats.get("generated_tokens", 0)))
         if self.summary_extra is not None:
             s.update(self.summary_extra(self))

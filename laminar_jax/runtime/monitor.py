@@ -104,6 +104,7 @@ class Monitor:
         self.cfg, self.run_dir, self.t0 = cfg, run_dir, t0
         self.timeline = Timeline(t0)
         self.steps: list[dict] = []
+        self.trained_tokens = 0  # sum of the steps' tokens, kept as they come (the console's tok/s each step)
         self.duplicates = 0
         self.trained_uids: set[str] = set()
         self.duplicate_trajectories = 0
@@ -147,12 +148,13 @@ class Monitor:
             rec["tool_call_rate"] = float(np.mean(calls)) if calls else 0.0
         rec["versions"] = [s.version for s in stats.servers]
         self.steps.append(rec)
+        self.trained_tokens += rec["tokens"]
         step = int(metrics["version"])
         self._metrics.write(json.dumps({"step": step, **rec}) + "\n")
         self._metrics.flush()
         if self._tb is not None:
             self._tensorboard(rec, step, stats)
-        tps = sum(r["tokens"] for r in self.steps) / max(rec["t"], 1e-9)
+        tps = self.trained_tokens / max(rec["t"], 1e-9)
         self.console.step(step, self.cfg.runtime.total_steps, rec, tps, stats.servers, stats.buffer.get("queue", 0),
                           rec["t"] * step / max(len(self.steps), 1))
 
@@ -219,7 +221,7 @@ class Monitor:
             "steps_this_run": len(self.steps),
             "wall_s": round(wall, 2),
             "rl_wall_s": round(rl_wall, 2),
-            "train_tokens_per_s": round(sum(s["tokens"] for s in self.steps) / rl_wall, 2),
+            "train_tokens_per_s": round(self.trained_tokens / rl_wall, 2),
             # Share of RL wall-clock the learner spent in its step (1.0 = learner-bound).
             "learner_busy_frac": round(sum(s.get("step_s", 0.0) for s in self.steps) / rl_wall, 4),
             "reward_first": round(float(np.mean(rewards[:k])), 4) if rewards else None,

@@ -1,8 +1,9 @@
-"""The peers bench's argument parsing and result assembly (the runs themselves are a benchmark, not a test)."""
+"""The peers bench's argument parsing and result assembly (the runs themselves are a benchmark, not a test),
+and our worker on a workload smaller than its concurrency."""
 
 import pytest
 
-from laminar_jax.benchmarks.peers import parse_args, summarize
+from laminar_jax.benchmarks.peers import _laminar_worker, parse_args, summarize
 
 
 def test_parse_args_defaults_and_errors():
@@ -33,3 +34,20 @@ def test_summarize_medians_spread_agreement_and_failures():
     assert s["rows"]["vllm_bfloat16"]["median"] is None
     assert s["rows"]["vllm_bfloat16"]["failures"] == ["No module named 'vllm'"]
     assert "bfloat16" not in s["ratio_vs_vllm"]
+
+
+def test_our_worker_serves_fewer_requests_than_its_concurrency(tmp_path):
+    """`peers --quick --concurrency 64` runs 48 requests on 64 sequences at once: the warm-up call takes
+    every request there is, not `concurrency` of them, and the timed call serves each to its length."""
+    from flax import nnx
+
+    from laminar_jax.benchmarks.engine import make_workload
+    from laminar_jax.model import PRESETS, Transformer, save_pretrained
+
+    cfg = PRESETS["tiny"]
+    save_pretrained(Transformer(cfg, rngs=nnx.Rngs(0)), str(tmp_path))
+    wl = make_workload(3, 4, 12, cfg.vocab_size)
+    spec = {"dir": str(tmp_path), "dtype": "float32", "prompts": wl.prompts, "max_new": wl.max_new,
+            "concurrency": 8, "kv_memory_gb": 0.01, "max_model_len": 64, "max_prompt_len": 32}
+    r = _laminar_worker(spec)
+    assert r["tokens"] == sum(wl.max_new) and [len(o) for o in r["outputs"]] == list(wl.max_new)

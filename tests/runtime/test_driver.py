@@ -2,6 +2,8 @@
 health and repack loops, with a fake learner and fake servers (runtime_fakes.py): every prompt is
 trained exactly once, and a crash in any role reaches the driver with its traceback, losing nothing."""
 
+import json
+import os
 import time
 
 import pytest
@@ -71,6 +73,10 @@ def test_driver_trains_every_prompt_exactly_once(mode, tmp_path):
     assert s["failures"] == [] and s["gen_tokens_per_s"] > 0
     if mode == "sync":
         assert s["mean_staleness"] == 0.0
+    # The summary's tokens/s is the run's trained tokens (kept as a running sum) over its RL wall time.
+    with open(os.path.join(cfg.runtime.run_dir, "metrics.jsonl")) as f:
+        tokens = sum(json.loads(line)["tokens"] for line in f)
+    assert tokens > 0 and tokens / s["train_tokens_per_s"] == pytest.approx(s["rl_wall_s"], abs=0.006)  # 2 decimals
 
 
 def test_the_next_batch_is_taken_while_a_step_computes_and_trained_even_past_the_budget(tmp_path):
