@@ -94,7 +94,10 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
                          f"kv_memory_gb or lower max_model_len")
     if len(stop_token_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(stop_token_ids)} EOS/stop ids; at most {MAX_STOP_IDS} supported")
-    chunk = 32 if max_num_seqs >= 64 else 0
+    # One call of every slot, and row buckets below it. Chunks (decode_chunk) loop over the slots in a
+    # while loop, where XLA:CPU runs bf16 products about half as fast as in straight-line code: 64
+    # sequences in chunks of 32 served 0.55x of the tokens/s (bf16; float32 the same; docs/BENCHMARKS.md).
+    chunk = overrides.get("decode_chunk", 0)
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
