@@ -68,7 +68,7 @@ from laminar_jax.rollout.attention import (
     to_pool,
 )
 from laminar_jax.rollout.config import RolloutSection
-from laminar_jax.rollout.extend import decode_model
+from laminar_jax.rollout.extend import engine_model
 from laminar_jax.rollout.paged import (
     DecodeState,
     OutOfPages,
@@ -694,7 +694,7 @@ def _scatter_prompt_kv(state, k, v, page, off):
 
 def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
     """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward."""
-    model = nnx.merge(spec.graphdef, params)
+    model = engine_model(spec, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
     backend = functools.partial(prefill_dense, valid_len=lengths - 1)
@@ -707,7 +707,7 @@ def _insert_packed_impl(spec: _Spec, params, state, tokens, positions, segments,
     """_insert_impl for B prompts packed in one row (Engine._pack: i32[N] each): one forward, each
     token's KV into the pools at (page, offset), then each slot set (padding rows: slot >= num_slots,
     page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
-    model = nnx.merge(spec.graphdef, params)
+    model = engine_model(spec, params)
     backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
     _, cache = model.forward_cached(tokens[None], positions[None], [None] * spec.num_layers, backend)
     k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
@@ -830,7 +830,7 @@ def _call_noise(spec: _Spec, state: DecodeState) -> Optional[jax.Array]:
 
 
 def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int):
-    model = decode_model(spec, params)
+    model = engine_model(spec, params)
     if spec.chunk:
         step = lambda s, _: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
     else:

@@ -30,10 +30,11 @@ def obs_bucket(m: int) -> int:
     return max(16, 1 << int(m).bit_length())
 
 
-def decode_model(spec, params):
-    """The model a decode program (generate, extend) runs: merged from params, with its few-row
-    weight products on the native kernel when the engine chose so (``spec.row_kernel_rows``,
-    rollout.weight_products). Prefill programs merge the model as it is (XLA's dot)."""
+def engine_model(spec, params):
+    """The model an engine program (generate, extend, prefill) runs: merged from params, with its
+    weight products of few rows on the native kernel when the engine chose so (``spec.row_kernel_rows``,
+    rollout.weight_products): every decode step's, and a prefill's when its tokens fit (a prompt of
+    16 or 32 tokens: 24 -> 15 ms a call for qwen2-100m in float32 on Zen 5)."""
     model = nnx.merge(spec.graphdef, params)
     if spec.row_kernel_rows:
         use_row_kernel(model, spec.row_kernel_rows, spec.row_kernel_min_weights)
@@ -48,7 +49,7 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
     stop sequence may have decoded a token or two more on the device (pipelining); those are
     overwritten here and never attended (attention reads positions < the new length only).
     """
-    model = decode_model(spec, params)
+    model = engine_model(spec, params)
     feed = jnp.concatenate([last_token[None], ids])  # token i is fed at position num_cached + i
     row = page_row[None]
     active = jnp.ones((1,), bool)

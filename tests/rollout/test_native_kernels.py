@@ -283,6 +283,25 @@ def test_engine_decodes_the_same_tokens_with_either_weight_products():
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
 
 
+def test_a_short_prefill_runs_its_products_on_the_kernel_and_writes_the_same_kv():
+    import dataclasses
+
+    from laminar_jax.rollout import make_engine
+    from tests.rollout.rollout_helpers import SECTION, tiny_model
+
+    kv = {}
+    for policy in ("xla", "native"):
+        engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
+        leaves, progs = engine._bind(params)
+        padded, n = engine.pad_prompt([1, 2, 3, 4, 5])
+        assert padded.size <= engine.row_kernel_rows or policy == "xla"  # one prompt's bucket fits the kernel
+        text = progs.prefill.lower(leaves, padded, np.int32(n)).as_text()
+        assert ("laminar_row_products" in text) == (policy == "native")
+        kv[policy] = progs.prefill(leaves, padded, np.int32(n))
+    for a, b in zip(jax.tree.leaves(kv["xla"]), jax.tree.leaves(kv["native"])):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32), atol=1e-5, rtol=1e-5)
+
+
 def test_auto_engine_takes_the_kernel_only_for_models_with_weights_over_the_floor():
     """On AVX2 the tiny model has no weight over the floor: its engine keeps XLA's dot and never
     builds the kernel; a model with one takes the kernel for those weights alone."""
