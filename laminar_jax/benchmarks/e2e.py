@@ -316,7 +316,8 @@ def main(argv: list[str]) -> dict:
         "cpu_threads": args.cpu_threads, "cpu_inline": args.cpu_inline, "xla_cpu_pool_threads": xla_cpu_pool_threads(),
     }
     if alone is not None:
-        parts = {m: loop_efficiency(r["gen_tokens_per_s"], r["cpu_cores_busy"], alone, usable_cores())
+        cores = usable_cores()
+        parts = {m: loop_efficiency(r["gen_tokens_per_s"], r["cpu_cores_busy"], alone, cores)
                  for m, r in results.items() if r["gen_tokens_per_s"] and alone["gen_tokens_per_s"]}
         result.update(engine_alone=alone, loop_gen_efficiency={m: p["efficiency"] for m, p in parts.items()},
                       loop_gen_efficiency_parts=parts)
@@ -328,7 +329,7 @@ def main(argv: list[str]) -> dict:
             if p["bound"] is not None:
                 print(f"  {m}: {p['efficiency']:.2f} = cores {p['cores_ratio']:.2f} x cost {p['cost_ratio']:.2f} "
                       f"(the engine alone's CPU per generated token over the loop's); with all "
-                      f"{usable_cores()} cores busy at the loop's cost, at most {p['bound']:.2f}")
+                      f"{cores} cores busy at the loop's cost, at most {p['bound']:.2f}")
     if args.profile:
         result.update(profile_result(results, tps))
     if args.workload == "agentic":
@@ -368,14 +369,15 @@ def profile_result(results: dict, tps: dict) -> dict:
     lam = results.get("laminar", {}).get("profile")
     if lam and tps.get("sync"):
         cpu_per_tok = 1e-6 * lam["cpu_ms_per_1k_trained_tokens"]  # CPU-s per trained token
-        bound_tps = usable_cores() / max(cpu_per_tok, 1e-12)
+        cores = usable_cores()
+        bound_tps = cores / max(cpu_per_tok, 1e-12)
         out["laminar_vs_sync_core_bound"] = round(bound_tps / tps["sync"], 3)
         out["laminar_tps_core_bound"] = round(bound_tps, 1)
         syn = results.get("sync", {}).get("profile")
         if syn:  # trained tokens per CPU-second, laminar over sync: the part of the ratio that is not core share
             out["laminar_vs_sync_per_cpu_s"] = round(syn["cpu_ms_per_1k_trained_tokens"]
                                                      / max(lam["cpu_ms_per_1k_trained_tokens"], 1e-9), 3)
-        print(f"\n{usable_cores()}-core bound: laminar at {lam['cpu_ms_per_1k_trained_tokens']:.0f} CPU-ms per 1k "
+        print(f"\n{cores}-core bound: laminar at {lam['cpu_ms_per_1k_trained_tokens']:.0f} CPU-ms per 1k "
               f"trained tokens can reach at most {bound_tps:.0f} tok/s = {out['laminar_vs_sync_core_bound']:.2f}x sync "
               f"({tps['sync']:.0f} tok/s); measured {tps.get('laminar') or 0:.0f} tok/s")
     return out

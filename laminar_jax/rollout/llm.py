@@ -102,10 +102,9 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
                              stop_token_ids=stop_token_ids, queue_capacity=1 << 16, live_buckets="pow2",
-                             decode_chunk=chunk,
                              decode_row_buckets=row_buckets(chunk or max_num_seqs, dtype=dtype, one_row=one_row),
                              prefill_rows=min(8, max_num_seqs))
-    section = dataclasses.replace(section, **overrides)
+    section = dataclasses.replace(section, **overrides)  # decode_chunk, when given, among them
     section.validate("LLM")
     return section
 
