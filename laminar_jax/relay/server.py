@@ -484,6 +484,7 @@ class RelayServer:
         if buf is None:
             peer.send(error_frame("gone", f"version {v} not held (holding {self.versions_held()})"))
             return None
+        mapped = False
         try:
             if buf.fd is None:
                 peer.send(error_frame("gone", f"version {v} is not memfd-backed on this host"))
@@ -491,11 +492,14 @@ class RelayServer:
             peer.send({"op": "mapped", "version": v, "total_bytes": buf.total})
             socket.send_fds(peer.sock, [b"F"], [buf.fd])
             self.counters["maps"] += 1
+            mapped = True
             peer.settimeout(None)
             while peer.sock.recv(64):
                 pass
         finally:
             self._unpin(buf)
+            if mapped:  # counted after the unpin: whoever sees the count may rely on the buffer being free
+                self.counters["unmaps"] += 1
         return True
 
     # ---- receiving pushes

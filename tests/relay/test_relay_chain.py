@@ -249,8 +249,11 @@ def test_zero_copy_pull_pins_relay_memory_until_released():
         _assert_bits(held, _host_flat(_params(1, mb=0.5)))  # never recycled while mapped
         reused_before = server.stats().get("buffers_reused", 0)
         assert reused_before >= 2  # versions 2..5 cycle through pooled buffers
-        del held
-        time.sleep(0.3)  # the relay sees the unix connection close and recycles the buffer
+        del held  # the client closes its unix connection; the relay then unpins and recycles the buffer
+        deadline = time.monotonic() + 10
+        while server.stats().get("unmaps", 0) < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert server.stats().get("unmaps", 0) == 1
         for v in range(6, 9):
             pub.publish(v, _params(v, mb=0.5))
             pub.flush(30)
