@@ -217,17 +217,23 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // 64 -34% (753 GFLOP/s). At 128 rows XLA's dot is as fast (docs/BENCHMARKS.md).
 constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
-// Weight elements fetched ahead of use: the NB rows are NB streams the hardware prefetcher follows
-// late (this prefetch: -12-18% at 16-64 rows; further ahead was no faster).
+// Prefetch. A tile's NB weight rows are NB short streams that the hardware prefetcher follows late.
+// Fetching each row kPrefetch elements ahead gave -12-18% at 16-64 rows (further ahead in the same
+// rows: no faster). Fetching the next tile's rows while this tile runs (a whole tile ahead, so DRAM
+// latency is hidden) is faster again where a tile does more than one weight read's worth of work
+// (whole step's products, against the row-ahead form: bfloat16 8 rows -9%, 16 -9%, 32 -16%, 64 -12%;
+// float32 32 rows -6%, 64 -8%); for float32 tiles of one row vector (up to 16 rows) it was 2-4%
+// slower, so those keep the row-ahead form. Prefetches change no result.
 constexpr int64_t kPrefetch = 32;
 
 // float32 weights: acc[v][b] += x^T[k][16 rows of vector v] * w_b[k], k by k.
 struct F32Step {
   template <int MV, int NB>
-  static inline void run(const float* xt, int64_t mp, const float* const* wp, int64_t k_n, vf (&acc)[MV][NB]) {
+  static inline void run(const float* xt, int64_t mp, const float* const* wp, const float* const* wn, int64_t k_n,
+                         vf (&acc)[MV][NB]) {
     for (int64_t k = 0; k < k_n; ++k) {
       if ((k & 15) == 0)
-        for (int b = 0; b < NB; ++b) __builtin_prefetch(wp[b] + k + kPrefetch);
+        for (int b = 0; b < NB; ++b) __builtin_prefetch(MV == 1 ? wp[b] + k + kPrefetch : wn[b] + k);
       vf xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = load16(xt + k * mp + v * kLanes);
       for (int b = 0; b < NB; ++b) {
@@ -243,11 +249,11 @@ struct F32Step {
 // weight pair is broadcast as one, and vdpbf16ps adds both products to the lane's float32 sum.
 struct Bf16Step {
   template <int MV, int NB>
-  static inline void run(const uint32_t* xt, int64_t mp, const uint32_t* const* wp, int64_t k_n,
-                         vf (&acc)[MV][NB]) {
+  static inline void run(const uint32_t* xt, int64_t mp, const uint32_t* const* wp, const uint32_t* const* wn,
+                         int64_t k_n, vf (&acc)[MV][NB]) {
     for (int64_t k = 0; k < k_n; ++k) {
       if ((k & 15) == 0)
-        for (int b = 0; b < NB; ++b) __builtin_prefetch(wp[b] + k + kPrefetch);
+        for (int b = 0; b < NB; ++b) __builtin_prefetch(wn[b] + k);
       __m512bh xv[MV];
       for (int v = 0; v < MV; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xt + k * mp + v * kLanes);
       for (int b = 0; b < NB; ++b) {
@@ -261,22 +267,25 @@ struct Bf16Step {
 
 // Weight rows [n0, n0 + NB) (rows past `last` repeat row `last`: computed twice, stored to one place)
 // against row vectors [v0, v0 + MV) of x^T: sums into yt[(n - lo) * mp + m]. k_n counts k steps.
+// wn: the next tile's rows, to prefetch (clamped to the weight's last row, `last_all`).
 template <typename S, int MV, int NB, typename T>
 inline void tile(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t n0, int64_t last,
-                 int64_t lo, float* yt) {
-  const T* wp[NB];
+                 int64_t lo, float* yt, int64_t last_all) {
+  const T *wp[NB], *wn[NB];
   for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
+  for (int b = 0; b < NB; ++b) wn[b] = w + std::min(n0 + NB + b, last_all) * k_n;
   vf acc[MV][NB];
   for (int b = 0; b < NB; ++b)
     for (int v = 0; v < MV; ++v) acc[v][b] = vf{};
-  S::template run<MV, NB>(xt + v0 * kLanes, mp, wp, k_n, acc);
+  S::template run<MV, NB>(xt + v0 * kLanes, mp, wp, wn, k_n, acc);
   for (int b = 0; b < NB; ++b)
     for (int v = 0; v < MV; ++v) store16(yt + (std::min(n0 + b, last) - lo) * mp + (v0 + v) * kLanes, acc[v][b]);
 }
 
 template <typename S, int MV, int NB, typename T>
-inline void tiles(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t lo, int64_t hi, float* yt) {
-  for (int64_t n0 = lo; n0 < hi; n0 += NB) tile<S, MV, NB>(xt, mp, v0, w, k_n, n0, hi - 1, lo, yt);
+inline void tiles(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t lo, int64_t hi, float* yt,
+                  int64_t n_all) {
+  for (int64_t n0 = lo; n0 < hi; n0 += NB) tile<S, MV, NB>(xt, mp, v0, w, k_n, n0, hi - 1, lo, yt, n_all - 1);
 }
 
 // y's columns [lo, hi) (weight rows): row vectors in groups of up to 4 (24 accumulators), then
@@ -287,10 +296,10 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
   std::vector<float> yt((hi - lo) * mp);
   for (int64_t v0 = 0; v0 < mp / kLanes; v0 += 4) {
     switch (std::min<int64_t>(4, mp / kLanes - v0)) {
-      case 1: tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
-      case 2: tiles<S, 2, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
-      case 3: tiles<S, 3, 8>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
-      default: tiles<S, 4, 6>(xt, mp, v0, w, k_n, lo, hi, yt.data()); break;
+      case 1: tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
+      case 2: tiles<S, 2, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
+      case 3: tiles<S, 3, 8>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
+      default: tiles<S, 4, 6>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
     }
   }
   // Row by row of y, where a unit's outputs are contiguous: y's rows lie far apart, and column by
