@@ -1,9 +1,10 @@
 """Native CPU kernels, compiled from this package's C++ sources with the host's compiler on first use.
 
 XLA:CPU has no fused paged attention, and its GEMM re-packs the weights on every call, which
-costs a decode step of a few rows half its speed. ``paged_attention.cc`` and ``row_products.cc`` are
-called through the XLA FFI (``jax.ffi``; ops.py): by the ``cpu_kernel`` decode backend
-(rollout/attention.py) and by the engine's weight products (``rollout.weight_products``). Each shared
+costs a decode step of a few rows half its speed. ``paged_attention.cc``, ``row_products.cc`` and
+``argmax.cc`` are called through the XLA FFI (``jax.ffi``; ops.py): by the ``cpu_kernel`` decode
+backend (rollout/attention.py), by the engine's weight products (``rollout.weight_products``) and by
+its sampling (the tokens' argmax over the vocabulary). Each shared
 library is built once per source, jaxlib and CPU, with ``-march=native`` (this CPU's vector instructions), into
 ``$LAMINAR_JAX_NATIVE_CACHE`` (default ``~/.cache/laminar_jax/native``), and loaded from there
 afterwards. The build writes a temporary file and renames it into place, so concurrent processes
@@ -29,11 +30,12 @@ from typing import Optional
 
 _log = logging.getLogger(__name__)
 
-SOURCES = {"paged_attention": "paged_attention.cc", "row_products": "row_products.cc"}
+SOURCES = {"paged_attention": "paged_attention.cc", "row_products": "row_products.cc", "argmax": "argmax.cc"}
 HEADERS = ("vec16.h", "parallel.h")  # included by the sources: copied beside them and part of every build key
 # FFI handler symbols each library exports -> the XLA custom-call target they are registered as.
 TARGETS = {"paged_attention": {"LaminarPagedAttention": "laminar_paged_attention"},
-           "row_products": {"LaminarRowProducts": "laminar_row_products"}}
+           "row_products": {"LaminarRowProducts": "laminar_row_products"},
+           "argmax": {"LaminarFirstArgmax": "laminar_first_argmax"}}
 CXXFLAGS = ("-O3", "-march=native", "-fno-math-errno", "-std=c++17", "-shared", "-fPIC")
 BUILD_TIMEOUT_S = 120.0
 

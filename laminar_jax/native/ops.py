@@ -3,7 +3,8 @@
 ``paged_attention``: decode attention over a paged KV cache, read in place (paged_attention.cc;
 the ``cpu_kernel`` decode backend, rollout/attention.py). ``row_products``: y = x . W^T for a few
 rows x against a weight stored [out, in] (row_products.cc; the rollout engine's decode steps,
-model/transformer.py's ``Linear``). This module imports nothing of the model or rollout packages.
+model/transformer.py's ``Linear``). ``first_argmax``: each row's first index of its maximum
+(argmax.cc; the engine's sampling). This module imports nothing of the model or rollout packages.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from laminar_jax import native
 
 ATTENTION_LIBRARY, ATTENTION_TARGET = "paged_attention", "laminar_paged_attention"
 PRODUCTS_LIBRARY, PRODUCTS_TARGET = "row_products", "laminar_row_products"
+ARGMAX_LIBRARY, ARGMAX_TARGET = "argmax", "laminar_first_argmax"
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
@@ -98,5 +100,12 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
         x.astype(jnp.float32), w)
 
 
-__all__ = ["paged_attention", "row_products", "row_products_max_rows", "row_products_min_weights",
+def first_argmax(x: jax.Array) -> jax.Array:
+    """x f32[B, V] -> i32[B]: each row's first index of its maximum (a NaN counts as the maximum), the
+    same index rollout.sampling.first_argmax picks (argmax.cc)."""
+    native.load(ARGMAX_LIBRARY)
+    return jax.ffi.ffi_call(ARGMAX_TARGET, jax.ShapeDtypeStruct(x.shape[:1], jnp.int32))(x.astype(jnp.float32))
+
+
+__all__ = ["paged_attention", "row_products", "first_argmax", "row_products_max_rows", "row_products_min_weights",
            "row_products_insisted_rows", "KV_DTYPES", "WEIGHT_DTYPES"]

@@ -52,11 +52,13 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.native import ops as native_ops
 from laminar_jax.rollout.attention import (
     BACKENDS,
     DecodeMeta,
     from_pool,
     live_page_list,
+    native_argmax_here,
     pool_shape,
     prefill_dense,
     prefill_packed,
@@ -78,7 +80,7 @@ from laminar_jax.rollout.paged import (
     StepOutput,
     pages_needed,
 )
-from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens, token_keys
+from laminar_jax.rollout.sampling import first_argmax, gumbel_noise, sample_tokens, token_keys
 from laminar_jax.rollout import tp as tpl
 
 MAX_STOP_IDS = 8
@@ -134,7 +136,8 @@ class Engine:
         self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
                            section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
                            vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows,
-                           row_kernel_min_weights=self.row_kernel_min_weights, longest_prompt=self.buckets[-1])
+                           row_kernel_min_weights=self.row_kernel_min_weights, longest_prompt=self.buckets[-1],
+                           native_argmax=native_argmax_here(self.devices[0].platform, mesh is not None))
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     def _bind(self, params) -> tuple[list, "_Programs"]:
@@ -647,6 +650,7 @@ class _Spec(NamedTuple):
     row_kernel_rows: int = 0  # decode weight products of at most this many rows run the native kernel
     row_kernel_min_weights: int = 0  # ... of weights of at least this many elements
     longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
+    native_argmax: bool = False  # sampling's argmax on the native kernel (the same index as first_argmax)
 
 
 def _prefill_impl(spec: _Spec, params, tokens, true_length):
@@ -755,7 +759,8 @@ def _step(spec: _Spec, model, state: DecodeState, live_bucket: int,
     cache = list(zip(state.k_pages, state.v_pages))
     logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
     keys = None if noise is not None else token_keys(state.keys, state.num_generated)
-    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise)
+    argmax = native_ops.first_argmax if spec.native_argmax else first_argmax
+    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise, argmax)
     emitted = state.active
     stopped = emitted & jnp.any(tok[:, None] == state.stop_ids, axis=-1)
     n_gen = state.num_generated + emitted.astype(jnp.int32)

@@ -24,7 +24,7 @@ smallest prefix of the (top-k-restricted, tempered) sorted distribution whose ma
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -127,12 +127,14 @@ def gumbel_noise(keys: jax.Array, vocab: int) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, top_k: jax.Array,
-                  top_p: jax.Array, noise: Optional[jax.Array] = None) -> tuple[jax.Array, jax.Array]:
+                  top_p: jax.Array, noise: Optional[jax.Array] = None,
+                  argmax: Callable[[jax.Array], jax.Array] = first_argmax) -> tuple[jax.Array, jax.Array]:
     """Sample one token per row.
 
     logits f32[B, V]; keys: typed PRNG keys [B] (already folded with the token index);
     temperature f32[B] (0 = greedy); top_k i32[B]; top_p f32[B]. ``noise``: f32[B, V], the rows'
     ``gumbel_noise(keys)`` drawn beforehand (keys then unused); the tokens are the same either way.
+    ``argmax``: first_argmax, or a function that picks the same index (the engine's native kernel).
     Returns (tokens i32[B], behaviour log-probs f32[B]); see the module docstring for the log-prob.
     """
     logits = logits.astype(jnp.float32)
@@ -147,10 +149,10 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, temperature: jax.Array, to
     # Gumbel-max: the same draw as jax.random.categorical(key, kept / temp).
     if noise is None:
         drawn = jax.lax.cond(jnp.any(~greedy),
-                             lambda: first_argmax(gumbel_noise(keys, logits.shape[-1]) + kept / temp[:, None]),
+                             lambda: argmax(gumbel_noise(keys, logits.shape[-1]) + kept / temp[:, None]),
                              lambda: jnp.zeros(logits.shape[:1], jnp.int32))
     else:
-        drawn = first_argmax(noise + kept / temp[:, None])
-    tokens = jnp.where(greedy, first_argmax(logits), drawn)
+        drawn = argmax(noise + kept / temp[:, None])
+    tokens = jnp.where(greedy, argmax(logits), drawn)
     lp = token_logprobs(jnp.where(greedy[:, None], logits, kept), tokens, temp[:, None])
     return tokens, lp

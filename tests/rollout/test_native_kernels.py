@@ -324,3 +324,54 @@ def test_auto_engine_takes_the_kernel_only_for_models_with_weights_over_the_floo
     else:
         assert tiny.row_kernel_rows == wide.row_kernel_rows == auto_rows
         assert tiny.row_kernel_min_weights == wide.row_kernel_min_weights == 0
+
+
+def _argmax_rows(b, v, seed):
+    """Random rows with the cases first_argmax defines: ties (the first wins), an all -inf row, NaNs
+    (the first NaN wins), a maximum in the tail past the last whole 16-lane block, +inf."""
+    x = np.random.default_rng(seed).normal(size=(b, v)).astype(np.float32)
+    cases = [lambda r: r.__setitem__([1, v - 1], 50.0), lambda r: r.fill(-np.inf),
+             lambda r: r.__setitem__([v - 1, 2], np.nan), lambda r: r.__setitem__(v - 1, 60.0),
+             lambda r: r.__setitem__([v // 2, v - 2], np.inf)]
+    for row, case in zip(x, cases):
+        case(row)
+    return x
+
+
+@pytest.mark.parametrize("b,v", [(1, 5), (3, 16), (5, 17), (7, 97), (64, 1000), (6, 32768)])
+def test_native_argmax_picks_the_index_first_argmax_picks(b, v):
+    from laminar_jax.rollout.sampling import first_argmax
+
+    x = jnp.asarray(_argmax_rows(b, v, seed=v))
+    got, want = jax.jit(ops.first_argmax)(x), jax.jit(first_argmax)(x)
+    assert got.dtype == jnp.int32 and got.shape == (b,)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    if b >= 5 and v > 2:  # the cases themselves, so a kernel that matched a wrong reference would fail
+        assert list(np.asarray(got)[:5]) == [1, 0, 2, v - 1, v // 2]
+
+
+def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypatch):
+    """On one CPU device the decode step's argmax is the kernel's; tokens and log-probs are those of
+    the XLA argmax, greedy and sampled."""
+    from laminar_jax.rollout import SamplingParams, generate, make_engine
+    from laminar_jax.rollout import engine as engine_mod
+    from tests.rollout.rollout_helpers import SECTION, tiny_model
+
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    outs = {}
+    for native_on in (True, False):
+        if not native_on:  # the fallback an engine takes where the kernel does not build
+            monkeypatch.setattr(engine_mod, "native_argmax_here", lambda platform, tensor_parallel: False)
+        engine, params = make_engine(tiny_model(0), SECTION)
+        assert engine._spec.native_argmax == native_on
+        leaves, progs = engine._bind(params)
+        rows, n = engine._rows()
+        text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, engine.live_bucket()).as_text()
+        assert ("laminar_first_argmax" in text) == native_on
+        outs[native_on] = [generate((engine, params), prompts, SamplingParams(temperature=t, max_new_tokens=10,
+                                                                              stop_token_ids=()), seeds=[3, 4, 5])
+                           for t in (0.0, 1.0)]
+    for a, b in zip(outs[True], outs[False]):
+        for x, y in zip(a, b):
+            np.testing.assert_array_equal(x.tokens, y.tokens)
+            np.testing.assert_array_equal(x.logprobs, y.logprobs)
