@@ -351,15 +351,15 @@ def test_native_argmax_picks_the_index_first_argmax_picks(b, v):
 
 
 def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypatch):
-    """On one CPU device the decode step's argmax is the kernel's; tokens and log-probs are those of
-    the XLA argmax, greedy and sampled."""
+    """On one CPU device with AVX2 or AVX-512 the decode step's argmax is the kernel's; tokens and
+    log-probs are those of the XLA argmax, greedy and sampled."""
     from laminar_jax.rollout import SamplingParams, generate, make_engine
     from laminar_jax.rollout import engine as engine_mod
     from tests.rollout.rollout_helpers import SECTION, tiny_model
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     outs = {}
-    for native_on in (True, False):
+    for native_on in (ops.first_argmax_is_faster(), False):
         if not native_on:  # the fallback an engine takes where the kernel does not build
             monkeypatch.setattr(engine_mod, "native_argmax_here", lambda platform, tensor_parallel: False)
         engine, params = make_engine(tiny_model(0), SECTION)
@@ -375,3 +375,14 @@ def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypat
         for x, y in zip(a, b):
             np.testing.assert_array_equal(x.tokens, y.tokens)
             np.testing.assert_array_equal(x.logprobs, y.logprobs)
+
+
+@pytest.mark.parametrize("flags,expected", [({"avx2", "fma"}, True), ({"avx512f", "avx2"}, True),
+                                            ({"sse4_2"}, False), (set(), False)])
+def test_the_native_argmax_is_taken_only_on_cpus_with_avx2_or_avx512(monkeypatch, flags, expected):
+    from laminar_jax.rollout.attention import native_argmax_here
+
+    monkeypatch.setattr(ops, "cpu_flags", lambda: frozenset(flags))
+    assert ops.first_argmax_is_faster() == expected
+    assert native_argmax_here("cpu", False) == (expected and native.available(ops.ARGMAX_LIBRARY) is None)
+    assert not native_argmax_here("cpu", True) and not native_argmax_here("gpu", False)
