@@ -8,7 +8,9 @@
 // The path is chosen by the CPU and the row count alone:
 // - few rows: every weight row is read once, straight from its stored layout, and multiplied into
 //   all M rows while it is in L1; sums run over K in 16-lane partial sums, reduced at the end;
-// - from 4 rows (8 for bfloat16) on AVX-512: a GEMM micro-kernel (below, "Four rows and more");
+// - from 4 rows (8 for bfloat16) on AVX-512: a GEMM micro-kernel (below, "Four rows and more"),
+//   except float32 products of 4-16 rows with K a multiple of 4, which pack 4 rows x 4 k per vector
+//   (below, "4 to 16 rows of float32");
 // - on AVX2 without AVX-512, the first form at every row count, in 8-float vectors (below, "The
 //   few-row form's vectors").
 // Either way the result of a row never depends on the other rows or on how the work is split
@@ -374,6 +376,76 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
   run_packed<F32Step>(pool, xt.get(), m_n, mp, k_n, w, n_n, y);
 }
 
+// 4 to 16 rows of float32: groups of 4 rows x 4 consecutive k per vector, xq[q][g] = (x[4g + r][4q + j])
+// for r, j < 4, and each weight row's 4 elements at 4q broadcast to the 4 groups of lanes
+// (vbroadcastf32x4). Every lane does useful work at 4 rows, where the GEMM tile above uses 4 of its
+// 16, and a weight element costs a quarter of a load instead of a whole one: the GEMM form streamed
+// the weights at ~28 GB/s at 4-16 rows, where a 1-row product streams 38. 12 layers' products plus
+// the head of qwen2-100m (Zen 5, 2 cores, three processes each, alternating): 4 rows 15.1-15.3 ->
+// 11.7-14.0 ms, 8 rows 15.0-15.4 -> 12.0-13.9, 16 rows 15.1-16.0 -> 11.7-13.7 (docs/BENCHMARKS.md).
+// Each output is the sum of its 4 lanes' k-strided partial sums, ((p0 + p1) + (p2 + p3)), the same
+// for a row whichever group and lanes hold it: a row's result depends on the row count's path (this
+// one, or the GEMM from 17 rows), not on the other rows.
+constexpr int64_t kQuadMaxRows = 16;
+
+template <int MG, int NB>
+inline void quad_tile(const float* xq, int64_t groups, const float* w, int64_t k_n, int64_t n0, int64_t last,
+                      int64_t last_all, int64_t m_n, int64_t n_n, float* y) {
+  const float *wp[NB], *wn[NB];
+  for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
+  for (int b = 0; b < NB; ++b) wn[b] = w + std::min(n0 + NB + b, last_all) * k_n;
+  vf acc[MG][NB];
+  for (int g = 0; g < MG; ++g)
+    for (int b = 0; b < NB; ++b) acc[g][b] = vf{};
+  for (int64_t q = 0; q < k_n / 4; ++q) {
+    if ((q & 3) == 0)
+      for (int b = 0; b < NB; ++b) __builtin_prefetch(wn[b] + 4 * q);
+    vf xv[MG];
+    for (int g = 0; g < MG; ++g) xv[g] = load16(xq + (q * groups + g) * kLanes);
+    for (int b = 0; b < NB; ++b) {
+      const vf wb = (vf)_mm512_broadcast_f32x4(_mm_loadu_ps(wp[b] + 4 * q));
+      for (int g = 0; g < MG; ++g) acc[g][b] += xv[g] * wb;
+    }
+  }
+  for (int b = 0; b < NB; ++b) {
+    if (n0 + b > last) break;
+    for (int g = 0; g < MG; ++g)
+      for (int r = 0; r < 4 && 4 * g + r < m_n; ++r) {
+        const vf a = acc[g][b];
+        y[(4 * g + r) * n_n + n0 + b] = (a[4 * r] + a[4 * r + 1]) + (a[4 * r + 2] + a[4 * r + 3]);
+      }
+  }
+}
+
+template <int MG, int NB>
+void quad_unit(const float* xq, int64_t groups, const float* w, int64_t k_n, int64_t lo, int64_t hi, int64_t m_n,
+               int64_t n_n, float* y) {
+  for (int64_t n0 = lo; n0 < hi; n0 += NB) quad_tile<MG, NB>(xq, groups, w, k_n, n0, hi - 1, n_n - 1, m_n, n_n, y);
+}
+
+void run_quad_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64_t m_n, int64_t k_n, int64_t n_n,
+                  float* y) {
+  const int64_t groups = (m_n + 3) / 4, quads = k_n / 4;
+  std::unique_ptr<float[]> xq(new float[quads * groups * kLanes]);
+  for (int64_t q = 0; q < quads; ++q)
+    for (int64_t g = 0; g < groups; ++g)
+      for (int r = 0; r < 4; ++r)
+        for (int j = 0; j < 4; ++j) {
+          const int64_t m = 4 * g + r;
+          xq[(q * groups + g) * kLanes + 4 * r + j] = m < m_n ? x[m * k_n + 4 * q + j] : 0.0f;
+        }
+  const float* xp = xq.get();
+  for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
+    switch (groups) {
+      case 1: quad_unit<1, 12>(xp, groups, w, k_n, lo, hi, m_n, n_n, y); break;
+      case 2: quad_unit<2, 12>(xp, groups, w, k_n, lo, hi, m_n, n_n, y); break;
+      case 3: quad_unit<3, 8>(xp, groups, w, k_n, lo, hi, m_n, n_n, y); break;
+      default: quad_unit<4, 6>(xp, groups, w, k_n, lo, hi, m_n, n_n, y); break;
+    }
+  });
+}
+
 #if defined(__AVX512BF16__)
 // k_n even. x's float32 values are bfloat16 already (the caller rounded them): their high halves.
 void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t m_n, int64_t k_n,
@@ -403,6 +475,10 @@ ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::InvalidArgument("expected x[M, K] and w[N, K]");
   const int64_t m_n = xd[0], k_n = xd[1], n_n = wd[0];
 #if defined(__AVX512F__)
+  if (m_n >= kPackMinRowsF32 && m_n <= kQuadMaxRows && k_n % 4 == 0 && w.element_type() == ffi::DataType::F32) {
+    run_quad_f32(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
+    return ffi::Error::Success();
+  }
   if (m_n >= kPackMinRowsF32 && w.element_type() == ffi::DataType::F32) {
     run_packed_f32(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
     return ffi::Error::Success();

@@ -158,11 +158,13 @@ print('OK')
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9),
-                                   (16, 64, 50), (40, 96, 61), (64, 130, 49), (70, 33, 13), (20, 45, 30)])
+                                   (16, 64, 50), (40, 96, 61), (64, 130, 49), (70, 33, 13), (20, 45, 30),
+                                   (4, 36, 30), (11, 12, 25), (16, 8, 13)])
 def test_row_products_equal_the_dot(dtype, m, k, n):
     """Every path: the 16-lane one's row groups (8, 4, 2, 1) and weight-row blocks (4, 3, 1), with a K
     that is no multiple of 16, bf16 with K in 32s on AVX-512 BF16; the GEMM path's row-vector groups
-    (1-4, and 4 + 1 at 70 rows) and weight-row blocks with a remainder, bf16 in pairs (odd K: not)."""
+    (1-4, and 4 + 1 at 70 rows) and weight-row blocks with a remainder, bf16 in pairs (odd K: not);
+    float32's 4-16-row form in 1-4 groups of 4 rows (11: a padded group), with K in 4s and not (8, 50)."""
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
     w = jnp.asarray(rng.normal(size=(n, k)), jnp.float32).astype(dtype)
@@ -170,10 +172,11 @@ def test_row_products_equal_the_dot(dtype, m, k, n):
     ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     # A row's result does not depend on the rows beside it (the engine's moves rely on that); the
-    # path, and so the order of the sums, is chosen by the row count alone: 4 rows and more (8 for
-    # bfloat16) take the GEMM path where the CPU has AVX-512.
+    # path, and so the order of the sums, is chosen by the row count alone where the CPU has AVX-512:
+    # float32 4-16 rows with K in 4s the 4-rows-by-4-k form, else from 4 rows (8 for bfloat16) the GEMM.
     few = 4 if dtype == jnp.float32 else 8
-    tail = 1 if m < few else few
+    quad = dtype == jnp.float32 and k % 4 == 0
+    tail = 1 if m < few else 17 if quad and m > 16 else few
     alone = np.asarray(jax.jit(ops.row_products)(x[m - tail:], w))
     np.testing.assert_array_equal(alone[-1], out[m - 1])
     other = np.asarray(jax.jit(ops.row_products)(x[::-1], w))  # other rows beside each row, same count
