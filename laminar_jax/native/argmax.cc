@@ -10,9 +10,9 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstring>
 
 #include "parallel.h"
+#include "vec16.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -21,23 +21,10 @@ namespace {
 
 constexpr int32_t kNone = INT32_MAX;
 
-// One register of this CPU's vectors: 16 floats with AVX-512, else 8. Built for AVX2 (Haswell) and
-// run on Zen 5, 16-float vectors (two registers each) took 6.6 ms for f32[64, 32768], 8-float ones
-// 0.43 ms. Without AVX2's vector blend the selects go scalar (baseline x86-64: 6.2 ms), so the
+// Vectors of one register of this CPU (vec16.h's kW floats, va and vai): built for AVX2 (Haswell)
+// and run on Zen 5, 16-float vectors (two registers each) took 6.6 ms for f32[64, 32768], 8-float
+// ones 0.43 ms. Without AVX2's vector blend the selects go scalar (baseline x86-64: 6.2 ms), so the
 // engine calls this only on CPUs with AVX2 or AVX-512 (native/ops.py, first_argmax_is_faster).
-#if defined(__AVX512F__)
-constexpr int kW = 16;
-#else
-constexpr int kW = 8;
-#endif
-typedef float va __attribute__((vector_size(kW * 4)));
-typedef int32_t vai __attribute__((vector_size(kW * 4)));
-
-inline va loadv(const float* p) {
-  va v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
 
 // One pass, kW lanes: each lane keeps its largest value and the first index it was seen at
 // (a later equal value does not replace it), and its first NaN. The row's answer is then the first

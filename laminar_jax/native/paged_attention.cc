@@ -29,24 +29,12 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// The kernel's vectors: one register of this CPU. On AVX-512 (and elsewhere) 16 floats. On AVX2
-// without AVX-512 a 16-float vector is two registers, so a pass's accumulators (kBlocks x G of them)
-// took twice the 16 registers there are and lived in memory: 32 rows of 128 tokens took 1.9 ms per
-// layer in 16-float vectors and 0.17 ms in 8-float ones (qwen2-100m's heads, AMD EPYC Zen 3).
-#if defined(__AVX2__) && !defined(__AVX512F__)
-constexpr int kW = 8, kAccumulators = 12;  // of 16 registers: the rest hold a pass's loaded rows
-#else
-constexpr int kW = 16, kAccumulators = 24;  // of 32
-#endif
-typedef float va __attribute__((vector_size(kW * 4)));
-typedef int32_t vai __attribute__((vector_size(kW * 4)));
-typedef uint32_t vau __attribute__((vector_size(kW * 4)));
-typedef uint16_t vah __attribute__((vector_size(kW * 2)));
-
-inline va loadv(const float* p) { return load_floats<va>(p); }
-inline va loadv(const uint16_t* p) { return load_floats<va, vau, vah>(p); }  // bfloat16 bits
-
-inline void storev(float* p, va v) { std::memcpy(p, &v, sizeof v); }
+// The kernel's vectors: one register of this CPU (vec16.h's kW floats, va). On AVX2 without AVX-512
+// a 16-float vector is two registers, so a pass's accumulators (kBlocks x G of them) took twice the
+// 16 registers there are and lived in memory: 32 rows of 128 tokens took 1.9 ms per layer in
+// 16-float vectors and 0.17 ms in 8-float ones (qwen2-100m's heads, AMD EPYC Zen 3).
+// Accumulators: 12 of 16 registers, 24 of 32; the rest hold a pass's loaded rows.
+constexpr int kAccumulators = kW == 8 ? 12 : 24;
 
 struct Dims {
   int64_t b, h, d, hkv, g, page, n, pages;

@@ -267,15 +267,23 @@ struct Bf16Step {
 };
 #endif
 
+// A tile's NB weight rows from n0 (rows past `last` repeat row `last`) in wp, and the next tile's
+// (clamped to `last_all`, the weight's last row) in wn: those are prefetched while this one runs.
+template <int NB, typename T>
+inline void tile_rows(const T* w, int64_t k_n, int64_t n0, int64_t last, int64_t last_all, const T* (&wp)[NB],
+                      const T* (&wn)[NB]) {
+  for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
+  for (int b = 0; b < NB; ++b) wn[b] = w + std::min(n0 + NB + b, last_all) * k_n;
+}
+
 // Weight rows [n0, n0 + NB) (rows past `last` repeat row `last`: computed twice, stored to one place)
 // against row vectors [v0, v0 + MV) of x^T: sums into yt[(n - lo) * mp + m]. k_n counts k steps.
-// wn: the next tile's rows, to prefetch (clamped to the weight's last row, `last_all`).
+// `last_all`: the weight's last row, which clamps the next tile's rows (prefetched, tile_rows).
 template <typename S, int MV, int NB, typename T>
 inline void tile(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, int64_t n0, int64_t last,
                  int64_t lo, float* yt, int64_t last_all) {
   const T *wp[NB], *wn[NB];
-  for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
-  for (int b = 0; b < NB; ++b) wn[b] = w + std::min(n0 + NB + b, last_all) * k_n;
+  tile_rows(w, k_n, n0, last, last_all, wp, wn);
   vf acc[MV][NB];
   for (int b = 0; b < NB; ++b)
     for (int v = 0; v < MV; ++v) acc[v][b] = vf{};
@@ -392,8 +400,7 @@ template <int MG, int NB>
 inline void quad_tile(const float* xq, int64_t groups, const float* w, int64_t k_n, int64_t n0, int64_t last,
                       int64_t last_all, int64_t m_n, int64_t n_n, float* y) {
   const float *wp[NB], *wn[NB];
-  for (int b = 0; b < NB; ++b) wp[b] = w + std::min(n0 + b, last) * k_n;
-  for (int b = 0; b < NB; ++b) wn[b] = w + std::min(n0 + NB + b, last_all) * k_n;
+  tile_rows(w, k_n, n0, last, last_all, wp, wn);
   vf acc[MG][NB];
   for (int g = 0; g < MG; ++g)
     for (int b = 0; b < NB; ++b) acc[g][b] = vf{};
