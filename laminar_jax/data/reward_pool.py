@@ -122,13 +122,16 @@ class _ThreadWorker:
 
     def __init__(self, pool: "RewardPool"):
         self.pid = None
-        self.ready, self.dead, self.fatal, self.read_error = True, False, None, None
+        self.ready, self.dead, self.fatal, self.read_error = False, False, None, None
         self.task: Optional[_Task] = None
         self.born = time.monotonic()
         self._pool, self._inbox = pool, queue.Queue()
         threading.Thread(target=self._loop, name="reward-thread", daemon=True).start()
 
     def _loop(self) -> None:
+        for error in self._pool._registry.warm_up():  # once per registry; other threads wait on its lock
+            log.warning("reward thread: %s", error)
+        self._pool._on_message(self, {"ready": True})
         while True:
             request = self._inbox.get()
             if request is None:

@@ -75,6 +75,8 @@ def main(argv: list[str]) -> int:
     except Exception as e:
         out.write(json.dumps({"fatal": f"cannot load reward registry {argv[0]!r}: {type(e).__name__}: {e}"}) + "\n")
         return 2
+    for error in registry.warm_up():  # before "ready": the pool's start deadline covers it, not a reward's
+        print(f"reward worker {os.getpid()}: {error}", file=sys.stderr)
     out.write(json.dumps({"ready": True, "pid": os.getpid()}) + "\n")
     for line in sys.stdin:
         if line.strip():

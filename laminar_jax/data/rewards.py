@@ -35,11 +35,34 @@ class RewardRegistry:
         self._exact: dict[str, RewardFn] = {}
         self._prefix: dict[str, RewardFn] = {}
         self.default = default
+        self._warm_ups: list[Callable[[], Any]] = []
+        self._warm_lock, self._warm = threading.Lock(), False
 
     def register_reward(self, name: str, fn: RewardFn, *, prefix: bool = False) -> None:
         if not callable(fn):
             raise TypeError(f"reward for {name!r} must be callable, got {fn!r}")
         (self._prefix if prefix else self._exact)[name] = fn
+
+    def register_warm_up(self, fn: Callable[[], Any]) -> None:
+        """``fn()`` runs once before the first score: it pays a scorer's import and first-call cost
+        (math_verify's is ~1 s, more on a loaded host) outside any per-reward deadline."""
+        if not callable(fn):
+            raise TypeError(f"warm-up must be callable, got {fn!r}")
+        self._warm_ups.append(fn)
+
+    def warm_up(self) -> list[str]:
+        """Run the warm-ups once (later calls return at once); the errors they raised, as text.
+        A failed warm-up is not fatal: the same failure then shows on the scores it affects."""
+        with self._warm_lock:
+            if self._warm:
+                return []
+            self._warm, errors = True, []
+            for fn in self._warm_ups:
+                try:
+                    fn()
+                except Exception as e:
+                    errors.append(f"warm-up {getattr(fn, '__name__', fn)!r} failed: {type(e).__name__}: {e}")
+            return errors
 
     def get_reward_fn(self, data_source: str) -> RewardFn:
         if data_source in self._exact:
@@ -80,6 +103,12 @@ def math_reward(response: str, ground_truth: Any, extra_info: Any = None) -> flo
     return 1.0 if math_verify.verify(gold, pred, timeout_seconds=timeout) else 0.0
 
 
+def warm_math_reward() -> None:
+    """Import math_verify (sympy, the LaTeX grammar) and score once, so the first real reward
+    does not spend its deadline there."""
+    math_reward("\\boxed{1}", "1")
+
+
 _WS = re.compile(r"\s+")
 
 
@@ -96,6 +125,7 @@ def default_registry() -> RewardRegistry:
     reg.register_reward(RG_PREFIX, ReasoningGymScorer(), prefix=True)
     reg.register_reward("exact_match", exact_match_reward)
     reg.register_reward(synthetic_skew.DATA_SOURCE, synthetic_skew.skew_reward)
+    reg.register_warm_up(warm_math_reward)
     return reg
 
 

@@ -88,3 +88,18 @@ def test_reasoning_gym_held_out_prompts_come_from_another_seed():
     assert len(val) == 8 and all(p.data_source == "reasoning_gym/basic_arithmetic" for p in val)
     assert len({p.prompt_text for p in val} - train) >= 7  # a small problem space may repeat one by chance
     assert DataSection(source="file", path="x.jsonl", val_size=8).has_val() is False  # files name theirs
+
+
+def test_warm_ups_run_once_and_report_their_errors_without_raising():
+    reg, calls = RewardRegistry(), []
+    reg.register_warm_up(lambda: calls.append(1))
+
+    def broken():
+        raise ImportError("no such scorer library")
+
+    reg.register_warm_up(broken)
+    errors = reg.warm_up()
+    assert calls == [1] and len(errors) == 1 and "'broken'" in errors[0] and "no such scorer library" in errors[0]
+    assert reg.warm_up() == [] and calls == [1]
+    with pytest.raises(TypeError, match="warm-up must be callable"):
+        reg.register_warm_up("not a function")

@@ -37,6 +37,14 @@ def test_scores_many_concurrently(pool):
     assert all(r.ok and r.error is None and r.latency_s >= 0 for r in results)
 
 
+def test_a_fresh_workers_first_math_reward_is_warm():
+    # math_verify's import costs ~0.8 s (more on a loaded host): the worker pays it before it
+    # reports ready, so even the first reward fits a deadline far below that cost.
+    with RewardPool(num_workers=1, timeout_s=0.3, registry_spec=PROBES, pythonpath=[HERE]) as p:
+        r = p.score("openai/gsm8k", "so \\boxed{12}", "12")
+        assert (r.reward, r.ok, r.error) == (1.0, True, None)
+
+
 def test_exception_and_nan_score_zero_and_are_counted(pool):
     before = pool.stats()
     r = pool.score("raise", "x", None)
