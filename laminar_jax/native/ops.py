@@ -32,11 +32,14 @@ WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 # qwen2-100m's 768 x 768 and 2048 x 768 weights took 0.34-0.90x its time at 2-16 rows (float32
 # and bfloat16), 1.0-1.2x at 1 row and 0.9-1.1x at 32; for the tiny demo model's (at most 192 x 64
 # weights) 1.1-2.3x at 4 rows and more, where a call is too short for the FFI's overhead. So there
-# the kernel takes products of up to 16 rows of weights of at least MIN_WEIGHTS_AVX2 elements
-# (docs/BENCHMARKS.md, "On AVX2: the weight-product kernel in 8-float vectors"). Its first build,
-# with 16-float vectors (two AVX2 registers each, and spilled), was 2-10x slower than XLA's dot.
+# the kernel takes products of weights of at least MIN_WEIGHTS_AVX2 elements (docs/BENCHMARKS.md,
+# "On AVX2: the weight-product kernel in 8-float vectors"). Its first build, with 16-float vectors
+# (two AVX2 registers each, and spilled), was 2-10x slower than XLA's dot. From 32 float32 rows the
+# kernel runs its GEMM path in 8-float registers (row_products_gemm_rows): the decode step of
+# qwen2-100m at 32 rows 126-160 -> 89-110 ms, at 64 rows 189-192 -> 180-218 (XLA's dot there: even),
+# so AVX2 takes float32 products up to 64 rows (docs/BENCHMARKS.md, "On AVX2: the GEMM path").
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
-MAX_ROWS_AVX2 = {jnp.dtype(jnp.float32): 16, jnp.dtype(jnp.bfloat16): 16}
+MAX_ROWS_AVX2 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 16}
 MIN_WEIGHTS_AVX2 = 1 << 16
 
 
@@ -59,6 +62,17 @@ def _kernel_form(dtype) -> str:
     if "avx512f" in flags:
         return "avx512" if jnp.dtype(dtype) != jnp.bfloat16 or "avx512_bf16" in flags else ""
     return "avx2" if {"avx2", "fma"} <= flags else ""
+
+
+def row_products_gemm_rows(dtype) -> int:
+    """From how many rows row_products runs its GEMM path for ``dtype`` weights on this CPU (0: never).
+    A row's result depends on its row count's path (the order of its sums), never on the other rows;
+    these mirror row_products.cc's kPackMinRows* (AVX-512: float32 from 4, where 4-16 rows with K in
+    4s take the 4-rows-by-4-k form instead; bfloat16 from 8 with AVX-512 BF16; AVX2: float32 from 32)."""
+    flags, dt = cpu_flags(), jnp.dtype(dtype)
+    if "avx512f" in flags:
+        return 4 if dt == jnp.float32 else 8 if "avx512_bf16" in flags else 0
+    return 32 if dt == jnp.float32 and {"avx2", "fma"} <= flags else 0
 
 
 def row_products_max_rows(dtype) -> int:
@@ -115,4 +129,5 @@ def first_argmax(x: jax.Array) -> jax.Array:
 
 
 __all__ = ["paged_attention", "row_products", "first_argmax", "first_argmax_is_faster", "row_products_max_rows",
+           "row_products_gemm_rows",
            "row_products_min_weights", "row_products_insisted_rows", "KV_DTYPES", "WEIGHT_DTYPES"]

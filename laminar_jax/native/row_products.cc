@@ -205,7 +205,11 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 }
 #endif
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define LAMINAR_GEMM 1
+#endif
+
+#if LAMINAR_GEMM
 // Four rows and more: the paths above waste arithmetic here (their 16-lane partial sums need a
 // shuffle-add reduction per output, and all rows of x come again from L2 for every few weight rows).
 // This is a GEMM micro-kernel instead: x is packed transposed, x^T[k][Mp] (Mp: M padded with zero
@@ -217,7 +221,12 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // 8 -35%, 16 -41%, 32 -41%, 64 -29% (401 GFLOP/s); bfloat16 from 8 rows (at 4 the vdpbf16ps path
 // above is faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 8 -16%, 16 -28%, 32 -33%,
 // 64 -34% (753 GFLOP/s). At 128 rows XLA's dot is as fast (docs/BENCHMARKS.md).
-constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8;
+// On AVX2 (no AVX-512) the same micro-kernel runs in 8-float registers, for float32 from
+// kPackMinRowsAvx2 rows (below it the few-row form above is faster): 2 row vectors x 6 weight rows
+// (12 of the 16 registers accumulate), or 1 x 12 for the last 8 rows. 12 layers of qwen2-100m's
+// products (AMD EPYC Zen 3, 2 cores), against XLA's dot: see kPackMinRowsAvx2's measurement in
+// docs/BENCHMARKS.md ("On AVX2: the GEMM path").
+constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8, kPackMinRowsAvx2 = 32;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
 // Prefetch. A tile's NB weight rows are NB short streams that the hardware prefetcher follows late.
 // Fetching each row kPrefetch elements ahead gave -12-18% at 16-64 rows (further ahead in the same
@@ -228,23 +237,43 @@ constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple 
 // slower, so those keep the row-ahead form. Prefetches change no result.
 constexpr int64_t kPrefetch = 32;
 
-// float32 weights: acc[v][b] += x^T[k][16 rows of vector v] * w_b[k], k by k.
+// One float in every lane of a register (va: kW floats): a broadcast load (va{} + w adds first).
+inline va broadcast(const float* p) {
+#if defined(__AVX512F__)
+  return (va)_mm512_set1_ps(*p);
+#else
+  return (va)_mm256_set1_ps(*p);  // not _mm256_broadcast_ss(p): GCC takes that builtin for a read of
+                                  // any memory and stored every accumulator back before each one
+#endif
+}
+
+// acc + x * w, one rounding: an explicit FMA on AVX2, as the few-row form's (Lanes8::fma).
+inline va fma(va acc, va x, va w) {
+#if defined(__AVX512F__)
+  return acc + x * w;
+#else
+  return (va)_mm256_fmadd_ps((__m256)x, (__m256)w, (__m256)acc);
+#endif
+}
+
+// float32 weights: acc[v][b] += x^T[k][kW rows of vector v] * w_b[k], k by k.
 struct F32Step {
   template <int MV, int NB>
   static inline void run(const float* xt, int64_t mp, const float* const* wp, const float* const* wn, int64_t k_n,
-                         vf (&acc)[MV][NB]) {
+                         va (&acc)[MV][NB]) {
     for (int64_t k = 0; k < k_n; ++k) {
       if ((k & 15) == 0)
         for (int b = 0; b < NB; ++b) __builtin_prefetch(MV == 1 ? wp[b] + k + kPrefetch : wn[b] + k);
-      vf xv[MV];
-      for (int v = 0; v < MV; ++v) xv[v] = load16(xt + k * mp + v * kLanes);
+      va xv[MV];
+      for (int v = 0; v < MV; ++v) xv[v] = loadv(xt + k * mp + v * kW);
       for (int b = 0; b < NB; ++b) {
-        const vf wb = (vf)_mm512_set1_ps(wp[b][k]);  // a broadcast load (vf{} + w adds first)
-        for (int v = 0; v < MV; ++v) acc[v][b] += xv[v] * wb;
+        const va wb = broadcast(wp[b] + k);
+        for (int v = 0; v < MV; ++v) acc[v][b] = fma(acc[v][b], xv[v], wb);
       }
     }
   }
 };
+
 
 #if defined(__AVX512BF16__)
 // bfloat16 weights, k in pairs: x^T holds each row's pair (x[2k], x[2k+1]) as one 32-bit lane, the
@@ -284,12 +313,12 @@ inline void tile(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, i
                  int64_t lo, float* yt, int64_t last_all) {
   const T *wp[NB], *wn[NB];
   tile_rows(w, k_n, n0, last, last_all, wp, wn);
-  vf acc[MV][NB];
+  va acc[MV][NB];
   for (int b = 0; b < NB; ++b)
-    for (int v = 0; v < MV; ++v) acc[v][b] = vf{};
-  S::template run<MV, NB>(xt + v0 * kLanes, mp, wp, wn, k_n, acc);
+    for (int v = 0; v < MV; ++v) acc[v][b] = va{};
+  S::template run<MV, NB>(xt + v0 * kW, mp, wp, wn, k_n, acc);
   for (int b = 0; b < NB; ++b)
-    for (int v = 0; v < MV; ++v) store16(yt + (std::min(n0 + b, last) - lo) * mp + (v0 + v) * kLanes, acc[v][b]);
+    for (int v = 0; v < MV; ++v) storev(yt + (std::min(n0 + b, last) - lo) * mp + (v0 + v) * kW, acc[v][b]);
 }
 
 template <typename S, int MV, int NB, typename T>
@@ -298,20 +327,31 @@ inline void tiles(const T* xt, int64_t mp, int64_t v0, const T* w, int64_t k_n, 
   for (int64_t n0 = lo; n0 < hi; n0 += NB) tile<S, MV, NB>(xt, mp, v0, w, k_n, n0, hi - 1, lo, yt, n_all - 1);
 }
 
-// y's columns [lo, hi) (weight rows): row vectors in groups of up to 4 (24 accumulators), then
-// the sums copied into y. k_n counts k steps (elements, or bfloat16 pairs).
+// y's columns [lo, hi) (weight rows): row vectors in groups of up to 4 (24 of AVX-512's 32
+// registers accumulate; on AVX2 up to 2, 12 of 16), then the sums copied into y. k_n counts k steps
+// (elements, or bfloat16 pairs).
 template <typename S, typename T>
 void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, int64_t n_n, int64_t lo,
                  int64_t hi, float* y) {
   std::vector<float> yt((hi - lo) * mp);
-  for (int64_t v0 = 0; v0 < mp / kLanes; v0 += 4) {
-    switch (std::min<int64_t>(4, mp / kLanes - v0)) {
+#if defined(__AVX512F__)
+  for (int64_t v0 = 0; v0 < mp / kW; v0 += 4) {
+    switch (std::min<int64_t>(4, mp / kW - v0)) {
       case 1: tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
       case 2: tiles<S, 2, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
       case 3: tiles<S, 3, 8>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
       default: tiles<S, 4, 6>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n); break;
     }
   }
+#else
+  // 2 x 6 tiles were faster than 3 x 4 and 4 x 3 (12 accumulators each; Zen 3, 64 rows).
+  for (int64_t v0 = 0; v0 < mp / kW; v0 += 2) {
+    if (mp / kW - v0 == 1)
+      tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n);
+    else
+      tiles<S, 2, 6>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n);
+  }
+#endif
   // Row by row of y, where a unit's outputs are contiguous: y's rows lie far apart, and column by
   // column each store touched another line of one cache set (about 2x slower overall).
   for (int64_t m = 0; m < m_n; ++m)
@@ -320,13 +360,14 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
 
 template <typename S, typename T>
 void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t mp, int64_t k_n, const T* w,
-                int64_t n_n, float* y) {
-  for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
-    const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
+                int64_t n_n, float* y, int64_t unit_rows = kPackUnitRows) {
+  for_units(pool, (n_n + unit_rows - 1) / unit_rows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    const int64_t lo = u * unit_rows, hi = std::min(n_n, lo + unit_rows);
     packed_unit<S>(xp, m_n, mp, k_n, w, n_n, lo, hi, y);
   });
 }
 
+#if defined(__AVX512F__)
 // The 16 x 16 floats in r transposed in registers (unpack pairs, then quads, then 128-bit lanes twice).
 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
@@ -383,7 +424,60 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
                   [=](int64_t m, int64_t k) { return _mm512_loadu_ps(x + m * k_n + k); });
   run_packed<F32Step>(pool, xt.get(), m_n, mp, k_n, w, n_n, y);
 }
+#else
+// The 8 x 8 floats in r transposed in registers (unpack pairs, then quads, then 128-bit halves).
+inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) r[i] = t[i];
+}
 
+// xt[k][m] = x[m][k] for m < m_n, zeros for the padding rows up to mp (a multiple of 8): whole 8 x 8
+// blocks transposed in registers, the edges element by element.
+void pack_transposed8(const float* x, int64_t m_n, int64_t mp, int64_t k_n, float* xt) {
+  const int64_t m_blocks = m_n / 8 * 8, k_blocks = k_n / 8 * 8;
+  for (int64_t k0 = 0; k0 < k_blocks; k0 += 8)
+    for (int64_t m0 = 0; m0 < m_blocks; m0 += 8) {
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(x + (m0 + i) * k_n + k0);
+      transpose8(r);
+      for (int j = 0; j < 8; ++j) _mm256_storeu_ps(xt + (k0 + j) * mp + m0, r[j]);
+    }
+  for (int64_t k = 0; k < k_n; ++k) {
+    for (int64_t m = k < k_blocks ? m_blocks : 0; m < m_n; ++m) xt[k * mp + m] = x[m * k_n + k];
+    for (int64_t m = m_n; m < mp; ++m) xt[k * mp + m] = 0.0f;
+  }
+}
+
+void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64_t m_n, int64_t k_n, int64_t n_n,
+                    float* y) {
+  const int64_t mp = (m_n + kW - 1) / kW * kW;
+  // 64-byte aligned: a tile's two row vectors at one k are then one cache line, not two.
+  std::vector<float> buffer(k_n * mp + 16);
+  float* xt = buffer.data() + (16 - (reinterpret_cast<uintptr_t>(buffer.data()) / 4) % 16) % 16;
+  pack_transposed8(x, m_n, mp, k_n, xt);  // writes every element
+  // A unit's weight rows are read once per 16 rows of x, so they should stay in L2 beside x^T's
+  // 16-row slice: at most ~128 KB of them (12-48 rows; at K = 2048, 48 rows were 384 KB and came
+  // from L3 every time: 73 against 93 GFLOP/s at K = 768, 64 rows, Zen 3's 512 KB L2).
+  const int64_t unit_rows = std::clamp<int64_t>((32768 / std::max<int64_t>(k_n, 1)) / 12 * 12, 12, kPackUnitRows);
+  run_packed<F32Step>(pool, xt, m_n, mp, k_n, w, n_n, y, unit_rows);
+}
+#endif  // __AVX512F__
+
+#if defined(__AVX512F__)
 // 4 to 16 rows of float32: groups of 4 rows x 4 consecutive k per vector, xq[q][g] = (x[4g + r][4q + j])
 // for r, j < 4, and each weight row's 4 elements at 4q broadcast to the 4 groups of lanes
 // (vbroadcastf32x4). Every lane does useful work at 4 rows, where the GEMM tile above uses 4 of its
@@ -473,6 +567,7 @@ void run_packed_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, i
 }
 #endif
 #endif  // __AVX512F__
+#endif  // LAMINAR_GEMM
 
 
 ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w,
@@ -497,6 +592,11 @@ ffi::Error row_products(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyB
     return ffi::Error::Success();
   }
 #endif
+#elif LAMINAR_GEMM
+  if (m_n >= kPackMinRowsAvx2 && w.element_type() == ffi::DataType::F32) {
+    run_packed_f32(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());
+    return ffi::Error::Success();
+  }
 #endif
   if (w.element_type() == ffi::DataType::F32)
     run(pool, x.typed_data(), w.typed_data<float>(), m_n, k_n, n_n, y->typed_data());

@@ -159,11 +159,13 @@ print('OK')
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9),
                                    (16, 64, 50), (40, 96, 61), (64, 130, 49), (70, 33, 13), (20, 45, 30),
-                                   (4, 36, 30), (11, 12, 25), (16, 8, 13)])
+                                   (4, 36, 30), (11, 12, 25), (16, 8, 13), (33, 2100, 30)])
 def test_row_products_equal_the_dot(dtype, m, k, n):
     """Every path: the 16-lane one's row groups (8, 4, 2, 1) and weight-row blocks (4, 3, 1), with a K
     that is no multiple of 16, bf16 with K in 32s on AVX-512 BF16; the GEMM path's row-vector groups
-    (1-4, and 4 + 1 at 70 rows) and weight-row blocks with a remainder, bf16 in pairs (odd K: not);
+    (1-4, and 4 + 1 at 70 rows; on AVX2 pairs of 8-row vectors, 40 and 70 rows ending in one) and
+    weight-row blocks with a remainder, bf16 in pairs (odd K: not), a K that is no multiple of 8, and
+    on AVX2 a long K (2100: units of 12 weight rows, the last of 6);
     float32's 4-16-row form in 1-4 groups of 4 rows (11: a padded group), with K in 4s and not (8, 50)."""
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
@@ -172,11 +174,12 @@ def test_row_products_equal_the_dot(dtype, m, k, n):
     ref = np.asarray(x, np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-5 * np.sqrt(k))
     # A row's result does not depend on the rows beside it (the engine's moves rely on that); the
-    # path, and so the order of the sums, is chosen by the row count alone where the CPU has AVX-512:
-    # float32 4-16 rows with K in 4s the 4-rows-by-4-k form, else from 4 rows (8 for bfloat16) the GEMM.
-    few = 4 if dtype == jnp.float32 else 8
-    quad = dtype == jnp.float32 and k % 4 == 0
-    tail = 1 if m < few else 17 if quad and m > 16 else few
+    # path, and so the order of the sums, is chosen by the row count alone: the GEMM from
+    # row_products_gemm_rows (AVX-512: float32 4, bfloat16 8, with float32 4-16 rows and K in 4s on
+    # the 4-rows-by-4-k form; AVX2: float32 32), the few-row form below it.
+    gemm = ops.row_products_gemm_rows(dtype)
+    quad = "avx512f" in ops.cpu_flags() and dtype == jnp.float32 and k % 4 == 0
+    tail = 1 if not gemm or m < gemm else 17 if quad and m > 16 else gemm
     alone = np.asarray(jax.jit(ops.row_products)(x[m - tail:], w))
     np.testing.assert_array_equal(alone[-1], out[m - 1])
     other = np.asarray(jax.jit(ops.row_products)(x[::-1], w))  # other rows beside each row, same count
@@ -189,11 +192,12 @@ def test_row_products_refuse_other_weight_dtypes():
 
 
 def test_row_kernel_policy():
-    # Where the kernel beats XLA's dot: its GEMM path, 64 rows, on AVX-512; its 8-float form, 16 rows
-    # of the larger weights, on AVX2; elsewhere XLA's dot.
+    # Where the kernel beats XLA's dot: its GEMM path, 64 rows, on AVX-512; on AVX2, float32 up to 64
+    # rows (its 8-float form below 32, the GEMM in 8-float registers from 32) of the larger weights;
+    # elsewhere XLA's dot.
     flags = ops.cpu_flags()
     avx512, avx2 = "avx512f" in flags, "avx512f" not in flags and {"avx2", "fma"} <= flags
-    auto_rows = 64 if avx512 else 16 if avx2 else 0
+    auto_rows = 64 if avx512 or avx2 else 0
     floor = ops.MIN_WEIGHTS_AVX2 if avx2 else 0
     assert ops.row_products_min_weights(jnp.float32) == floor
 
@@ -203,8 +207,8 @@ def test_row_kernel_policy():
     assert rows("auto") == RowKernel(auto_rows, floor if auto_rows else 0)
     # Insisted on, the kernel runs wherever it is correct (the engine tests below use it on every
     # CPU), for every weight.
-    assert rows("native") == RowKernel(64 if avx512 else 16, 0)
-    assert rows("native", largest=16) == RowKernel(64 if avx512 else 16, 0)
+    assert rows("native") == RowKernel(64 if avx512 or avx2 else 16, 0)
+    assert rows("native", largest=16) == RowKernel(64 if avx512 or avx2 else 16, 0)
     assert rows("native", jnp.bfloat16).rows >= 16
     assert rows("xla") == RowKernel(0, 0)
     bf16 = 64 if avx512 and "avx512_bf16" in flags else 16 if avx2 else 0  # AVX-512 without BF16: XLA's
