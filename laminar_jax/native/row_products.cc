@@ -360,9 +360,9 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
 
 template <typename S, typename T>
 void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t mp, int64_t k_n, const T* w,
-                int64_t n_n, float* y, int64_t unit_rows = kPackUnitRows) {
-  for_units(pool, (n_n + unit_rows - 1) / unit_rows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
-    const int64_t lo = u * unit_rows, hi = std::min(n_n, lo + unit_rows);
+                int64_t n_n, float* y) {
+  for_units(pool, (n_n + kPackUnitRows - 1) / kPackUnitRows, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    const int64_t lo = u * kPackUnitRows, hi = std::min(n_n, lo + kPackUnitRows);
     packed_unit<S>(xp, m_n, mp, k_n, w, n_n, lo, hi, y);
   });
 }
@@ -472,8 +472,10 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
   // A unit's weight rows are read once per 16 rows of x, so they should stay in L2 beside x^T's
   // 16-row slice: at most ~128 KB of them (12-48 rows; at K = 2048, 48 rows were 384 KB and came
   // from L3 every time: 73 against 93 GFLOP/s at K = 768, 64 rows, Zen 3's 512 KB L2).
-  const int64_t unit_rows = std::clamp<int64_t>((32768 / std::max<int64_t>(k_n, 1)) / 12 * 12, 12, kPackUnitRows);
-  run_packed<F32Step>(pool, xt, m_n, mp, k_n, w, n_n, y, unit_rows);
+  const int64_t unit = std::clamp<int64_t>((32768 / std::max<int64_t>(k_n, 1)) / 12 * 12, 12, kPackUnitRows);
+  for_units(pool, (n_n + unit - 1) / unit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
+    packed_unit<F32Step>(xt, m_n, mp, k_n, w, n_n, u * unit, std::min(n_n, (u + 1) * unit), y);
+  });
 }
 #endif  // __AVX512F__
 
