@@ -367,20 +367,38 @@ void run_packed(ffi::ThreadPool& pool, const T* xp, int64_t m_n, int64_t mp, int
   });
 }
 
+// The first two steps of a register transpose, for 8 x 8 (AVX2) and 16 x 16 (AVX-512) floats:
+// unpack pairs of rows, then quads; each 128-bit lane of r then holds its 4 x 4 block transposed.
+inline __m256 unpack_lo(__m256 a, __m256 b) { return _mm256_unpacklo_ps(a, b); }
+inline __m256 unpack_hi(__m256 a, __m256 b) { return _mm256_unpackhi_ps(a, b); }
+template <int Imm>
+inline __m256 shuffle(__m256 a, __m256 b) { return _mm256_shuffle_ps(a, b, Imm); }
+#if defined(__AVX512F__)
+inline __m512 unpack_lo(__m512 a, __m512 b) { return _mm512_unpacklo_ps(a, b); }
+inline __m512 unpack_hi(__m512 a, __m512 b) { return _mm512_unpackhi_ps(a, b); }
+template <int Imm>
+inline __m512 shuffle(__m512 a, __m512 b) { return _mm512_shuffle_ps(a, b, Imm); }
+#endif
+
+template <typename R, int N>
+inline void transpose_quads(R (&r)[N], R (&t)[N]) {
+  for (int i = 0; i < N; i += 2) {
+    t[i] = unpack_lo(r[i], r[i + 1]);
+    t[i + 1] = unpack_hi(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < N; i += 4) {
+    r[i] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i], t[i + 2]);
+    r[i + 1] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i], t[i + 2]);
+    r[i + 2] = shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[i + 1], t[i + 3]);
+    r[i + 3] = shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[i + 1], t[i + 3]);
+  }
+}
+
 #if defined(__AVX512F__)
 // The 16 x 16 floats in r transposed in registers (unpack pairs, then quads, then 128-bit lanes twice).
 inline void transpose16(__m512 (&r)[16]) {
   __m512 t[16];
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 16; i += 4) {
-    r[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
+  transpose_quads(r, t);
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
     t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xdd);
@@ -428,16 +446,7 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
 // The 8 x 8 floats in r transposed in registers (unpack pairs, then quads, then 128-bit halves).
 inline void transpose8(__m256 (&r)[8]) {
   __m256 t[8];
-  for (int i = 0; i < 8; i += 2) {
-    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
-  }
-  for (int i = 0; i < 8; i += 4) {
-    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
-  }
+  transpose_quads(r, t);
   for (int i = 0; i < 4; ++i) {
     t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
     t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
