@@ -12,7 +12,9 @@ Key layout under the store root (any tensorstore kvstore: file://, gs://, s3://,
 
 Atomicity: a single-key write is atomic on every kvstore, and the manifest is written only after
 every array write has completed (tensorstore's file driver fsyncs). A writer killed mid-version
-leaves an unreferenced ``data/`` prefix that no reader can reach; gc() removes it.
+leaves an unreferenced ``data/`` prefix that no reader can reach; gc() removes it. On a file://
+store it may also leave tensorstore's lock file of the key it was writing, which the key's next
+write would otherwise keep the tail of (``_put`` removes it first).
 Single writer per store (the learner); any number of readers and gc callers.
 
 ``LATEST`` is a hint, the manifests are the truth: a ``LATEST`` naming a version without a
@@ -92,7 +94,7 @@ class Lease:
 
     def renew(self, ttl_s: Optional[float] = None) -> None:
         self.ttl_s = ttl_s or self.ttl_s
-        self.store._kv.write(self.key, json.dumps({"expires_at": time.time() + self.ttl_s}).encode()).result()
+        self.store._put(self.key, json.dumps({"expires_at": time.time() + self.ttl_s}).encode())
 
     def release(self) -> None:
         if not self.released:
@@ -152,6 +154,21 @@ class WeightStore:
         if self._base.get("driver") != "file":
             return None
         return os.path.join(self._base["path"], sub)
+
+    def _put(self, key: str, value: bytes) -> None:
+        """Write one key, first removing a lock file a killed writer left for it on a file:// store.
+        tensorstore's file kvstore writes ``<key>.__lock`` and renames it into place, and does not
+        truncate a lock file it finds: after a writer died mid-write, the key's next write would
+        commit its bytes followed by the dead write's tail (a manifest republished after a SIGKILL
+        read as invalid JSON). Each key written here has one writer (manifests and LATEST the
+        publishing learner, a lease its holder), so a lock file found before a write is a dead one's."""
+        local = self._local_dir(key)
+        if local is not None:
+            try:
+                os.remove(local + ".__lock")
+            except FileNotFoundError:
+                pass
+        self._kv.write(key, value).result()
 
     def _list(self, prefix: str) -> list[str]:
         return sorted(k.decode() for k in self._kv.list(_prefix_range(prefix)).result())
@@ -261,7 +278,7 @@ class WeightStore:
         return self._commit(plan_layout(flat, version, checksums=sums, keys=keys, data=data))
 
     def _commit(self, m: Manifest) -> Manifest:
-        self._kv.write(f"manifests/{_vkey(m.version)}.json", m.to_json()).result()
+        self._put(f"manifests/{_vkey(m.version)}.json", m.to_json())
         self._move_latest(m.version)
         return m
 
@@ -298,7 +315,7 @@ class WeightStore:
     def _move_latest(self, version: int) -> None:
         cur = self.latest()
         if cur is None or version >= cur or self._latest_hint() != cur:
-            self._kv.write("LATEST", json.dumps({"version": max(version, cur or version)}).encode()).result()
+            self._put("LATEST", json.dumps({"version": max(version, cur or version)}).encode())
 
     # ---- leases and gc
     def lease(self, version: int, holder: str, ttl_s: Optional[float] = None) -> Lease:
@@ -357,7 +374,7 @@ class WeightStore:
             raw = self._kv.read(key).result()
             self._kv.delete_range(_prefix_range(key)).result()
             if self._live_leases(v, time.time()):
-                self._kv.write(key, raw.value).result()
+                self._put(key, raw.value)
                 spared.append(v)
                 continue
             self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
@@ -376,7 +393,7 @@ class WeightStore:
         # LATEST names a committed version, never ``version`` itself when gc already removed it.
         left = self.versions()
         if left:
-            self._kv.write("LATEST", json.dumps({"version": left[-1]}).encode()).result()
+            self._put("LATEST", json.dumps({"version": left[-1]}).encode())
         else:
             self._kv.delete_range(_prefix_range("LATEST")).result()
         return doomed

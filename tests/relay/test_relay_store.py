@@ -302,3 +302,17 @@ def test_a_runs_weight_plane_writes_the_configured_store_format(tmp_path, fmt):
     assert not any(e.key == store_mod.PACKED_KEY for e in m.entries)
     assert _same_bits(WeightStore.from_config(cfg.relay, str(tmp_path / "weights")).read(1)["['embed']"],
                       _weights(1)["['embed']"])
+
+
+def test_a_dead_writers_lock_file_does_not_corrupt_the_next_write_of_its_key(tmp_path):
+    # What a writer SIGKILLed while writing version 5's manifest leaves: tensorstore's lock file for
+    # the key, holding part of that (longer) manifest. The restarted writer republishes version 5.
+    store = WeightStore(str(tmp_path / "store"))
+    store.write(4, {"w": np.ones(3, np.float32)})
+    os.makedirs(tmp_path / "store" / "manifests", exist_ok=True)
+    (tmp_path / "store" / "manifests" / "v000000000005.json.__lock").write_bytes(b'{"version": 5, ' + b"x" * 4096)
+    (tmp_path / "store" / "LATEST.__lock").write_bytes(b'{"version": 5}' + b" " * 4096)
+    store.write(5, {"w": np.zeros(3, np.float32)})
+    assert store.manifest(5).version == 5 and store.read(5)["w"].tolist() == [0.0, 0.0, 0.0]
+    assert store.latest() == 5 and store._latest_hint() == 5
+    assert not any(n.endswith(".__lock") for n in os.listdir(tmp_path / "store" / "manifests"))
