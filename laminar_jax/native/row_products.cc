@@ -222,10 +222,10 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // above is faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 8 -16%, 16 -28%, 32 -33%,
 // 64 -34% (753 GFLOP/s). At 128 rows XLA's dot is as fast (docs/BENCHMARKS.md).
 // On AVX2 (no AVX-512) the same micro-kernel runs in 8-float registers, for float32 from
-// kPackMinRowsAvx2 rows (below it the few-row form above is faster): 2 row vectors x 6 weight rows
-// (12 of the 16 registers accumulate), or 1 x 12 for the last 8 rows. 12 layers of qwen2-100m's
-// products (AMD EPYC Zen 3, 2 cores), against XLA's dot: see kPackMinRowsAvx2's measurement in
-// docs/BENCHMARKS.md ("On AVX2: the GEMM path").
+// kPackMinRowsAvx2 rows (at 8-24 rows neither it nor the few-row form was ahead within the runs'
+// spread): 2 row vectors x 6 weight rows (12 of the 16 registers accumulate), or 1 x 12 for the
+// last 8 rows. qwen2-100m's products on AMD EPYC Zen 3 (2 cores) against XLA's dot: 1.1-1.6x its
+// speed at 32 rows, even at 64 but 0.85x for K = 2048 (docs/BENCHMARKS.md, "On AVX2: the GEMM path").
 constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8, kPackMinRowsAvx2 = 32;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
 // Prefetch. A tile's NB weight rows are NB short streams that the hardware prefetcher follows late.
@@ -273,7 +273,6 @@ struct F32Step {
     }
   }
 };
-
 
 #if defined(__AVX512BF16__)
 // bfloat16 weights, k in pairs: x^T holds each row's pair (x[2k], x[2k+1]) as one 32-bit lane, the
@@ -479,8 +478,8 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
   float* xt = buffer.data() + (16 - (reinterpret_cast<uintptr_t>(buffer.data()) / 4) % 16) % 16;
   pack_transposed8(x, m_n, mp, k_n, xt);  // writes every element
   // A unit's weight rows are read once per 16 rows of x, so they should stay in L2 beside x^T's
-  // 16-row slice: at most ~128 KB of them (12-48 rows; at K = 2048, 48 rows were 384 KB and came
-  // from L3 every time: 73 against 93 GFLOP/s at K = 768, 64 rows, Zen 3's 512 KB L2).
+  // 16-row slice: at most ~128 KB of them (12-48 rows). At K = 2048, 48 rows were 384 KB and came
+  // from L3 every time (Zen 3's L2 is 512 KB): 64 rows ran at 73 GFLOP/s, with 12-row units 83-91.
   const int64_t unit = std::clamp<int64_t>((32768 / std::max<int64_t>(k_n, 1)) / 12 * 12, 12, kPackUnitRows);
   for_units(pool, (n_n + unit - 1) / unit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     packed_unit<F32Step>(xt, m_n, mp, k_n, w, n_n, u * unit, std::min(n_n, (u + 1) * unit), y);
