@@ -17,6 +17,7 @@ than the threshold), `pass@k`, `response_len` (mean generated tokens, every samp
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import NamedTuple, Optional, Sequence
 
@@ -46,21 +47,28 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return float(1.0 - np.prod(1.0 - k / np.arange(n - c + 1, n + 1)))
 
 
+def _mean(xs) -> float:
+    """The mean, independent of the order of ``xs`` (math.fsum rounds once): samples arrive in
+    completion order, and a round reproduced from an export must give the same figures bit for bit."""
+    xs = [float(x) for x in xs]
+    return math.fsum(xs) / len(xs)
+
+
 def _figures(by_prompt: dict[str, list[EvalSample]], k: Optional[int], threshold: float) -> dict:
     greedy = [s for ss in by_prompt.values() for s in ss if s.greedy]
     every = [s for ss in by_prompt.values() for s in ss]
     out = {"prompts": len(by_prompt), "samples": len(every),
-           "acc": float(np.mean([s.reward >= threshold for s in greedy])) if greedy else None,
-           "reward": float(np.mean([s.reward for s in greedy])) if greedy else None,
-           "response_len": float(np.mean([s.response_len for s in every])) if every else None,
-           "truncation_rate": float(np.mean([s.finish_reason == "length" for s in every])) if every else None}
+           "acc": _mean([s.reward >= threshold for s in greedy]) if greedy else None,
+           "reward": _mean([s.reward for s in greedy]) if greedy else None,
+           "response_len": _mean([s.response_len for s in every]) if every else None,
+           "truncation_rate": _mean([s.finish_reason == "length" for s in every]) if every else None}
     if k:
         scores = []
         for ss in by_prompt.values():
             sampled = [s for s in ss if not s.greedy]
             if len(sampled) >= k:
                 scores.append(pass_at_k(len(sampled), sum(s.reward >= threshold for s in sampled), k))
-        out[f"pass@{k}"] = float(np.mean(scores)) if scores else None
+        out[f"pass@{k}"] = _mean(scores) if scores else None
     return out
 
 

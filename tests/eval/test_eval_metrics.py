@@ -156,3 +156,13 @@ def test_schedule_defers_a_due_round_behind_the_one_in_flight_and_owes_the_last_
     buf.finish(1)
     ev.finish(6, timeout_s=0.2)  # round 1 collected, the owed round started and waited for (bounded)
     assert buf.started[-1] == (2, 6) and ev.in_flight == [2]
+
+
+def test_round_figures_do_not_depend_on_the_order_samples_arrive_in():
+    # Rewards whose float sum depends on its order: a round reproduced from an export must match.
+    rewards = [0.7887233511355132, 0.0938595867742349, 0.02834747652200631, 0.8357651039198697,
+               0.43276706790505337, 0.762280082457942, 0.0021060533511106927]
+    assert sum(rewards) != sum(rewards[::-1])  # the case np.mean of arrival order got wrong
+    samples = [EvalSample(f"p{i}", "src", True, r, 5 + i, "eos", 1) for i, r in enumerate(rewards)]
+    a, b = round_metrics(samples, None), round_metrics(samples[::-1], None)
+    assert a == b and a["overall"]["reward"] == math.fsum(rewards) / len(rewards)
