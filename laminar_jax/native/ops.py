@@ -69,10 +69,8 @@ def row_products_gemm_rows(dtype) -> int:
     A row's result depends on its row count's path (the order of its sums), never on the other rows;
     these mirror row_products.cc's kPackMinRows* (AVX-512: float32 from 4, where 4-16 rows with K in
     4s take the 4-rows-by-4-k form instead; bfloat16 from 8 with AVX-512 BF16; AVX2: float32 from 32)."""
-    flags, dt = cpu_flags(), jnp.dtype(dtype)
-    if "avx512f" in flags:
-        return 4 if dt == jnp.float32 else 8 if "avx512_bf16" in flags else 0
-    return 32 if dt == jnp.float32 and {"avx2", "fma"} <= flags else 0
+    f32 = jnp.dtype(dtype) == jnp.float32
+    return {"avx512": 4 if f32 else 8, "avx2": 32 if f32 else 0}.get(_kernel_form(dtype), 0)
 
 
 def row_products_max_rows(dtype) -> int:
