@@ -67,6 +67,11 @@ ROWS = (
 )
 
 
+def _key(name: str) -> str:
+    """A thread name as the report groups it: numbered threads of one kind together."""
+    return name.rstrip("0123456789_-v")
+
+
 def _thread_clocks() -> dict[int, tuple[str, float]]:
     """{tid: (comm, CPU seconds)} of every live thread of this process."""
     out = {}
@@ -173,7 +178,9 @@ class Profiler:
         # Sampler ticks by the device phases active (name, instances): [XLA CPU summed, ticks]
         self._ticks: dict[tuple[tuple[str, int], ...], list] = {}
         self._threads: dict[int, tuple[str, float]] = {}  # tid -> (name, CPU seconds at the last tick)
-        self._seen: dict[int, tuple[str, float]] = {}  # tid -> (name, CPU at start)
+        # CPU seconds in the window by thread name, summed from the same per-tick deltas the ticks
+        # split (a thread's name can change: a native thread is 'python' until it names itself).
+        self._by_name: dict[str, float] = {}
         self._local = threading.local()
         self._stop = threading.Event()
         self._sampler: Optional[threading.Thread] = None
@@ -226,7 +233,7 @@ class Profiler:
             raise RuntimeError("a profiler is already active in this process")
         self.t0, self.cpu0, self.children0 = time.perf_counter(), _process_cpu(), _children_cpu()
         self._threads = self._named(_thread_clocks())
-        self._seen = dict(self._threads)
+        self._by_name = {}
         _ACTIVE = self
         self._sampler = threading.Thread(target=self._run, name="profile-sampler", daemon=True)
         self._sampler.start()
@@ -243,10 +250,20 @@ class Profiler:
             _ACTIVE = None
 
     def _named(self, clocks: dict[int, tuple[str, float]]) -> dict[int, tuple[str, float]]:
-        """Python threads by their threading name; the others (XLA's) as 'native:<comm>'."""
+        """Python threads by their threading name; the others (XLA's) as 'native:<comm>'. A thread
+        once seen as a Python thread keeps its name: one that has left threading's registry is
+        exiting, not native (the sampler itself, at stop(), had its CPU charged to XLA)."""
         py = {t.native_id: t.name for t in threading.enumerate()}
-        return {tid: (f"thread:{py[tid]}" if tid in py else f"native:{comm}", cpu)
-                for tid, (comm, cpu) in clocks.items()}
+        out = {}
+        for tid, (comm, cpu) in clocks.items():
+            prev = self._threads.get(tid)
+            if tid in py:
+                out[tid] = (f"thread:{py[tid]}", cpu)
+            elif prev is not None and prev[0].startswith("thread:") and cpu >= prev[1]:
+                out[tid] = (prev[0], cpu)
+            else:
+                out[tid] = (f"native:{comm}", cpu)
+        return out
 
     def _run(self) -> None:
         while not self._stop.wait(self.tick_s):
@@ -257,12 +274,12 @@ class Profiler:
         native = 0.0
         for tid, (name, cpu) in now.items():
             prev = self._threads.get(tid)
-            if prev is None:
-                # Started after start(): all its CPU is in the window, and in this tick (its phases
-                # are the ones active now), so that the ticks add up to the threads' totals.
-                self._seen[tid] = prev = (name, 0.0)
-            if name.startswith("native:") and name not in IO_THREADS:
-                native += cpu - prev[1]
+            # A thread started after start() (or a reused tid: its clock went back) has all its CPU
+            # in the window, and in this tick (its phases are the ones active now).
+            delta = cpu - prev[1] if prev is not None and cpu >= prev[1] else cpu
+            self._by_name[name] = self._by_name.get(name, 0.0) + delta
+            if name.startswith("native:") and _key(name) not in IO_THREADS:
+                native += delta
         self._threads.update(now)
         if native <= 0:
             return
@@ -276,9 +293,8 @@ class Profiler:
     def thread_cpu(self) -> dict[str, float]:
         """CPU seconds in the window by thread name (threads of one name summed; digits dropped)."""
         out: dict[str, float] = {}
-        for tid, (name, cpu) in self._threads.items():
-            key = name.rstrip("0123456789_-v")
-            out[key] = out.get(key, 0.0) + cpu - self._seen.get(tid, (name, 0.0))[1]
+        for name, cpu in self._by_name.items():
+            out[_key(name)] = out.get(_key(name), 0.0) + cpu
         return out
 
     def report(self, trained_tokens: int, generated_tokens: int = 0) -> dict:

@@ -129,6 +129,33 @@ def test_split_native_without_solo_ticks_falls_back_to_known_rates_then_equal_sh
     assert out["pull"] == 0.0 and out["decode"] == pytest.approx(0.4)
 
 
+def test_thread_names_and_the_xla_split_come_from_the_same_ticks(monkeypatch):
+    """Pure logic on fake /proc clocks. A Python thread that has left threading's registry (the
+    sampler, joined by stop()) keeps its Python name rather than becoming XLA's; a native thread
+    that names itself after it started (tensorstore's) has its CPU split under the name of each
+    tick; so the report's XLA total is exactly what the ticks split (CI failed on a 0.04 s gap)."""
+    clocks = {}
+    monkeypatch.setattr(profile, "_thread_clocks", lambda: dict(clocks))
+    p = profile.Profiler()
+    py_tid = 900001  # no real thread has it, so threading's registry never names it
+    p._threads = {py_tid: ("thread:profile-sampler", 1.0), 900002: ("native:tf_XLAEigen", 5.0)}
+    p._active = {"decode": 1}
+    clocks.update({py_tid: ("python", 1.3), 900002: ("tf_XLAEigen", 5.2), 900003: ("python", 0.1)})
+    p._tick()
+    clocks.update({900002: ("tf_XLAEigen", 5.5), 900003: ("ts_pool_worker", 0.4)})
+    p._tick()
+    by = p.thread_cpu()
+    assert by["thread:profile-sampler"] == pytest.approx(0.3)
+    assert by["native:tf_XLAEigen"] == pytest.approx(0.5)
+    assert by["native:python"] == pytest.approx(0.1) and by["native:ts_pool_worker"] == pytest.approx(0.3)
+    (native, ticks), = p._ticks.values()
+    assert ticks == 2 and native == pytest.approx(0.5 + 0.1)
+    # A reused tid (its clock went back) is a new thread: all its CPU is in the window.
+    clocks[900002] = ("tf_XLAEigen", 0.2)
+    p._tick()
+    assert p.thread_cpu()["native:tf_XLAEigen"] == pytest.approx(0.7)
+
+
 def test_tensorstore_io_threads_are_charged_to_the_store_row_not_to_device_phases():
     _in_fresh_interpreter("_io_case")
 
