@@ -266,11 +266,11 @@ def test_zero_copy_pull_pins_relay_memory_until_released():
 def test_publisher_reconnects_a_link_the_relay_closed_while_idle():
     """The relay drops a connection silent for io_timeout_s; the publisher's next push must not
     count that relay as dead (the run's first publish after a long warm-up hit this)."""
-    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=0.5, heartbeat_s=0.1)
+    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=1.0, heartbeat_s=0.1)
     with RelayServer(cfg) as server, Publisher(cfg, relay_addresses=[server.address]) as pub:
         pub.publish(1, _params(1, mb=0.2))
         pub.flush(30)
-        time.sleep(1.5)  # > io_timeout_s: the relay closes the idle link
+        time.sleep(2.2)  # > io_timeout_s: the relay closes the idle link
         pub.publish(2, _params(2, mb=0.2))
         pub.flush(30)
         assert pub.stats().relay_failures == ()
