@@ -159,13 +159,14 @@ print('OK')
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("m,k,n", [(1, 64, 7), (3, 48, 64), (8, 50, 97), (13, 768, 200), (6, 96, 9),
                                    (16, 64, 50), (40, 96, 61), (64, 130, 49), (70, 33, 13), (20, 45, 30),
-                                   (4, 36, 30), (11, 12, 25), (16, 8, 13), (33, 2100, 30)])
+                                   (4, 36, 30), (11, 12, 25), (16, 8, 13), (33, 2100, 30), (48, 520, 25)])
 def test_row_products_equal_the_dot(dtype, m, k, n):
     """Every path: the 16-lane one's row groups (8, 4, 2, 1) and weight-row blocks (4, 3, 1), with a K
     that is no multiple of 16, bf16 with K in 32s on AVX-512 BF16; the GEMM path's row-vector groups
     (1-4, and 4 + 1 at 70 rows; on AVX2 pairs of 8-row vectors, 40 and 70 rows ending in one) and
     weight-row blocks with a remainder, bf16 in pairs (odd K: not), a K that is no multiple of 8, and
-    on AVX2 a long K (2100: units of 12 weight rows, the last of 6);
+    on AVX2 a long K (2100: units of 12 weight rows, the last of 6) and 48 rows in three row-vector
+    pairs with a unit of 25 weight rows (520);
     float32's 4-16-row form in 1-4 groups of 4 rows (11: a padded group), with K in 4s and not (8, 50)."""
     rng = np.random.default_rng(m * k + n)
     x = jnp.asarray(rng.normal(size=(m, k)), jnp.float32).astype(dtype).astype(jnp.float32)
