@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import threading
 import time
 import traceback
@@ -30,6 +31,8 @@ from laminar_jax.relay.manifest import choose_chunk_bytes, contiguous, plan_layo
 from laminar_jax.relay.push import ArraysSource, Downstream, NoRelayReachable
 from laminar_jax.relay.ratelimit import make_limiter
 from laminar_jax.threads import Worker
+
+log = logging.getLogger(__name__)
 
 
 def is_immutable(a: np.ndarray) -> bool:
@@ -262,7 +265,10 @@ class Publisher:
     ORPHAN_SCAN_EVERY = 32
 
     def _gc(self) -> None:
-        self.store.gc(orphans=self._counts["gc"] % self.ORPHAN_SCAN_EVERY == 0)
+        report = self.store.gc(orphans=self._counts["gc"] % self.ORPHAN_SCAN_EVERY == 0)
+        if report.unreadable:
+            log.warning("%s: manifests of versions %s do not parse; their data was kept (remove them by hand)",
+                        self.store.url, list(report.unreadable))
         self._counts["gc"] += 1
 
     def _record_failure(self, future) -> None:

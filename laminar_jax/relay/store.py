@@ -57,6 +57,9 @@ class GcReport(NamedTuple):
     deleted: tuple[int, ...]  # versions removed
     kept_leased: tuple[int, ...]  # versions past keep_last spared because a lease is live
     orphans: tuple[str, ...]  # data prefixes of uncommitted versions removed
+    # Committed versions whose manifest could not be parsed: which data prefix they reference is
+    # unknown, so every data prefix of their number was kept (an operator decides; gc goes on).
+    unreadable: tuple[int, ...] = ()
 
 
 def normalize_url(url_or_path: str) -> str:
@@ -379,8 +382,12 @@ class WeightStore:
                 continue
             self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
             deleted.append(v)
-        removed = self._gc_orphans(set(self.versions()), max(versions, default=-1)) if orphans else []
-        return GcReport(tuple(deleted), tuple(spared), tuple(removed))
+        unreadable: list[int] = []
+        if orphans:
+            removed = self._gc_orphans(set(self.versions()), max(versions, default=-1), unreadable)
+        else:
+            removed = []
+        return GcReport(tuple(deleted), tuple(spared), tuple(removed), tuple(unreadable))
 
     def retract_newer_than(self, version: int) -> list[int]:
         """Withdraw every committed version > ``version`` (a learner resumed from an older checkpoint
@@ -398,10 +405,12 @@ class WeightStore:
             self._kv.delete_range(_prefix_range("LATEST")).result()
         return doomed
 
-    def _gc_orphans(self, committed: set[int], newest: int) -> list[str]:
+    def _gc_orphans(self, committed: set[int], newest: int, unreadable: list[int]) -> list[str]:
         """Data prefixes no manifest references, of versions <= the newest committed one.
 
-        Newer uncommitted prefixes may belong to a write in progress and are left alone.
+        Newer uncommitted prefixes may belong to a write in progress and are left alone; so are all
+        prefixes of a version whose manifest does not parse (appended to ``unreadable``): it may
+        reference any of them, and a corrupt manifest must not cost the data beside it.
         """
         prefixes = {k.split("/")[1] for k in self._list("data/") if k.count("/") >= 2}
         local = self._local_dir("data/")
@@ -413,10 +422,12 @@ class WeightStore:
                 referenced.add(self.manifest(v).data.split("/")[1])
             except VersionNotFound:
                 pass
+            except ManifestError:
+                unreadable.append(v)
         removed = []
         for p in sorted(prefixes - referenced):
             m = re.fullmatch(r"v(\d{12})-[0-9a-f]+", p)
-            if m and int(m.group(1)) <= newest:
+            if m and int(m.group(1)) <= newest and int(m.group(1)) not in unreadable:
                 self._kv.delete_range(_prefix_range(f"data/{p}/")).result()
                 if local is not None:
                     shutil.rmtree(os.path.join(local, p), ignore_errors=True)

@@ -199,6 +199,22 @@ def test_sigkill_mid_publish_never_exposes_a_partial_version(tmp_path):
     assert store.read(partial)["w"].shape == (3,)
 
 
+def test_gc_keeps_the_data_of_a_version_whose_manifest_does_not_parse_and_goes_on(tmp_path):
+    store = WeightStore(str(tmp_path / "s"), keep_last=5)
+    for v in range(1, 4):
+        store.write(v, _weights(v))
+    data_of_2 = store.manifest(2).data
+    store._kv.write("manifests/v000000000002.json", b'{"version": 2, "data": ').result()  # torn by hand
+    store._kv.write(f"data/v000000000001-{'0' * 8}/w", b"an orphan").result()  # a killed writer's
+    with pytest.raises(ManifestError, match="v000000000002.json"):
+        store.manifest(2)
+    report = store.gc()  # raised ManifestError before, so no orphan was ever removed
+    assert report.unreadable == (2,) and report.deleted == ()
+    assert report.orphans == (f"data/v000000000001-{'0' * 8}/",)
+    assert any(k.startswith(data_of_2) for k in store._list("data/")), "version 2's data was deleted"
+    assert _same_bits(store.read(3)["['embed']"], _weights(3)["['embed']"])
+
+
 def test_leases_pin_versions_against_gc(tmp_path):
     store = WeightStore(str(tmp_path / "s"), keep_last=2)
     for v in range(1, 4):
