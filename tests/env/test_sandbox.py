@@ -27,8 +27,10 @@ def test_plain_code_runs_in_its_scratch_dir(scratch):
 
 
 def test_infinite_loop_hits_the_cpu_limit(scratch):
-    r = run_python("while True:\n    pass", scratch, LIMITS)
-    assert r.status == "cpu_limit" and r.wall_s < LIMITS.wall_s, r
+    # A wall limit far above the CPU limit: on a loaded machine 2 CPU-seconds can take 4 s of wall.
+    limits = SandboxLimits(cpu_s=1, memory_bytes=512 << 20, wall_s=30.0)
+    r = run_python("while True:\n    pass", scratch, limits)
+    assert r.status == "cpu_limit" and r.wall_s < limits.wall_s, r
 
 
 def test_sleeping_code_hits_the_wall_limit(scratch):
