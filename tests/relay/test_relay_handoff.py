@@ -117,11 +117,11 @@ def test_client_reads_the_store_when_nothing_was_handed_off_and_names_what_it_wa
         client.pull(-1, timeout=0.2)
     store.write(5, _flat(5))  # e.g. a resumed run's version, before anything was handed off
     assert client.latest_version() == 5
-    v, flat = client.pull(-1, timeout=1.0)
+    v, flat = client.pull(-1, timeout=10.0)
     assert v == 5 and client.last_source == store.url and flat["b"][0] == 5
     h.offer(6, _flat(6))
     assert client.latest_version() == 6
-    v, _ = client.pull(5, timeout=1.0)
+    v, _ = client.pull(5, timeout=10.0)
     assert v == 6 and client.last_source == "handoff"
     client.close()
 
