@@ -9,6 +9,7 @@ laminar_jax.scheduler.modes; this module only does the I/O around them.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from typing import Any, Callable
@@ -19,6 +20,8 @@ import numpy as np
 from laminar_jax.runtime import profile
 from laminar_jax.runtime.dispatch import WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
+
+log = logging.getLogger(__name__)
 
 
 class InjectedFault(RuntimeError):
@@ -139,6 +142,7 @@ class RolloutWorker:
         self.last_beat = time.monotonic()  # heartbeat: refreshed every iteration
         self._last_poll = -float("inf")
         self.swaps = 0
+        self.pull_timeouts = 0  # pulls of a newer version that timed out (the loop went on and retried)
         self.dropped = 0  # results the buffer refused (this server had been declared dead)
         self.episodes = episodes  # an EpisodeFeed (multi-turn episodes) or None (single-turn completions)
 
@@ -156,7 +160,17 @@ class RolloutWorker:
             return
         # Placed on this server's devices (with a hand-off, once per version for every server that
         # places the same way: they share one copy).
-        version, params = self.client.pull_placed(s.version, self.pull_timeout_s, self.params_from_flat)
+        try:
+            version, params = self.client.pull_placed(s.version, self.pull_timeout_s, self.params_from_flat)
+        except TimeoutError as e:
+            # Not this server's failure: a learner restarting from its checkpoint retracts the versions
+            # it had published past it (the board saw them) and publishes them again when it has
+            # trained them, which took longer than one pull under load. The server keeps its version
+            # (and its heartbeat) and pulls again next iteration; a run whose weights never come ends
+            # on the learner's and the buffer's own wait timeouts.
+            self.pull_timeouts += 1
+            log.warning("rollout server %s: %s; pulling again (timeout %d)", self.name, e, self.pull_timeouts)
+            return
         s.set_params(version, params)  # applied by the next step()
         self.swaps += 1
 
@@ -229,7 +243,7 @@ class RolloutWorker:
             s = self.server
             return {"stats": dataclasses.asdict(s.stats()), "seqs": [(uid, p) for _, uid, p in s.live_sequences()],
                     "beat_age": time.monotonic() - self.last_beat, "draining": not self.admitting(),
-                    "swaps": self.swaps, "dropped": self.dropped}
+                    "swaps": self.swaps, "pull_timeouts": self.pull_timeouts, "dropped": self.dropped}
 
     def export_sequence(self, uid: str, version: int, portable: bool = False):
         """Take live sequence `uid` out (a SequenceState); None if it finished (also inside the step

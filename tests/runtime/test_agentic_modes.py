@@ -11,6 +11,8 @@ from laminar_jax.config import finalize, repo_config
 def _short(tmp_path, mode: str, kind: str = "local"):
     c = repo_config("agentic_demo", "short")
     c.runtime.mode = mode
+    if mode == "stream":  # the mode's staleness bound has no default (config.py says so)
+        c.buffer.max_staleness = 2
     c.runtime.kind = kind
     c.runtime.run_dir = str(tmp_path / f"run-{mode}-{kind}")
     return c
