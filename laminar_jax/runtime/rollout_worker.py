@@ -163,9 +163,9 @@ class RolloutWorker:
         try:
             version, params = self.client.pull_placed(s.version, self.pull_timeout_s, self.params_from_flat)
         except TimeoutError as e:
-            # Not this server's failure: a learner restarting from its checkpoint retracts the versions
-            # it had published past it (the board saw them) and publishes them again when it has
-            # trained them, which took longer than one pull under load. The server keeps its version
+            # Not this server's failure: a learner group that died after announcing a version that
+            # reached neither relay nor store publishes it again only once its replacement has
+            # replayed to it, which took longer than one pull under load. The server keeps its version
             # (and its heartbeat) and pulls again next iteration; a run whose weights never come ends
             # on the learner's and the buffer's own wait timeouts.
             self.pull_timeouts += 1

@@ -1,6 +1,6 @@
 """A rollout server whose pull of a newer version times out keeps running and pulls again (a
-learner restarting from its checkpoint retracts the versions the board had seen: a slow-tier
-Ray test lost its server to one 15-s pull while the learner group recovered for 29 s)."""
+learner group that died after announcing a version publishes it only once its replacement has
+replayed to it: a slow-tier Ray test lost its server to one 15-s pull while that took 29 s)."""
 
 import numpy as np
 
@@ -37,7 +37,7 @@ def test_a_timed_out_pull_leaves_the_server_running_and_the_next_iteration_swaps
     buffer = FakeBuffer()
     worker = RolloutWorker(0, "rollout-0", server, RelayClient([], store=store), buffer, get_policy("laminar"),
                            params_from_flat(tiny_model(0)), pull_timeout_s=0.3, poll_s=0.0)
-    worker.board.set_newest(2)  # version 2 was announced, then retracted by a restarting learner
+    worker.board.set_newest(2)  # version 2 was announced; its learner died before publishing it
     assert worker.iterate() is False  # the pull timed out; the loop goes on
     assert worker.pull_timeouts == 1 and server.version == 1 and worker.swaps == 0
     assert worker.snapshot()["pull_timeouts"] == 1
