@@ -15,6 +15,7 @@ from laminar_jax.relay.manifest import (chunk_segments, chunk_span, choose_chunk
 from laminar_jax.relay.publisher import Publisher, chunk_bytes_for, is_immutable
 from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
+from laminar_jax.relay.store import GcReport
 from laminar_jax.relay.wire import connect
 
 MB = 1 << 20
@@ -124,7 +125,7 @@ class FakeStore:
         self.written[version] = dict(flat)
 
     def gc(self, orphans=True):
-        pass
+        return GcReport((), (), ())
 
 
 def test_publisher_copies_writeable_arrays_and_takes_immutable_ones_by_reference():
