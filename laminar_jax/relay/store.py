@@ -382,11 +382,7 @@ class WeightStore:
                 continue
             self._kv.delete_range(_prefix_range(f"data/{_vkey(v)}-")).result()
             deleted.append(v)
-        unreadable: list[int] = []
-        if orphans:
-            removed = self._gc_orphans(set(self.versions()), max(versions, default=-1), unreadable)
-        else:
-            removed = []
+        removed, unreadable = self._gc_orphans(set(self.versions()), max(versions, default=-1)) if orphans else ([], [])
         return GcReport(tuple(deleted), tuple(spared), tuple(removed), tuple(unreadable))
 
     def retract_newer_than(self, version: int) -> list[int]:
@@ -405,14 +401,15 @@ class WeightStore:
             self._kv.delete_range(_prefix_range("LATEST")).result()
         return doomed
 
-    def _gc_orphans(self, committed: set[int], newest: int, unreadable: list[int]) -> list[str]:
+    def _gc_orphans(self, committed: set[int], newest: int) -> tuple[list[str], list[int]]:
         """Data prefixes no manifest references, of versions <= the newest committed one.
 
         Newer uncommitted prefixes may belong to a write in progress and are left alone; so are all
-        prefixes of a version whose manifest does not parse (appended to ``unreadable``): it may
+        prefixes of a version whose manifest does not parse (returned beside the removed ones): it may
         reference any of them, and a corrupt manifest must not cost the data beside it.
         """
         prefixes = {k.split("/")[1] for k in self._list("data/") if k.count("/") >= 2}
+        unreadable: list[int] = []
         local = self._local_dir("data/")
         if local is not None and os.path.isdir(local):  # lock files of a killed writer are not listed
             prefixes |= set(os.listdir(local))
@@ -432,4 +429,4 @@ class WeightStore:
                 if local is not None:
                     shutil.rmtree(os.path.join(local, p), ignore_errors=True)
                 removed.append(f"data/{p}/")
-        return removed
+        return removed, unreadable
