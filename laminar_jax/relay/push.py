@@ -2,7 +2,13 @@
 
 Push protocol (sender -> receiver, one TCP connection, several versions one after another):
 
-    push {version, manifest, chunk_bytes}   -> have {chunks, complete, obsolete}
+    push {version, manifest, chunk_bytes, publish}
+                                            -> have {chunks, complete, obsolete[, compare]}
+    vouches {version, chunks}               -> have {chunks, complete, obsolete}
+      (only after a have with compare: the receiver holds this version from another publish, i.e.
+      the learner published it again after a restart; the sender sends every chunk's vouch, as in
+      its chunk headers, and the receiver answers complete when they equal what it holds, else
+      drops what it holds and takes this publish's chunks)
     chunk {version, index, crc} + bytes     (no reply; bytes land straight in the receiver's buffer)
       or, with the run key: chunk {version, index, digest, tag}: the SHA-256 of the bytes and the
       learner's tag on it (auth.chunk_tag); relays store both and forward them unchanged
@@ -16,6 +22,7 @@ Used by the publisher (to the master relay) and by every relay (to its successor
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from typing import Any, Optional, Protocol, Sequence
 
@@ -38,6 +45,7 @@ class ChunkSource(Protocol):
     manifest: Manifest
     chunk_bytes: int
     signature: Optional[str]  # the learner's signature over version + manifest digest (None: no key)
+    publish: str  # this publish's id: a version published again (a restarted learner) has another
 
     def ready_since(self, pos: int, timeout: float) -> list[int]:
         """Chunks that became sendable after the first ``pos`` of them, in the order they did
@@ -59,6 +67,7 @@ class ArraysSource:
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
         self.key = key
         self.signature = None if key is None else auth.sign_version(key, manifest.version, manifest.digest())
+        self.publish = secrets.token_hex(8)
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
         self._offsets = [e.offset for e in manifest.entries]
         self.n = num_chunks(manifest.total_bytes, chunk_bytes)
@@ -84,6 +93,32 @@ class ArraysSource:
         return False
 
 
+class _Superseded(Exception):
+    """The source gave the version up (evicted, or a newer one arrived) before it was all ready."""
+
+
+def _ready_chunks(peer: Peer, src: ChunkSource, v: int, n: int, heartbeat_s: float, io_timeout_s: float):
+    """Each chunk index once, as the source makes it ready; keepalives go out while it waits.
+    Raises _Superseded (after telling the receiver) or UpstreamStalled."""
+    pos, seen = 0, set()  # pos: how much of the source's ready log has been walked
+    last_progress = time.monotonic()
+    while len(seen) < n:
+        ready = src.ready_since(pos, heartbeat_s)
+        if not ready:
+            if src.superseded():
+                peer.send({"op": "abort", "version": v})
+                raise _Superseded()
+            if time.monotonic() - last_progress > io_timeout_s:
+                raise UpstreamStalled(f"waited {io_timeout_s}s for chunks {sorted(set(range(n)) - seen)[:8]}"
+                                      f" of version {v} from upstream")
+            peer.send({"op": "keepalive"})
+            continue
+        pos += len(ready)
+        seen.update(ready)
+        yield from ready
+        last_progress = time.monotonic()
+
+
 def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float, io_timeout_s: float,
                  max_retries: int) -> str:
     """Deliver one version over ``peer``; returns 'delivered', 'skipped' or 'superseded'.
@@ -93,32 +128,29 @@ def push_version(peer: Peer, src: ChunkSource, limiter: Any, heartbeat_s: float,
     """
     m, v = src.manifest, src.manifest.version
     n = num_chunks(m.total_bytes, src.chunk_bytes)
-    hello = {"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes}
+    hello = {"op": "push", "version": v, "manifest": m.to_dict(), "chunk_bytes": src.chunk_bytes,
+             "publish": src.publish}
     if src.signature is not None:
         hello["signature"] = src.signature
-    reply, _ = peer.request(hello, "have", f"push handshake of version {v}")
-    if reply.get("complete") or reply.get("obsolete"):
-        return "skipped"
-    sent = set(int(i) for i in reply.get("chunks", ()))
-    pos = 0  # how much of the source's ready log has been walked
-    last_progress = time.monotonic()
-    while len(sent) < n:
-        ready = src.ready_since(pos, heartbeat_s)
-        if not ready:
-            if src.superseded():
-                peer.send({"op": "abort", "version": v})
-                return "superseded"
-            if time.monotonic() - last_progress > io_timeout_s:
-                raise UpstreamStalled(f"waited {io_timeout_s}s for chunks {sorted(set(range(n)) - sent)[:8]}"
-                                      f" of version {v} from upstream")
-            peer.send({"op": "keepalive"})
-            continue
-        pos += len(ready)
-        for idx in ready:
+    try:
+        reply, _ = peer.request(hello, "have", f"push handshake of version {v}")
+        if reply.get("compare"):  # every vouch is known only once every chunk is ready
+            for _ in _ready_chunks(peer, src, v, n, heartbeat_s, io_timeout_s):
+                pass
+            reply, _ = peer.request({"op": "vouches", "version": v, "chunks": [src.chunk(i)[1] for i in range(n)]},
+                                    "have", f"comparison of version {v} with the receiver's earlier publish of it")
+        if reply.get("complete") or reply.get("obsolete"):
+            return "skipped"
+        sent = set(int(i) for i in reply.get("chunks", ()))
+        chunks = _ready_chunks(peer, src, v, n, heartbeat_s, io_timeout_s) if len(sent) < n else ()
+        for idx in chunks:
             if idx not in sent:
                 _send_chunk(peer, src, v, idx, limiter)
                 sent.add(idx)
-        last_progress = time.monotonic()
+            if len(sent) == n:  # not a wait for chunks the receiver already holds
+                break
+    except _Superseded:
+        return "superseded"
     for _ in range(max_retries + 1):
         reply, _ = peer.request({"op": "end", "version": v}, "missing", f"end-of-push ack of version {v}")
         missing = [int(i) for i in reply.get("chunks", ())]

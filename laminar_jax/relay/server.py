@@ -101,6 +101,7 @@ class VersionBuf:
         self.pins = 0  # users of the bytes: receivers, the forwarder, TCP reads, client mappings
         self.receivers = 0  # connections pushing this version right now
         self.signature: Optional[str] = None  # the learner's signature, forwarded downstream
+        self.publish: Optional[str] = None  # the publish these bytes came from (forwarded downstream)
         self.evicted = False
         self.cleared = True  # False while the store has not confirmed this version (store check)
         self.counted = False  # counted in versions_in (once complete)
@@ -157,6 +158,10 @@ class _BufSource:
     @property
     def signature(self) -> Optional[str]:
         return self.buf.signature
+
+    @property
+    def publish(self) -> Optional[str]:
+        return self.buf.publish
 
     def superseded(self) -> bool:
         """Evicted, or a newer version has started arriving (the forwarder always sends the newest)."""
@@ -511,6 +516,8 @@ class RelayServer:
         if refusal is not None:
             peer.send(error_frame(*refusal))
             return
+        if not self._settle_republish(peer, v, m, chunk_bytes, h):
+            return
         with self._cond:
             buf = self._versions.get(v)
             complete = sorted((x for x, b in self._versions.items() if b.complete), reverse=True)
@@ -524,7 +531,7 @@ class RelayServer:
                                                   f"{self.cfg.max_unverified_bytes}"))
                     return
                 buf = self._versions[v] = self._new_buf(m, chunk_bytes)
-                buf.signature = h.get("signature")
+                buf.signature, buf.publish = h.get("signature"), h.get("publish")
                 if self._store is not None and self.cfg.store_check_s > 0:
                     buf.cleared = False
                     buf.pins += 1  # the checker's pin, released when it ends
@@ -539,10 +546,10 @@ class RelayServer:
             return
         try:
             if (buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes or buf.manifest != m
-                    or buf.signature != h.get("signature")):
-                peer.send(error_frame("conflict", f"version {v}: held with {buf.total} bytes / {buf.chunk_bytes}-"
-                                                  f"byte chunks, pushed with {m.total_bytes} / {chunk_bytes} "
-                                                  f"(or another manifest or publish)"))
+                    or (buf.signature, buf.publish) != (h.get("signature"), h.get("publish"))):
+                peer.send(error_frame("conflict", f"version {v}: still arriving from another publish (held with "
+                                                  f"{buf.total} bytes / {buf.chunk_bytes}-byte chunks, pushed "
+                                                  f"with {m.total_bytes} / {chunk_bytes})"))
                 return
             if buf.complete:
                 peer.send({"op": "have", "complete": True, "obsolete": False, "chunks": []})
@@ -556,6 +563,72 @@ class RelayServer:
                 if not buf.received and buf.receivers == 0:
                     self._drop_partial_locked(buf)
             self._unpin(buf)
+
+    # ---- a version published again (a restarted learner publishes its last versions once more)
+    def _settle_republish(self, peer: Peer, v: int, m: Manifest, chunk_bytes: int, h: dict) -> bool:
+        """When this relay holds all of ``v`` from another publish: the same bytes are kept (the
+        sender is told it is complete; False) and other bytes are dropped, so that this push
+        replaces them (True). True, with nothing done, in every other case."""
+        with self._cond:
+            buf = self._versions.get(v)
+            if (buf is None or not buf.received
+                    or (buf.signature, buf.publish) == (h.get("signature"), h.get("publish"))):
+                return True
+            buf.pins += 1
+        try:
+            if buf.total != m.total_bytes or buf.chunk_bytes != chunk_bytes or buf.manifest != m:
+                differs = "its layout"
+            else:
+                vouches = self._read_vouches(peer, buf)
+                if vouches is None:
+                    return False  # the sender gave this version up
+                differs = self._first_other_chunk(peer, buf, vouches, h.get("signature"))
+        finally:
+            self._unpin(buf)
+        if differs is None:
+            self.counters["republished_same"] += 1
+            peer.send({"op": "have", "complete": True, "obsolete": False, "chunks": []})
+            return False
+        with self._cond:
+            if self._versions.get(v) is buf:
+                del self._versions[v]
+                buf.evicted = True
+                for addr, last in self._delivered.items():  # successors hold the old bytes: forward anew
+                    self._delivered[addr] = min(last, v - 1)
+                self._recycle_locked(buf)
+                self.counters["republished_replaced"] += 1
+                self._cond.notify_all()
+        log.warning("relay %s: version %d published again with other bytes (%s differs); the new publish "
+                    "replaces the one held", self.relay_id[:8], v, differs)
+        return True
+
+    def _read_vouches(self, peer: Peer, buf: VersionBuf) -> Optional[list]:
+        """Ask the sender for every chunk's vouch (what its chunk headers would carry); None if it
+        aborts the version instead."""
+        peer.send({"op": "have", "complete": False, "obsolete": False, "chunks": [], "compare": True})
+        r, _ = peer.recv(f"vouches of version {buf.version}")
+        while r["op"] == "keepalive":  # the sender waits for its own upstream's chunks
+            r, _ = peer.recv(f"vouches of version {buf.version}")
+        if r["op"] == "abort":
+            return None
+        vouches = r.get("chunks") if r["op"] == "vouches" else None
+        if not isinstance(vouches, list) or len(vouches) != buf.n or not all(isinstance(x, dict) for x in vouches):
+            raise WireError(f"{peer.name}: expected vouches for the {buf.n} chunks of version {buf.version}, "
+                            f"got {str(r)[:200]}")
+        return vouches
+
+    def _first_other_chunk(self, peer: Peer, buf: VersionBuf, vouches: list, signature: object) -> Optional[str]:
+        """'chunk i' for the first vouch that differs from the held chunk's, or None when all are
+        equal. With a key each vouch must carry the new publish's learner tag."""
+        for i, vouch in enumerate(vouches):
+            if self._key is not None:
+                if not auth.verify_chunk(self._key, signature, i, vouch.get("digest"), vouch.get("tag")):
+                    raise AuthError(f"{peer.name}: vouch {i} of version {buf.version} lacks a valid learner tag")
+                if vouch["digest"] != buf.vouch[i]["digest"]:
+                    return f"chunk {i}"
+            elif vouch.get("crc") != buf.vouch[i]["crc"]:
+                return f"chunk {i}"
+        return None
 
     def _push_refusal(self, v: int, m: Manifest, chunk_bytes: int, signature: object) -> Optional[tuple[str, str]]:
         """(kind, message) of why a push is refused, or None. Pure checks on the announcement."""

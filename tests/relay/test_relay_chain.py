@@ -278,3 +278,41 @@ def test_publisher_reconnects_a_link_the_relay_closed_while_idle():
         version, got = RelayClient([server.address], config=cfg).pull(1, timeout=5)
         assert version == 2
         _assert_bits(got, _host_flat(_params(2, mb=0.2)))
+
+
+def _wait_until(pred, timeout=10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def test_a_version_published_again_is_kept_when_equal_and_replaced_down_the_chain_when_not():
+    """A restarted learner publishes its last versions again, each under a new publish id. The same
+    bytes are kept without a transfer; other bytes replace the held ones on every relay."""
+    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=5.0, heartbeat_s=0.1)
+    first, other = _params(1, mb=0.5), _params(2, mb=0.5)
+    with RelayServer(cfg) as tail, RelayServer(cfg, successors=[tail.address]) as head:
+        def publish(params):
+            with Publisher(cfg, relay_addresses=[head.address]) as pub:
+                pub.publish(1, params)
+                pub.flush(30)
+                return pub.stats()
+
+        publish(first)
+        assert RelayClient([tail.address], config=cfg).wait_for(1, 10) == 1
+        chunks_in = head.stats()["chunks_in"]
+        stats = publish(first)  # the same bytes, another publish
+        assert stats.relay_failures == () and stats.relayed == 1
+        assert head.stats()["republished_same"] == 1 and head.stats()["chunks_in"] == chunks_in
+        stats = publish(other)  # version 1 again, other bytes: replaces it here and on the successor
+        assert stats.relay_failures == ()
+        assert head.stats()["republished_replaced"] == 1
+        assert _wait_until(lambda: tail.stats().get("republished_replaced", 0) == 1)
+        for relay in (head, tail):
+            assert RelayClient([relay.address], config=cfg).wait_for(1, 10) == 1
+            version, got = RelayClient([relay.address], config=cfg).pull(0, timeout=5, copy=True)
+            assert version == 1
+            _assert_bits(got, _host_flat(other))

@@ -506,3 +506,36 @@ def test_relay_refuses_a_version_the_store_does_not_commit(tmp_path):
         v, got = RelayClient([server.address], config=cfg, key=KEY).pull(1, timeout=5, copy=True)
         assert v == 3 and np.array_equal(got["w"], _flat(3)["w"])
         assert server.stats()["store_refused"] == 3
+
+
+def test_a_version_signed_again_by_a_restarted_learner_is_compared_by_its_tagged_digests():
+    """The same bytes under a new signature are kept (a restarted learner's republish is not a
+    conflict); a vouch without the new publish's learner tag is refused; other bytes replace."""
+    from laminar_jax.relay.push import push_version
+
+    flat, other = _flat(1), _flat(2)
+    with RelayServer(CFG, key=KEY) as server:
+        _published(server, flat)
+        assert _signed_push(server, 1, flat) == "skipped"
+        assert server.stats()["republished_same"] == 1
+
+        class UntaggedVouches(ArraysSource):  # a sender holding a valid signature but not the key
+            def chunk(self, index):
+                segs, vouch = super().chunk(index)
+                return segs, {"digest": vouch["digest"], "tag": "0" * 64}
+
+        peer = connect(server.address, 2.0, 3.0, KEY)
+        try:
+            with pytest.raises((WireError, OSError)):
+                push_version(peer, UntaggedVouches(plan_layout(other, 1), other, CFG.chunk_bytes, KEY),
+                             None, 0.1, 3.0, 1)
+        finally:
+            peer.close()
+        assert server.stats().get("republished_replaced", 0) == 0
+        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        assert v == 1 and np.array_equal(got["w"], flat["w"])
+
+        assert _signed_push(server, 1, other) == "delivered"
+        assert server.stats()["republished_replaced"] == 1
+        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        assert v == 1 and np.array_equal(got["w"], other["w"])
