@@ -131,6 +131,53 @@ def test_ledger_exactly_once_and_inflight_survives_checkpoint():
     assert restored.summary()["consumed"] == 2 and restored.summary()["in_flight"] == 0
 
 
+def test_ledger_counts_kept_as_entries_change_agree_with_a_scan_of_every_entry():
+    """summary() and in_flight() come from counts kept as entries change (a scan of every prompt
+    ever dispatched grew with the run); after random dispatches, consumes, drops and a checkpoint
+    round-trip they agree with a scan of the entries."""
+    rng = np.random.default_rng(0)
+    led = PromptLedger()
+
+    def scanned(ledger):
+        states = [e.state for e in ledger._entries.values()]
+        return ({"total": len(states), "in_flight": states.count("dispatched"), "consumed": states.count("consumed"),
+                 "dropped": states.count("dropped")},
+                [(u, e.prompt) for u, e in ledger._entries.items() if e.state == "dispatched"])
+
+    for i in range(400):
+        uid = f"p{rng.integers(0, 120)}"
+        op = rng.integers(0, 4)
+        try:
+            if op == 0:
+                led.dispatch(uid, {"uid": uid})
+            elif op == 1:
+                led.consume(uid)
+            elif op == 2:
+                led.drop(uid)
+            else:
+                copy = PromptLedger()
+                copy.load_state_dict(led.state_dict())
+                led = copy
+        except (DuplicatePrompt, KeyError):
+            pass
+        counts, in_flight = scanned(led)
+        summary = led.summary()
+        assert {k: summary[k] for k in counts} == counts, i
+        assert led.in_flight() == in_flight, i
+    assert 0 < led.summary()["in_flight"] < led.summary()["total"]
+
+
+def test_ledger_checkpoint_with_an_unknown_entry_state_is_refused_by_name():
+    led = PromptLedger()
+    led.dispatch("p0", {"i": 0})
+    state = led.state_dict()
+    state["entries"]["p0"]["state"] = "finished"
+    restored = PromptLedger()
+    with pytest.raises(ValueError, match="finished"):
+        restored.load_state_dict(state)
+    assert restored.summary()["total"] == 0  # nothing half-loaded
+
+
 def test_store_checkpoint_roundtrip_keeps_consumption_and_arrays():
     s = ExperienceStore(group_size=2)
     _fill(s, "a", 2)
