@@ -445,6 +445,7 @@ class Engine:
             state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
             if not shared:
                 state, shared = self._warmup_share_prompt(state, free_slot, b, init)
+                state = self._warmup_move(state, free_slot, b, init)
             state = self.deactivate(state, free_slot)
             self.free_resource(free_slot)
         state = self._warmup_prefill_rows(params, state, init)
@@ -474,6 +475,17 @@ class Engine:
                 self.free_resource(slot)
             b, compiled = b * 2, True
         return state, compiled
+
+    def _warmup_move(self, state: DecodeState, slot: int, prompt_len: int, init: SlotInit) -> DecodeState:
+        """Compile the export/import page copies (one program each, every sequence's pages padded to
+        pages_per_seq): the first repack of a run would otherwise lower and compile them mid-tail,
+        holding the GIL, on the thread that moves the sequence. slot holds a prompt_len-token prompt
+        and holds it again on return."""
+        num_cached = prompt_len - 1
+        k, v = self.read_slot(state, slot, num_cached)
+        state = self.deactivate(state, slot)
+        self.free_resource(slot)
+        return self.write_slot(state, slot, k, v, num_cached, 0, prompt_len, init)
 
     def _warmup_prefill_rows(self, params: Any, state: DecodeState, init: SlotInit) -> DecodeState:
         """Compile prefill_insert_rows at every packed width: calls of padding alone, which write

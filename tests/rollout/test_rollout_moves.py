@@ -157,3 +157,19 @@ def test_sequence_listener_drops_peers_without_the_key_at_their_first_message():
         t.join(10)
     assert listener.rejected == 2 and got["seq"].uid == REQ.uid
     assert got["seq"].to_bytes() == seq.to_bytes()
+
+
+def test_warmup_compiles_the_moves_page_copies():
+    """A repack's first export and import run programs the warmup compiled: none lowers mid-tail."""
+    from tests.compile_events import count_compiles
+
+    a, b = make_server(), make_server()
+    a.warmup()
+    a.submit(REQ)
+    _step_n(a, 4)
+    with count_compiles() as compiles:
+        seq = a.export_sequence(_slot_of(a, REQ.uid))
+        b.import_sequence(seq)
+    assert not compiles, f"{len(compiles)} programs compiled by a move after warmup"
+    done = run_until(b, 1)
+    _assert_same(done[REQ.uid], _reference())
