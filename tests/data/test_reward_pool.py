@@ -182,8 +182,14 @@ def test_a_dead_dispatcher_fails_pending_rewards_and_check_carries_its_traceback
     from laminar_jax.threads import WorkerFailed
 
     with RewardPool(num_workers=1, timeout_s=1.0, registry_spec=PROBES, mode="thread") as p:
+        healthy_tick = p._tick
+
         def broken_tick(now):
-            raise RuntimeError("dispatcher broke")
+            # Break only once a task is queued: the dispatcher also ticks on its own wait timeout,
+            # and breaking before submit() would make submit() raise instead of resolving the task.
+            if p._pending:
+                raise RuntimeError("dispatcher broke")
+            return healthy_tick(now)
 
         p._tick = broken_tick
         fut = p.submit("ok", "x", None)
