@@ -105,13 +105,15 @@ def _check(tr: Trajectory, i: int) -> None:
 
 def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_token_id: int = 0,
             row_multiple: int = 1, pack_length: int = 0, mini_batches: int = 1,
-            order: Optional[Sequence[int]] = None, rows_per_doubling: int = 1) -> TrainBatch:
+            order: Optional[Sequence[int]] = None, rows_per_doubling: int = 1,
+            pack_lengths: Sequence[int] = ()) -> TrainBatch:
     """Pad (or pack) trajectories into a numpy TrainBatch.
 
     Unpacked (pack_length=0): T = bucket_length(longest prompt+response), one trajectory per row,
     B = S = len(trajectories) rounded up to a multiple of `row_multiple` (fully masked padding rows,
     so the batch divides over the mesh and the micro/mini-batch split).
-    Packed: T = pack_length. The trajectories, taken in `order` (a permutation; default as given),
+    Packed: T = the smallest of `pack_lengths` (sorted, each <= pack_length) that holds the longest
+    trajectory, else pack_length (rows attend within themselves, so shorter rows cost less). The trajectories, taken in `order` (a permutation; default as given),
     are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
     rows [j R, (j+1) R) where R = the most rows any part needs, rounded up to
     row_multiple / mini_batches x a row_bucket (`rows_per_doubling` buckets per power of two: few
@@ -132,8 +134,8 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
             i = too_long[0]
             raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {lengths[i]} tokens exceed "
                              f"learner.pack_length={pack_length}")
-        t, placement, b = pack_length, *_pack_blocks(lengths, pack_length, row_multiple, mini_batches, order,
-                                                        rows_per_doubling)
+        t = next((c for c in pack_lengths if max(lengths) <= c <= pack_length), pack_length)
+        placement, b = _pack_blocks(lengths, t, row_multiple, mini_batches, order, rows_per_doubling)
     else:
         try:
             t = bucket_length(max(lengths), buckets)

@@ -175,7 +175,16 @@ class Learner:
     def collate(self, trajectories: Sequence[Trajectory], order: Optional[np.ndarray] = None) -> TrainBatch:
         s = self.section
         return collate(trajectories, s.seq_len_buckets, s.pad_token_id, self.row_multiple, s.pack_length,
-                       s.mini_batches, order, s.pack_rows_per_doubling)
+                       s.mini_batches, order, s.pack_rows_per_doubling, self.pack_lengths)
+
+    @property
+    def pack_lengths(self) -> tuple[int, ...]:
+        """The row lengths a packed step may take (learner.pack_shrink), shortest first; () unpacked."""
+        s = self.section
+        if not s.pack_length:
+            return ()
+        shorter = tuple(b for b in s.seq_len_buckets if b < s.pack_length) if s.pack_shrink else ()
+        return shorter + (s.pack_length,)
 
     def _draw(self, rng: np.random.Generator, trajectories: Sequence[Trajectory]) -> np.ndarray:
         """The packed step's order: its mini-batches are consecutive parts of it (learner.mini_batch_draw)."""
@@ -276,12 +285,19 @@ class Learner:
         s = self.section
         slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
         if s.pack_length:
-            shapes, unit, units = [], self.row_multiple // s.mini_batches, 1
-            while True:  # every row bucket up to a row per trajectory in each mini-batch
-                shapes.append((unit * units * s.mini_batches, s.pack_length))
-                if unit * units >= -(-num_trajectories // s.mini_batches):
-                    break
-                units = row_bucket(units + 1, s.pack_rows_per_doubling)
+            shapes, unit = [], self.row_multiple // s.mini_batches
+            # The lengths a step of trajectories of at most max_tokens can take: those shorter, and
+            # the first that holds max_tokens (collate takes the shortest that holds the longest).
+            lengths = self.pack_lengths if max_tokens is None else \
+                tuple(t for t in self.pack_lengths if t < max_tokens) + \
+                (next((t for t in self.pack_lengths if t >= max_tokens), s.pack_length),)
+            for t in lengths:
+                units = 1
+                while True:  # every row bucket up to a row per trajectory in each mini-batch
+                    shapes.append((unit * units * s.mini_batches, t))
+                    if unit * units >= -(-num_trajectories // s.mini_batches):
+                        break
+                    units = row_bucket(units + 1, s.pack_rows_per_doubling)
         else:
             top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
             shapes = [(slots, t) for t in s.seq_len_buckets if t <= top]

@@ -190,3 +190,48 @@ def test_packed_warmup_compiles_every_row_bucket_ahead():
             shapes.add(learner.step(trajs)["rows"])
         assert len(compiles) == before, f"steps after warmup compiled {len(compiles) - before} programs"
     assert shapes & {12}, shapes  # a midpoint bucket (3 rows per mini-batch) was used
+
+
+def test_packed_rows_shrink_to_the_shortest_length_that_holds_the_longest_trajectory():
+    short = [t for t in _batch(0) if t.num_tokens <= 16] + [t for t in _batch(3) if t.num_tokens <= 16]
+    assert max(t.num_tokens for t in short) > 8
+    b = collate(short, (64,), pack_length=48, pack_lengths=(8, 16, 32, 48))
+    assert b.tokens.shape[1] == 16  # 8 cannot hold the longest, 16 can
+    assert (b.seq_ids >= 0).sum() == sum(t.num_tokens for t in short)
+    assert collate(_batch(0), (64,), pack_length=48, pack_lengths=(8, 16, 32, 48)).tokens.shape[1] == 48  # a 40+ token one
+    assert collate(short, (64,), pack_length=48).tokens.shape[1] == 48  # no shorter lengths given: pack_length
+
+
+def test_shrunk_rows_train_the_same_as_rows_of_pack_length():
+    """Rows attend within their segments, so the row length changes the cost, not the step."""
+    base = dict(lr=1e-3, adv_estimator="grpo", mini_batches=2, seq_len_buckets=(16, 32, 64), pack_length=64, seed=3)
+    model = lambda: Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    fixed = Learner(LearnerSection(**base, pack_shrink=False), model())
+    shrunk = Learner(LearnerSection(**base), model())
+    assert shrunk.pack_lengths == (16, 32, 64) and fixed.pack_lengths == (64,)
+    lengths = set()
+    for seed in (5, 6, 7):
+        trajs = [t for t in _batch(seed, n=16) if t.num_tokens <= 32]
+        m_fixed, m_shrunk = fixed.step(trajs), shrunk.step(trajs)
+        assert m_fixed["seq_len"] == 64
+        lengths.add(m_shrunk["seq_len"])
+        for k in ("loss", "pg_loss", "entropy", "reward_mean", "num_tokens"):
+            np.testing.assert_allclose(m_shrunk[k], m_fixed[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    assert lengths <= {16, 32} and lengths, lengths
+    a, b = fixed.policy_params(), shrunk.policy_params()
+    for name in a:  # atol: as in test_packed_step_equals_unpacked (Adam on near-zero gradients)
+        np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_packed_warmup_compiles_every_row_length_ahead():
+    section = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=4, pack_length=64, seq_len_buckets=(32, 64),
+                             pack_rows_per_doubling=2)
+    learner = Learner(section, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
+    with count_compiles() as compiles:
+        assert learner.warmup(16, 64) == 8  # 1, 2, 3, 4 rows per mini-batch, at 32 and at 64 tokens
+        before, lengths = len(compiles), set()
+        for seed in range(8):
+            lengths.add(learner.step(_grpo_like(seed, groups=2))["seq_len"])
+        assert len(compiles) == before, f"steps after warmup compiled {len(compiles) - before} programs"
+    assert lengths == {32, 64}, lengths
+    assert learner.warmup(16, 20) == 4  # trajectories of at most 20 tokens: rows of 32 only
