@@ -67,7 +67,7 @@ class LearnerSection:
       pad_token_id: Token id used for padding.
       balance_tokens: Order each mini-batch's rows so the data-parallel ranks get near-equal token counts (equal row counts; balanced greedily, Karmarkar-Karp style); acts only on meshes with more than one data-parallel rank.
       pack_length: None (default): set at finalize to rollout.max_total_len, the longest possible trajectory (a LearnerSection used without the whole config treats None as 0). 0: one trajectory per row, padded to a seq_len_bucket. > 0: rows of exactly this many tokens, each holding several trajectories back to back (first-fit decreasing; attention stays within a trajectory), so a long-tail batch does not pay for padding every row to its longest response. Must be >= the longest trajectory (prompt + response).
-      pack_shrink: Packed rows as short as the step allows: the smallest seq_len_bucket below pack_length that holds the step's longest trajectory, else pack_length. Row attention costs the square of the row's length, so a long-tail task's common steps, whose longest trajectory is short, train on many short rows instead of a few long ones (the demo: 24% off a learner step whose trajectories fit 64 tokens, rows of 64 against 192). Each such length is one more set of row-count shapes for learner warm-up to compile. False: rows of exactly pack_length.
+      pack_shrink: Packed rows as short as the step allows: the smallest seq_len_bucket below pack_length that holds the step's longest trajectory, else pack_length. Row attention costs the square of the row's length, so a long-tail task's common steps, whose longest trajectory is short, train on many short rows instead of a few long ones (the demo: 24% off a learner step whose trajectories fit 64 tokens, rows of 64 against 192). Each such length is one more set of row-count shapes for learner warm-up to compile. False (default until its end-to-end A/B): rows of exactly pack_length.
       pack_rows_per_doubling: Row-count buckets of a packed batch per doubling: 1 = powers of two (each mini-batch 1, 2, 4, 8, ... rows, times row_multiple / mini_batches), 2 = those and the midpoints (3, 6, 12, ...), more = finer. A batch takes the smallest bucket its fullest mini-batch fits, so finer buckets pad fewer rows and give learner warm-up more shapes to compile (one prepare pass and one update program each).
       mini_batch_draw: How a packed step's trajectories are drawn into its mini-batches. 'stratified': longest first, each run of mini_batches trajectories is dealt one to each mini-batch at random, so every mini-batch is still a random draw and all need about the same number of rows (fewer padded rows). 'random': consecutive parts of a random permutation. Unpacked batches shuffle rows freely either way.
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
@@ -121,7 +121,7 @@ class LearnerSection:
     pad_token_id: int = 0
     pack_length: Optional[int] = None
     balance_tokens: bool = True
-    pack_shrink: bool = True
+    pack_shrink: bool = False
     pack_rows_per_doubling: int = 2
     mini_batch_draw: Literal["stratified", "random"] = "stratified"
     publish_timeout_s: float = 300.0

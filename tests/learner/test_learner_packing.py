@@ -207,7 +207,7 @@ def test_shrunk_rows_train_the_same_as_rows_of_pack_length():
     base = dict(lr=1e-3, adv_estimator="grpo", mini_batches=2, seq_len_buckets=(16, 32, 64), pack_length=64, seed=3)
     model = lambda: Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))
     fixed = Learner(LearnerSection(**base, pack_shrink=False), model())
-    shrunk = Learner(LearnerSection(**base), model())
+    shrunk = Learner(LearnerSection(**base, pack_shrink=True), model())
     assert shrunk.pack_lengths == (16, 32, 64) and fixed.pack_lengths == (64,)
     lengths = set()
     for seed in (5, 6, 7):
@@ -225,7 +225,7 @@ def test_shrunk_rows_train_the_same_as_rows_of_pack_length():
 
 def test_packed_warmup_compiles_every_row_length_ahead():
     section = LearnerSection(lr=1e-3, adv_estimator="grpo", mini_batches=4, pack_length=64, seq_len_buckets=(32, 64),
-                             pack_rows_per_doubling=2)
+                             pack_rows_per_doubling=2, pack_shrink=True)
     learner = Learner(section, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
     with count_compiles() as compiles:
         assert learner.warmup(16, 64) == 8  # 1, 2, 3, 4 rows per mini-batch, at 32 and at 64 tokens
