@@ -112,9 +112,9 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
     Unpacked (pack_length=0): T = bucket_length(longest prompt+response), one trajectory per row,
     B = S = len(trajectories) rounded up to a multiple of `row_multiple` (fully masked padding rows,
     so the batch divides over the mesh and the micro/mini-batch split).
-    Packed: T = the smallest of `pack_lengths` (sorted, each <= pack_length) that holds the longest
-    trajectory, else pack_length (rows attend within themselves, so shorter rows cost less). The trajectories, taken in `order` (a permutation; default as given),
-    are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
+    Packed: T = the smallest of `pack_lengths` (sorted, the last = pack_length; default: pack_length
+    alone) that holds the longest trajectory (rows attend within themselves: shorter rows cost less).
+    The trajectories, taken in `order` (a permutation; default as given), are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
     rows [j R, (j+1) R) where R = the most rows any part needs, rounded up to
     row_multiple / mini_batches x a row_bucket (`rows_per_doubling` buckets per power of two: few
     distinct shapes -> few compilations). So a
@@ -134,7 +134,7 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
             i = too_long[0]
             raise ValueError(f"trajectory[{i}] uid={trajectories[i].uid!r}: {lengths[i]} tokens exceed "
                              f"learner.pack_length={pack_length}")
-        t = next((c for c in pack_lengths if max(lengths) <= c <= pack_length), pack_length)
+        t = bucket_length(max(lengths), pack_lengths or (pack_length,))
         placement, b = _pack_blocks(lengths, t, row_multiple, mini_batches, order, rows_per_doubling)
     else:
         try:

@@ -285,19 +285,15 @@ class Learner:
         s = self.section
         slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
         if s.pack_length:
-            shapes, unit = [], self.row_multiple // s.mini_batches
-            # The lengths a step of trajectories of at most max_tokens can take: those shorter, and
-            # the first that holds max_tokens (collate takes the shortest that holds the longest).
-            lengths = self.pack_lengths if max_tokens is None else \
-                tuple(t for t in self.pack_lengths if t < max_tokens) + \
-                (next((t for t in self.pack_lengths if t >= max_tokens), s.pack_length),)
-            for t in lengths:
-                units = 1
-                while True:  # every row bucket up to a row per trajectory in each mini-batch
-                    shapes.append((unit * units * s.mini_batches, t))
-                    if unit * units >= -(-num_trajectories // s.mini_batches):
-                        break
-                    units = row_bucket(units + 1, s.pack_rows_per_doubling)
+            rows, unit, units = [], self.row_multiple // s.mini_batches, 1
+            while True:  # every row bucket up to a row per trajectory in each mini-batch
+                rows.append(unit * units * s.mini_batches)
+                if unit * units >= -(-num_trajectories // s.mini_batches):
+                    break
+                units = row_bucket(units + 1, s.pack_rows_per_doubling)
+            # Each row length up to the one collate picks for a trajectory of max_tokens.
+            top = bucket_length(min(max_tokens or s.pack_length, s.pack_length), self.pack_lengths)
+            shapes = [(b, t) for t in self.pack_lengths if t <= top for b in rows]
         else:
             top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
             shapes = [(slots, t) for t in s.seq_len_buckets if t <= top]
