@@ -16,7 +16,7 @@ torch thread count of --trl-threads; ours with the demo's settings (2 rollout se
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
 each XLA CPU thread setting of --ours-threads, each rollout fleet of --ours-servers (a server count,
 or servers x slots each) and each fleet of --ours-fleet (servers as threads of the learner's process,
-or as child processes). Each goal's ratio compares every system at its own best setting for that
+or as child processes), with any --ours-set overrides applied last. Each goal's ratio compares every system at its own best setting for that
 figure. Every run is a fresh process; runs alternate between systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
@@ -43,6 +43,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from laminar_jax import host_malloc
+from laminar_jax.benchmarks.e2e import _override
 from laminar_jax.benchmarks.machine import emit, usable_cores
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
@@ -82,6 +83,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "'keep' as glibc environment variables, so the peer gets the setting ours runs with)")
     ap.add_argument("--ours-malloc", default=None, choices=host_malloc.POLICIES,
                     help="ours: runtime.host_malloc; default: the config's")
+    ap.add_argument("--ours-set", type=_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="ours: a config override applied to every sync and laminar run after the bench's own "
+                         "settings (repeatable), e.g. learner.pack_shrink=True")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
     ap.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
     ap.add_argument("--out", default=None)
@@ -259,7 +263,7 @@ def _ours_worker(spec: dict) -> dict:
     import jax
 
     from laminar_jax.cpu_threads import apply_cpu_threads
-    from laminar_jax.benchmarks.e2e import _demo_config
+    from laminar_jax.benchmarks.e2e import _demo_config, _set
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
     from laminar_jax.runtime.parts import resolve
@@ -291,6 +295,8 @@ def _ours_worker(spec: dict) -> dict:
         c.runtime.server_processes = spec["fleet"] == "processes"
     if spec.get("malloc"):
         c.runtime.host_malloc = spec["malloc"]
+    for key, value in spec.get("overrides", ()):
+        _set(c, key, value)
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
     host_malloc.apply_host_malloc(cfg.runtime.host_malloc)  # as the run's entry point does, before JAX allocates
@@ -412,8 +418,10 @@ def main(argv: list[str]) -> Optional[dict]:
     if args.worker:
         _worker_main(args)
         return None
-    from laminar_jax.benchmarks.e2e import _demo_config
+    from laminar_jax.benchmarks.e2e import _demo_config, _set
 
+    for key, value in args.ours_set:  # a bad key fails here, before any run
+        _set(_demo_config(), key, value)
     decode_steps = args.decode_steps or _demo_config().rollout.decode_steps_per_call
     out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
     os.makedirs(out, exist_ok=True)
@@ -431,7 +439,7 @@ def main(argv: list[str]) -> Optional[dict]:
                     "malloc": setting.malloc, "servers": setting.servers, "fleet": setting.fleet,
                     "slots": setting.slots,
                     "threads" if system == "trl" else "cpu_threads": setting.threads,
-                    "decode_steps": decode_steps, "lr": args.lr,
+                    "decode_steps": decode_steps, "lr": args.lr, "overrides": args.ours_set,
                     "out": os.path.join(out, f"{label}_{rep}")}
             r = run_one(system, spec, out, args.timeout_s)
             r.update(system=system, label=label, repeat=rep)
@@ -443,7 +451,7 @@ def main(argv: list[str]) -> Optional[dict]:
     summary = summarize(runs, usable_cores())
     print_table(summary, args.budget_s)
     result = {"bench": "peers_e2e", "budget_s": args.budget_s, "repeats": args.repeats, **GEOMETRY,
-              "decode_steps_per_call": decode_steps, "lr": args.lr,
+              "decode_steps_per_call": decode_steps, "lr": args.lr, "ours_overrides": dict(args.ours_set),
               "rows": summary["rows"], **summary["ratios"], "wall_s": round(time.time() - t0, 1),
               "load_avg": [round(x, 2) for x in os.getloadavg()]}
     return emit(result)

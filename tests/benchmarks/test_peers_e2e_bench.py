@@ -34,6 +34,17 @@ def test_parse_args_quick_defaults_and_errors():
     assert parse_args(["--e2e", "--ours-fleet", "threads,processes"]).ours_fleet == ["threads", "processes"]
     with pytest.raises(SystemExit, match="--ours-fleet"):
         parse_args(["--e2e", "--ours-fleet", "ray"])
+    assert full.ours_set == []
+    assert parse_args(["--e2e", "--ours-set", "learner.pack_shrink=True", "--ours-set", "rollout.decode_steps_per_call=4"]
+                      ).ours_set == [("learner.pack_shrink", True), ("rollout.decode_steps_per_call", 4)]
+    with pytest.raises(SystemExit):
+        parse_args(["--e2e", "--ours-set", "pack_shrink=True"])
+
+
+def test_a_bad_ours_override_fails_before_any_run(tmp_path):
+    with pytest.raises(SystemExit, match="has no key 'no_such_key'"):
+        peers_e2e.main(["--e2e", "--ours-set", "learner.no_such_key=1", "--out", str(tmp_path)])
+    assert not (tmp_path / "checkpoint").exists()
 
 
 def test_setting_labels_name_every_setting_given():
