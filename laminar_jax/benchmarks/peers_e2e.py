@@ -16,8 +16,9 @@ torch thread count of --trl-threads; ours with the demo's settings (2 rollout se
 mode's policy, 8 tokens per generate call) or `rollout.decode_steps_per_call` = --decode-steps, at
 each XLA CPU thread setting of --ours-threads, each rollout fleet of --ours-servers (a server count,
 or servers x slots each) and each fleet of --ours-fleet (servers as threads of the learner's process,
-or as child processes), with any --ours-set overrides applied last. Each goal's ratio compares every system at its own best setting for that
-figure. Every run is a fresh process; runs alternate between systems, --repeats times.
+or as child processes), with any --ours-set overrides applied last. Each goal's ratio compares every
+system at its own best setting for that figure. Every run is a fresh process; runs alternate between
+systems, --repeats times.
 Each run reports training tokens per second (prompt + response tokens of the trajectories the
 optimizer consumed, per second of training), trained tokens per CPU-second (the process's CPU
 time, with its rollout child processes', over the training window), the batch reward at the budget (mean of the last 3 steps) and a
@@ -420,9 +421,10 @@ def main(argv: list[str]) -> Optional[dict]:
         return None
     from laminar_jax.benchmarks.e2e import _demo_config, _set
 
+    demo = _demo_config()
+    decode_steps = args.decode_steps or demo.rollout.decode_steps_per_call
     for key, value in args.ours_set:  # a bad key fails here, before any run
-        _set(_demo_config(), key, value)
-    decode_steps = args.decode_steps or _demo_config().rollout.decode_steps_per_call
+        _set(demo, key, value)
     out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
     os.makedirs(out, exist_ok=True)
     t0 = time.time()

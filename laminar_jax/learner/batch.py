@@ -114,7 +114,8 @@ def collate(trajectories: Sequence[Trajectory], buckets: Sequence[int], pad_toke
     so the batch divides over the mesh and the micro/mini-batch split).
     Packed: T = the smallest of `pack_lengths` (sorted, the last = pack_length; default: pack_length
     alone) that holds the longest trajectory (rows attend within themselves: shorter rows cost less).
-    The trajectories, taken in `order` (a permutation; default as given), are split into `mini_batches` consecutive parts; part j is packed first-fit decreasing into
+    The trajectories, taken in `order` (a permutation; default as given), are split into
+    `mini_batches` consecutive parts; part j is packed first-fit decreasing into
     rows [j R, (j+1) R) where R = the most rows any part needs, rounded up to
     row_multiple / mini_batches x a row_bucket (`rows_per_doubling` buckets per power of two: few
     distinct shapes -> few compilations). So a
