@@ -5,8 +5,10 @@ compilation cache (runtime.compilation_cache_dir) filled by the first.
 
 Each run is a fresh process (as a user's would be) with its own empty-at-start cache directory
 shared by the runs. Compile time is what JAX's own monitoring events report: tracing, lowering,
-and backend compilation (which, on a cache hit, is the cache read). Prints one row per run with
-the load average, then one JSON line last.
+and backend compilation (which, on a cache hit, is the cache read). Before the runs it times a fresh
+interpreter importing the runtime (`import_s`, median of 3): every process of a run (the CLI, each
+Ray actor, each rollout or relay process) pays that before its first line of work. Prints one row
+per run with the load average, then one JSON line last.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -67,6 +70,17 @@ def _child(config: str, sets: list[str], cache_dir: str) -> dict:
     return {**totals, "compile_s": sum(totals.values()), "cache_hits": hits[0], "wall_s": wall}
 
 
+def import_seconds(repeats: int = 3) -> float:
+    """Median wall seconds of a fresh interpreter importing what launch/run.py imports (the runtime)."""
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        subprocess.run([sys.executable, "-c", "import laminar_jax.runtime"], check=True, capture_output=True,
+                       timeout=300)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(prog="bench.py startup", description=__doc__.splitlines()[0])
     ap.add_argument("--config", default="demo", help="configs/<name>.py[:variant]")
@@ -79,6 +93,11 @@ def main(argv=None) -> dict:
         print("STARTUP " + json.dumps(_child(args.config, args.set, args.child)), flush=True)
         return {}
     config = "demo:short" if args.quick and args.config == "demo" else args.config
+    import ml_dtypes  # its version sets most of import_s (pyproject.toml says why it is pinned)
+
+    import_s = import_seconds()
+    print(f"a fresh process imports the runtime in {import_s:.2f} s (median of 3; ml_dtypes "
+          f"{ml_dtypes.__version__}), load {[round(x, 2) for x in os.getloadavg()]}", flush=True)
     cache = tempfile.mkdtemp(prefix="laminar-jax-cache-")
     rows = []
     try:
@@ -97,7 +116,8 @@ def main(argv=None) -> dict:
                   f"wall {row['wall_s']:.1f} s, load {row['load_avg']}", flush=True)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
-    result = {"bench": "startup", "config": config, "sets": args.set, "runs": rows,
+    result = {"bench": "startup", "config": config, "sets": args.set, "import_s": round(import_s, 3),
+              "ml_dtypes": ml_dtypes.__version__, "runs": rows,
               "warm_over_cold_compile": rows[-1]["compile_s"] / max(rows[0]["compile_s"], 1e-9) if rows else None}
     return emit(result)
 
