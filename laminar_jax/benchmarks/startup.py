@@ -70,7 +70,10 @@ def _child(config: str, sets: list[str], cache_dir: str) -> dict:
     return {**totals, "compile_s": sum(totals.values()), "cache_hits": hits[0], "wall_s": wall}
 
 
-def import_seconds(repeats: int = 3) -> float:
+IMPORT_REPEATS = 3  # fresh interpreters timed for import_s (its median)
+
+
+def import_seconds(repeats: int = IMPORT_REPEATS) -> float:
     """Median wall seconds of a fresh interpreter importing what launch/run.py imports (the runtime)."""
     times = []
     for _ in range(repeats):
@@ -96,7 +99,7 @@ def main(argv=None) -> dict:
     import ml_dtypes  # its version sets most of import_s (pyproject.toml says why it is pinned)
 
     import_s = import_seconds()
-    print(f"a fresh process imports the runtime in {import_s:.2f} s (median of 3; ml_dtypes "
+    print(f"a fresh process imports the runtime in {import_s:.2f} s (median of {IMPORT_REPEATS}; ml_dtypes "
           f"{ml_dtypes.__version__}), load {[round(x, 2) for x in os.getloadavg()]}", flush=True)
     cache = tempfile.mkdtemp(prefix="laminar-jax-cache-")
     rows = []
