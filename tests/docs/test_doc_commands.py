@@ -12,6 +12,10 @@ with ``python``. Each is handled by the first RULES entry whose pattern matches 
   and must exit 0.
 - ``run``: cheap commands run exactly as written (``$PWD`` is a temporary directory).
 - ``skip``: not run; the reason is printed by test_not_run_commands_are_listed.
+
+Quoted commands that come to one invocation (the same ``--help``, or the same ``launch/run.py`` line
+dry-run in two places) run once, and a failure names every place that quotes it: a process start
+costs seconds here, and most quotes are of a few tools.
 """
 
 from __future__ import annotations
@@ -130,11 +134,30 @@ COMMANDS = [c for doc in DOCS for c in extract(doc)]
 RUNNABLE = [c for c in COMMANDS if rule_for(c.text) and rule_for(c.text).action != "skip"]
 
 
-def _params(cmds):
-    out = []
+def invocation(cmd: Command) -> tuple:
+    """What running a quoted command executes: its action, argv and environment. A `run` command
+    that writes under $PWD (its own temporary directory) is its own invocation."""
+    rule = rule_for(cmd.text)
+    if rule.action == "help":
+        return ("help", tuple(_help_argv(cmd.text)[1:]), cmd.env)
+    if rule.action == "dry_run":
+        return ("dry_run", re.sub(r"\s+\.\.\.$", "", cmd.text), cmd.env)
+    return ("run", cmd.where if "$PWD" in cmd.text else "", cmd.text, cmd.env)
+
+
+def _grouped(cmds: list[Command]) -> list[list[Command]]:
+    groups: dict[tuple, list[Command]] = {}
     for c in cmds:
-        slow = rule_for(c.text).slow
-        out.append(pytest.param(c, id=f"{c.where}", marks=[pytest.mark.slow] if slow else []))
+        groups.setdefault(invocation(c), []).append(c)
+    return list(groups.values())
+
+
+def _params(groups):
+    out = []
+    for cmds in groups:
+        slow = rule_for(cmds[0].text).slow
+        more = f"+{len(cmds) - 1}" if len(cmds) > 1 else ""
+        out.append(pytest.param(cmds, id=f"{cmds[0].where}{more}", marks=[pytest.mark.slow] if slow else []))
     return out
 
 
@@ -176,20 +199,28 @@ def test_not_run_commands_are_listed(capsys):
     assert all(r.reason for _, r in skipped)
 
 
-@pytest.mark.parametrize("cmd", _params(RUNNABLE))
-def test_quoted_command_runs(cmd, tmp_path):
+def test_every_runnable_command_is_in_exactly_one_invocation():
+    groups = _grouped(RUNNABLE)
+    assert sorted(c.where + c.text for g in groups for c in g) == sorted(c.where + c.text for c in RUNNABLE)
+    assert all(len({invocation(c) for c in g}) == 1 for g in groups)
+
+
+@pytest.mark.parametrize("cmds", _params(_grouped(RUNNABLE)))
+def test_quoted_command_runs(cmds, tmp_path):
+    cmd = cmds[0]
+    where = ", ".join(c.where for c in cmds)  # every place that quotes this invocation
     rule = rule_for(cmd.text)
     if rule.action == "help":
         res = _run(_help_argv(cmd.text), cmd.env, tmp_path, 120)
-        assert res.returncode == 0, f"{cmd.where}: {res.stderr[-2000:]}"
-        assert len(res.stdout.strip()) > 100, f"{cmd.where}: --help printed almost nothing: {res.stdout!r}"
+        assert res.returncode == 0, f"{where}: {res.stderr[-2000:]}"
+        assert len(res.stdout.strip()) > 100, f"{where}: --help printed almost nothing: {res.stdout!r}"
         return
     text = re.sub(r"\s+\.\.\.$", "", cmd.text)
     argv = _argv(text, tmp_path)
     if rule.action == "dry_run":
         argv.append("--dry_run")
     res = _run(argv, cmd.env, tmp_path, 300 if rule.slow else 180)
-    assert res.returncode == 0, f"{cmd.where}: `{cmd.text}` exited {res.returncode}:\n{res.stderr[-3000:]}"
+    assert res.returncode == 0, f"{where}: `{cmd.text}` exited {res.returncode}:\n{res.stderr[-3000:]}"
     if rule.action == "dry_run" or "--dry_run" in argv:
         assert res.stdout.lstrip().startswith("{") and '"runtime"' in res.stdout
     if "--memory-plan" in argv:
