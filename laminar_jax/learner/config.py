@@ -70,6 +70,7 @@ class LearnerSection:
       pack_shrink: Packed rows as short as the step allows: the smallest seq_len_bucket below pack_length that holds the step's longest trajectory, else pack_length. Row attention costs the square of the row's length, so a long-tail task's common steps, whose longest trajectory is short, train on many short rows instead of a few long ones (the demo: 20-33% off a learner step whose trajectories fit 64 tokens, rows of 64 against 192). Each such length is one more set of row-count shapes for learner warm-up to compile. False (default: end to end on the demo, sync trained 10% faster and laminar no faster, for a cold start ~90 s longer): rows of exactly pack_length.
       pack_rows_per_doubling: Row-count buckets of a packed batch per doubling: 1 = powers of two (each mini-batch 1, 2, 4, 8, ... rows, times row_multiple / mini_batches), 2 = those and the midpoints (3, 6, 12, ...), more = finer. A batch takes the smallest bucket its fullest mini-batch fits, so finer buckets pad fewer rows and give learner warm-up more shapes to compile (one prepare pass and one update program each).
       mini_batch_draw: How a packed step's trajectories are drawn into its mini-batches. 'stratified': longest first, each run of mini_batches trajectories is dealt one to each mini-batch at random, so every mini-batch is still a random draw and all need about the same number of rows (fewer padded rows). 'random': consecutive parts of a random permutation. Unpacked batches shuffle rows freely either way.
+      compile_ahead: 'all': learner warm-up compiles the prepare pass and the update program for every batch shape a step can take (each seq_len_bucket; packed: each row bucket at each row length), so no training step pays XLA compilation. 'none': each shape compiles when a step first needs it, so a start compiles only the shapes the run meets (a long-tail task's rare large row buckets never), and that step waits for its compile (with the persistent compilation cache holding it: tracing, lowering and the cache read, ~1 s a shape on 2 CPU cores).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       publish_snapshot: Publish from a snapshot of the policy weights that a small program writes into the devices' pinned host memory (a DMA at the link's speed: 2 GB of a 0.5B model's f32 weights in 39 ms on an H100, against 990 ms for the copy of device arrays into unpinned numpy memory), so the next step's donating update need not wait and the publish only wraps host memory. Devices without pinned host memory snapshot into device memory (one more copy of the actor weights) and the host copy reads that. None = on where the learner's devices are accelerators, off on CPU (there the host copy is a view).
       seed: Seed of the learner RNG and of the mini-batch shuffles.
@@ -124,6 +125,7 @@ class LearnerSection:
     pack_shrink: bool = False
     pack_rows_per_doubling: int = 2
     mini_batch_draw: Literal["stratified", "random"] = "stratified"
+    compile_ahead: Literal["all", "none"] = "all"
     publish_timeout_s: float = 300.0
     publish_snapshot: Optional[bool] = None
     seed: int = 0
@@ -169,6 +171,8 @@ class LearnerSection:
         draws = ("stratified", "random")
         expect(self.mini_batch_draw in draws, f"{prefix}.mini_batch_draw", self.mini_batch_draw,
                f"one of {list(draws)}")
+        expect(self.compile_ahead in ("all", "none"), f"{prefix}.compile_ahead", self.compile_ahead,
+               "one of ['all', 'none']")
         b = self.seq_len_buckets
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")

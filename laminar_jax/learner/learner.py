@@ -277,11 +277,10 @@ class Learner:
                        publish_wait_s=step.publish_wait_s + self.publish_wait_s - wait0)
         return metrics
 
-    def warmup(self, num_trajectories: int, max_tokens: Optional[int] = None) -> int:
-        """Compile (ahead of time) the prepare pass, the train step and the mini-batch select for
-        every batch shape a step of ``num_trajectories`` trajectories of at most ``max_tokens``
-        tokens can take (each seq_len bucket; packed: each row bucket), so no training step pays
-        XLA compilation. Returns how many shapes were compiled."""
+    def batch_shapes(self, num_trajectories: int, max_tokens: Optional[int] = None) -> list[tuple[int, int]]:
+        """(rows, tokens per row) of every batch a step of ``num_trajectories`` trajectories of at
+        most ``max_tokens`` tokens can take: each seq_len bucket; packed, each row bucket (up to a
+        row per trajectory in each mini-batch) at each row length."""
         s = self.section
         slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
         if s.pack_length:
@@ -293,10 +292,17 @@ class Learner:
                 units = row_bucket(units + 1, s.pack_rows_per_doubling)
             # Each row length up to the one collate picks for a trajectory of max_tokens.
             top = bucket_length(min(max_tokens or s.pack_length, s.pack_length), self.pack_lengths)
-            shapes = [(b, t) for t in self.pack_lengths if t <= top for b in rows]
-        else:
-            top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
-            shapes = [(slots, t) for t in s.seq_len_buckets if t <= top]
+            return [(b, t) for t in self.pack_lengths if t <= top for b in rows]
+        top = bucket_length(max_tokens, s.seq_len_buckets) if max_tokens else s.seq_len_buckets[-1]
+        return [(slots, t) for t in s.seq_len_buckets if t <= top]
+
+    def warmup(self, num_trajectories: int, max_tokens: Optional[int] = None) -> int:
+        """Compile (ahead of time) the prepare pass and the update program for every batch shape
+        (`batch_shapes`), so no training step pays XLA compilation. Returns how many shapes were
+        compiled: none with learner.compile_ahead='none' (each compiles when a step first needs it)."""
+        s = self.section
+        slots = -(-num_trajectories // self.row_multiple) * self.row_multiple
+        shapes = self.batch_shapes(num_trajectories, max_tokens) if s.compile_ahead == "all" else []
         for b, t in shapes:
             batch = self._abstract_batch(b, t, slots)
             self._prepare.lower(self.state.params, self.ref_params, batch).compile()

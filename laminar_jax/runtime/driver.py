@@ -91,13 +91,17 @@ class Driver:
 
     # ----------------------------------------------------------------------------------- run
     def _warm_up(self) -> None:
-        """Compile the learner's programs for every batch shape a step can take, and the servers'
-        engine programs, before the RL clock starts: steady-state throughput is what the run
-        reports, and a mid-run compile stalls its plane for seconds."""
+        """Compile the learner's programs for every batch shape a step can take (unless
+        learner.compile_ahead='none'), and the servers' engine programs, before the RL clock
+        starts: steady-state throughput is what the run reports, and a mid-run compile stalls its
+        plane for seconds."""
         rt, t0 = self.cfg.runtime, time.time()
-        self.monitor.phase("compiling the learner's programs (every batch shape a step can take)")
+        if self.cfg.learner.compile_ahead == "all":
+            self.monitor.phase("compiling the learner's programs (every batch shape a step can take)")
         n = self.learner.warmup(rt.prompts_per_step * rt.samples_per_prompt, self.cfg.rollout.max_total_len)
-        self.monitor.phase(f"compiled {n} learner batch shapes; compiling the rollout engines' programs")
+        ahead = f"compiled {n} learner batch shapes" if self.cfg.learner.compile_ahead == "all" else \
+            "learner programs compile when a step first needs them (learner.compile_ahead='none')"
+        self.monitor.phase(f"{ahead}; compiling the rollout engines' programs")
         self.fleet.warmup()
         log.info("compiled learner and engine programs in %.1fs", time.time() - t0)
 

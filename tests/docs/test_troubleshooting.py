@@ -78,6 +78,7 @@ def _demo_run(tmp_path, name: str, **kv):
     cd.runtime.sft_warmup_steps = 0
     cd.runtime.total_steps = 1
     cd.runtime.timeline = False
+    cd.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     cd.runtime.run_dir = str(tmp_path / name)
     for key, value in kv.items():
         section, field = key.split(".")

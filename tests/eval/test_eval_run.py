@@ -22,6 +22,7 @@ def demo_with_eval(run_dir, mode, total_steps, every):
     c.runtime.mode, c.runtime.run_dir, c.runtime.total_steps = mode, str(run_dir), total_steps
     c.data.val_size, c.runtime.eval_samples, c.runtime.eval_k = 12, 3, 2
     c.runtime.eval_every, c.runtime.eval_before_train = every, True
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     return finalize(c)
 
 

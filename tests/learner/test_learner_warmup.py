@@ -1,4 +1,5 @@
-"""Learner.warmup: every bucket's programs are compiled ahead, so the steps after it compile nothing."""
+"""Learner.warmup: every bucket's programs are compiled ahead, so the steps after it compile nothing
+(or, with learner.compile_ahead="none", none ahead: each shape at its first step)."""
 
 import numpy as np
 from flax import nnx
@@ -37,3 +38,22 @@ def _check(learner, compiles):
     assert len(compiles) == before, f"steps after warmup compiled {len(compiles) - before} programs"
     learner.step(_batch(2, 50))  # 53 tokens -> bucket 64, not warmed: compiles (the check can fail)
     assert len(compiles) > before
+
+
+def test_compile_ahead_none_compiles_each_shape_at_its_first_step_and_trains_the_same():
+    base = dict(lr=1e-3, adv_estimator="grpo", mini_batches=2, seq_len_buckets=(16, 32, 64))
+    ahead = Learner(LearnerSection(**base), Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
+    lazy = Learner(LearnerSection(**base, compile_ahead="none"), Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)))
+    assert lazy.batch_shapes(8, max_tokens=32) == ahead.batch_shapes(8, max_tokens=32) == [(8, 16), (8, 32)]
+    ahead.warmup(8, max_tokens=32)
+    with count_compiles() as compiles:
+        assert lazy.warmup(8, max_tokens=32) == 0
+        assert not compiles, f"warm-up compiled {len(compiles)} programs with compile_ahead='none'"
+        first = lazy.step(_batch(0, 5))  # bucket 16: its first step compiles it
+        after_first = len(compiles)
+        assert after_first > 0
+        second = lazy.step(_batch(1, 6))  # bucket 16 again: nothing to compile
+        assert len(compiles) == after_first, f"a shape's second step compiled {len(compiles) - after_first}"
+    for got, want in ((first, ahead.step(_batch(0, 5))), (second, ahead.step(_batch(1, 6)))):
+        for k in ("loss", "pg_loss", "entropy", "num_tokens"):
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-7, err_msg=k)

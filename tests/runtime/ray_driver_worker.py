@@ -18,6 +18,7 @@ def main() -> None:
     c.runtime.run_dir = sys.argv[1]
     c.runtime.total_steps = 10_000
     c.runtime.sft_warmup_steps = 0
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     if len(sys.argv) > 2:
         c.runtime.address = sys.argv[2]
     run = RayRun(finalize(c), c.runtime.run_dir)

@@ -50,7 +50,8 @@ def test_demo_short_runs_and_accounts_for_every_prompt(mode, tmp_path):
 def _run_cmd(run_dir, steps):
     return [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={ROOT}/configs/demo.py:short",
             f"--config.runtime.run_dir={run_dir}", f"--config.runtime.total_steps={steps}",
-            "--config.runtime.progress=true"]
+            "--config.runtime.progress=true",
+            "--config.learner.compile_ahead=none"]  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
 
 
 def test_sigterm_then_resume_loses_and_repeats_nothing(tmp_path):

@@ -40,6 +40,7 @@ def demo(run_dir: str, steps: int = 4):
     c.runtime.run_dir = run_dir
     c.runtime.server_processes = True
     c.runtime.progress = False
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     return c
 
 

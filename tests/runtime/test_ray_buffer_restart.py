@@ -21,6 +21,7 @@ def test_demo_short_on_ray_survives_a_killed_buffer_actor(tmp_path):
     c.runtime.wait_timeout_s = 240.0
     c.runtime.checkpoint_every = 2  # the kill comes one trained step after a checkpoint
     c.runtime.max_inflight_batches = 3
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     run = RayRun(finalize(c), c.runtime.run_dir)
     # Relays check pushes against the run's weight store (relay.store_check_s).
     assert relays_checking_store(finalize(c), c.runtime.run_dir).relay.store_url == run.weights.store_url

@@ -164,6 +164,7 @@ def test_demo_short_with_two_learner_processes_survives_a_killed_one_and_resumes
     c.runtime.checkpoint_every = 2
     c.runtime.run_dir = str(tmp_path / "run")
     c.runtime.wait_timeout_s = 240.0
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = []
 

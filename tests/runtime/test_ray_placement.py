@@ -16,6 +16,7 @@ def test_ray_rollout_actor_runs_tp2_over_its_two_devices(tmp_path):
     c.runtime.update(kind="ray", num_servers=1, total_steps=2, run_dir=str(tmp_path / "run"), progress=False,
                      timeline=False)
     c.placement.rollout_tp = 2
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     seen = {}
     run = RayRun(finalize(c), c.runtime.run_dir)
     run.on_step_hooks.append(lambda v: v == 1 and seen.update(

@@ -47,6 +47,7 @@ def test_demo_short_on_ray_survives_a_killed_rollout_actor(tmp_path):
     # 8 samples per prompt (the short demo's 4 gave the watcher no window in 1 of 3 runs once decode ran on
     # the native CPU kernels: every version-0 sequence was done before it saw two actors with work).
     c.runtime.samples_per_prompt = 8
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     run = RayRun(finalize(c), c.runtime.run_dir)
     killed = {}
     moved, seen, errors = [], [], []
