@@ -1,6 +1,6 @@
 """Chaos run: the demo with a scripted schedule that kills a rollout server, the relay and the learner.
 
-python launch/bench.py faults [--quick] [--steps 16] [--server-processes]
+python launch/bench.py faults [--quick] [--steps 16] [--server-processes] [--set section.key=value]
 
 With --server-processes the rollout servers are child processes (runtime.server_processes) and the
 rollout kill is a SIGKILL of one of them, as a lost process would die.
@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 
+from laminar_jax.benchmarks.e2e import _override, _set
 from laminar_jax.benchmarks.machine import emit
 
 
@@ -44,6 +45,8 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--server-processes", action="store_true", help="rollout servers as child processes")
+    ap.add_argument("--set", type=_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
+                    help="a config override applied after the chaos run's own (repeatable)")
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 16)
     out = args.out or tempfile.mkdtemp(prefix="laminar_faults_")
@@ -53,6 +56,8 @@ def main(argv: list[str]) -> dict:
 
     c = chaos_config(steps, os.path.join(out, "run"))
     c.runtime.server_processes = args.server_processes
+    for key, value in args.set:
+        _set(c, key, value)
     cfg = finalize(c)
     run = LocalRun(cfg, cfg.runtime.run_dir)
     plan = schedule(steps)
@@ -104,7 +109,7 @@ def main(argv: list[str]) -> dict:
               "expected_prompts": steps * cfg.runtime.prompts_per_step,
               "reward_last": summary["reward_last"], "steps": summary["steps"],
               "completed": summary["steps"] == steps and not summary["stopped_early"],
-              "wall_s": round(time.time() - t0, 1)}
+              "wall_s": round(time.time() - t0, 1), "overrides": dict(args.set)}
     return emit(result)
 
 

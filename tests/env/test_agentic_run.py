@@ -20,6 +20,7 @@ def test_agentic_short_run_trains_on_multi_turn_episodes(tmp_path):
 
     c = repo_config("agentic_demo", "short")
     c.runtime.run_dir = str(tmp_path / "run")
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     s = run_local(finalize(c))
     assert s["steps"] == c.runtime.total_steps and not s["stopped_early"]
     assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0

@@ -10,7 +10,8 @@ from laminar_jax.runtime.local import LocalRun
 
 def test_chaos_schedule_completes_without_loss(tmp_path):
     t0 = time.monotonic()
-    result = faults.main(["--quick", "--out", str(tmp_path)])
+    result = faults.main(["--quick", "--out", str(tmp_path),
+                          "--set", "learner.compile_ahead=none"])  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     assert result["completed"] and result["killed"] == ["rollout", "relay", "learner"]
     assert result["lost_prompts"] == 0 and result["duplicated_prompts"] == 0
     assert result["consumed_prompts"] == result["expected_prompts"]
@@ -22,6 +23,7 @@ def test_chaos_schedule_completes_without_loss(tmp_path):
 def test_hung_server_is_declared_dead_by_heartbeat_and_replaced(tmp_path):
     c = faults.chaos_config(8, str(tmp_path / "run"))
     c.scheduler.heartbeat_timeout_s = 1.5
+    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     run = LocalRun(finalize(c), c.runtime.run_dir)
     worker = run.fleet.workers[1]
     original = worker.server.step

@@ -66,7 +66,8 @@ def test_run_with_server_processes_accounts_for_every_prompt_and_reaps_its_child
 
 
 def test_chaos_with_server_processes_sigkills_a_server_and_loses_nothing(tmp_path):
-    result = faults.main(["--quick", "--server-processes", "--out", str(tmp_path)])
+    result = faults.main(["--quick", "--server-processes", "--out", str(tmp_path),
+                          "--set", "learner.compile_ahead=none"])  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     assert result["completed"] and result["killed"] == ["rollout", "relay", "learner"]
     assert result["lost_prompts"] == 0 and result["duplicated_prompts"] == 0
     assert result["consumed_prompts"] == result["expected_prompts"]
@@ -77,7 +78,8 @@ def test_chaos_with_server_processes_sigkills_a_server_and_loses_nothing(tmp_pat
 def test_children_exit_when_their_parent_is_sigkilled(tmp_path):
     cmd = [sys.executable, os.path.join(ROOT, "launch", "run.py"), f"--config={ROOT}/configs/demo.py:short",
            f"--config.runtime.run_dir={tmp_path / 'run'}", "--config.runtime.total_steps=200",
-           "--config.runtime.server_processes=true", "--config.runtime.progress=true"]
+           "--config.runtime.server_processes=true", "--config.runtime.progress=true",
+           "--config.learner.compile_ahead=none"]  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
     env = dict(os.environ, PYTHONUNBUFFERED="1", JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
