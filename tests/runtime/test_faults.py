@@ -1,6 +1,7 @@
 """Fault isolation in the local runtime: a crashed or hung rollout server, a dead relay and a dead
 learner each cost a recovery, never a lost or repeated prompt, and the run always completes."""
 
+import json
 import time
 
 from laminar_jax.benchmarks import faults
@@ -17,6 +18,9 @@ def test_chaos_schedule_completes_without_loss(tmp_path):
     assert result["consumed_prompts"] == result["expected_prompts"]
     assert result["recovery_s"]["rollout"] is not None and result["recovery_s"]["learner"] is not None
     assert result["recovery_s"]["relay"] is not None  # servers moved on to newer versions via the store
+    assert result["overrides"] == {"learner.compile_ahead": "none"}
+    with open(tmp_path / "run" / "config.json", encoding="utf-8") as f:
+        assert json.load(f)["learner"]["compile_ahead"] == "none"  # --set reached the run's config
     assert time.monotonic() - t0 < 300
 
 
