@@ -17,12 +17,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 VAL = ["--config.data.val_size=12", "--config.runtime.eval_samples=3", "--config.runtime.eval_k=2"]
 
 
-def demo_with_eval(run_dir, mode, total_steps, every):
+def demo_with_eval(run_dir, mode, total_steps, every, compile_ahead="none"):
     c = repo_config("demo", "short")
     c.runtime.mode, c.runtime.run_dir, c.runtime.total_steps = mode, str(run_dir), total_steps
     c.data.val_size, c.runtime.eval_samples, c.runtime.eval_k = 12, 3, 2
     c.runtime.eval_every, c.runtime.eval_before_train = every, True
-    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test (test_learner_warmup.py is)
+    # "none": shapes compile at first use, for the tests that are not about warm-up (test_learner_warmup.py is).
+    c.learner.compile_ahead = compile_ahead
     return finalize(c)
 
 
@@ -169,7 +170,9 @@ def test_laminar_training_goes_on_while_a_round_is_in_flight(tmp_path):
 
     from laminar_jax.runtime.local import run_local
 
-    cfg = demo_with_eval(tmp_path / "big", "laminar", 3, 0)
+    # Every shape compiled ahead: a first step that compiles its own shapes takes seconds, and the
+    # round was once scored before it finished (learner_version_at_done 0).
+    cfg = demo_with_eval(tmp_path / "big", "laminar", 3, 0, compile_ahead="all")
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, eval_samples=31, eval_k=4),
                               data=dataclasses.replace(cfg.data, val_size=32))
     s = run_local(cfg)
