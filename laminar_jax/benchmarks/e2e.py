@@ -51,7 +51,8 @@ from laminar_jax.benchmarks.machine import emit, usable_cores
 MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
 
 
-def _demo_config():
+def demo_config():
+    """The demo's config as the benches run it (e2e, peers --e2e, packing)."""
     from laminar_jax.config import repo_config
 
     c = repo_config("demo")
@@ -66,7 +67,7 @@ def warm_start(out_dir: str, steps: int, seed: int = 0) -> str:
     from laminar_jax.model import build_model, load_tokenizer, save_pretrained
     from laminar_jax.learner.sft import sft_warmup
 
-    cfg = finalize(_demo_config())
+    cfg = finalize(demo_config())
     tok = load_tokenizer(cfg.model.tokenizer)
     model = build_model(cfg.model)
     pairs = [([tok.bos_id] + tok.encode(p), tok.encode(r) + [tok.eos_id]) for p, r in sft_examples(2048, seed + 1)]
@@ -82,10 +83,10 @@ def _workload_config(args):
         c = repo_config("agentic_demo", "latency")
         c.env.env_kwargs = {"latency": dict(c.env.env_kwargs["latency"], median_s=args.env_median_s)}
         return c
-    return _demo_config()
+    return demo_config()
 
 
-def _override(text: str) -> tuple:
+def parse_override(text: str) -> tuple:
     """--set section.key=value -> (key, value); the value is a Python literal, else a string."""
     import ast
 
@@ -98,7 +99,8 @@ def _override(text: str) -> tuple:
         return key, raw
 
 
-def _set(c, key: str, value) -> None:
+def set_config_key(c, key: str, value) -> None:
+    """Apply one --set: config `c`'s `section.key` = value; an unknown section or key exits naming it."""
     section, name = key.rsplit(".", 1)
     node = c
     for part in section.split("."):
@@ -133,7 +135,7 @@ def mode_config(mode: str, model_dir: str, budget_s: float, run_root: str, args)
     if getattr(args, "decode_steps", None):
         c.rollout.decode_steps_per_call = args.decode_steps
     for key, value in getattr(args, "set", None) or ():
-        _set(c, key, value)
+        set_config_key(c, key, value)
     return finalize(c)
 
 
@@ -235,7 +237,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--out", default=None, help="directory for runs and the plot")
     ap.add_argument("--workload", choices=("demo", "agentic"), default="demo")
     ap.add_argument("--env-median-s", type=float, default=3.0, help="agentic: median latency of an env step")
-    ap.add_argument("--set", type=_override, action="append", metavar="SECTION.KEY=VALUE",
+    ap.add_argument("--set", type=parse_override, action="append", metavar="SECTION.KEY=VALUE",
                     help="a config override applied in every mode after the bench's own (repeatable)")
     ap.add_argument("--decode-steps", type=int, default=None,
                     help="rollout.decode_steps_per_call (default: the workload config's)")

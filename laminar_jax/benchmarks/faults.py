@@ -18,7 +18,7 @@ import tempfile
 import threading
 import time
 
-from laminar_jax.benchmarks.e2e import _override, _set
+from laminar_jax.benchmarks.e2e import parse_override, set_config_key
 from laminar_jax.benchmarks.machine import emit
 
 
@@ -45,7 +45,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--steps", type=int, default=None)
     ap.add_argument("--out", default=None)
     ap.add_argument("--server-processes", action="store_true", help="rollout servers as child processes")
-    ap.add_argument("--set", type=_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
+    ap.add_argument("--set", type=parse_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="a config override applied after the chaos run's own (repeatable)")
     args = ap.parse_args(argv)
     steps = args.steps or (8 if args.quick else 16)
@@ -57,7 +57,7 @@ def main(argv: list[str]) -> dict:
     c = chaos_config(steps, os.path.join(out, "run"))
     c.runtime.server_processes = args.server_processes
     for key, value in args.set:
-        _set(c, key, value)
+        set_config_key(c, key, value)
     cfg = finalize(c)
     run = LocalRun(cfg, cfg.runtime.run_dir)
     plan = schedule(steps)

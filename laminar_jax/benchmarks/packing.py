@@ -60,12 +60,12 @@ def _spread(xs: Sequence[float]) -> dict:
 
 
 def run(steps: int, batches: int = 40) -> dict:
-    from laminar_jax.benchmarks.e2e import _demo_config
+    from laminar_jax.benchmarks.e2e import demo_config
     from laminar_jax.config import finalize
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model import build_model
 
-    cfg = finalize(_demo_config())
+    cfg = finalize(demo_config())
     rt = cfg.runtime
     data = skew_batches(batches, rt.prompts_per_step, rt.samples_per_prompt)
     learners, warm = {}, {}

@@ -44,7 +44,7 @@ from typing import Any, NamedTuple, Optional
 import numpy as np
 
 from laminar_jax import host_malloc
-from laminar_jax.benchmarks.e2e import _override
+from laminar_jax.benchmarks.e2e import parse_override
 from laminar_jax.benchmarks.machine import emit, usable_cores
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
 
@@ -84,7 +84,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                          "'keep' as glibc environment variables, so the peer gets the setting ours runs with)")
     ap.add_argument("--ours-malloc", default=None, choices=host_malloc.POLICIES,
                     help="ours: runtime.host_malloc; default: the config's")
-    ap.add_argument("--ours-set", type=_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
+    ap.add_argument("--ours-set", type=parse_override, action="append", default=[], metavar="SECTION.KEY=VALUE",
                     help="ours: a config override applied to every sync and laminar run after the bench's own "
                          "settings (repeatable), e.g. learner.pack_shrink=True")
     ap.add_argument("--lr", type=float, default=1e-3, help="the learning rate of every system")
@@ -156,13 +156,13 @@ class Setting(NamedTuple):
 
 def prepare_checkpoint(out_dir: str, sft_steps: int) -> str:
     """The warm-started demo model as a self-contained HF directory (what both systems load)."""
-    from laminar_jax.benchmarks.e2e import _demo_config, warm_start
+    from laminar_jax.benchmarks.e2e import demo_config, warm_start
     from laminar_jax.config import finalize
     from laminar_jax.model.export import write_generation_config, write_tokenizer_files
     from laminar_jax.model.hf import from_pretrained
 
     warm_start(out_dir, sft_steps)
-    section = finalize(_demo_config()).model
+    section = finalize(demo_config()).model
     write_tokenizer_files(section, out_dir)
     write_generation_config(from_pretrained(out_dir), section, out_dir)
     return out_dir
@@ -264,14 +264,14 @@ def _ours_worker(spec: dict) -> dict:
     import jax
 
     from laminar_jax.cpu_threads import apply_cpu_threads
-    from laminar_jax.benchmarks.e2e import _demo_config, _set
+    from laminar_jax.benchmarks.e2e import demo_config, set_config_key
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained
     from laminar_jax.runtime.parts import resolve
     from laminar_jax.runtime.local import LocalRun
 
     g = GEOMETRY
-    c = _demo_config()
+    c = demo_config()
     c.model.path = spec["dir"]
     c.runtime.mode = spec["system"]
     c.runtime.sft_warmup_steps = 0
@@ -297,7 +297,7 @@ def _ours_worker(spec: dict) -> dict:
     if spec.get("malloc"):
         c.runtime.host_malloc = spec["malloc"]
     for key, value in spec.get("overrides", ()):
-        _set(c, key, value)
+        set_config_key(c, key, value)
     c.runtime.run_dir = os.path.join(spec["out"], "run")
     cfg = finalize(c)
     host_malloc.apply_host_malloc(cfg.runtime.host_malloc)  # as the run's entry point does, before JAX allocates
@@ -419,12 +419,12 @@ def main(argv: list[str]) -> Optional[dict]:
     if args.worker:
         _worker_main(args)
         return None
-    from laminar_jax.benchmarks.e2e import _demo_config, _set
+    from laminar_jax.benchmarks.e2e import demo_config, set_config_key
 
-    demo = _demo_config()
+    demo = demo_config()
     decode_steps = args.decode_steps or demo.rollout.decode_steps_per_call
     for key, value in args.ours_set:  # a bad key fails here, before any run
-        _set(demo, key, value)
+        set_config_key(demo, key, value)
     out = args.out or tempfile.mkdtemp(prefix="laminar_peers_e2e_")
     os.makedirs(out, exist_ok=True)
     t0 = time.time()

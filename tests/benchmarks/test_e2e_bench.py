@@ -11,29 +11,29 @@ from laminar_jax.benchmarks import e2e
 
 
 def test_set_parses_literals_and_strings():
-    assert e2e._override("scheduler.admit_lag=2") == ("scheduler.admit_lag", 2)
-    assert e2e._override("buffer.max_staleness=None") == ("buffer.max_staleness", None)
-    assert e2e._override("runtime.mode=laminar") == ("runtime.mode", "laminar")
+    assert e2e.parse_override("scheduler.admit_lag=2") == ("scheduler.admit_lag", 2)
+    assert e2e.parse_override("buffer.max_staleness=None") == ("buffer.max_staleness", None)
+    assert e2e.parse_override("runtime.mode=laminar") == ("runtime.mode", "laminar")
     with pytest.raises(argparse.ArgumentTypeError, match="section.key=value"):
-        e2e._override("admit_lag=2")
+        e2e.parse_override("admit_lag=2")
 
 
 def test_set_changes_the_workload_config_and_names_a_bad_key():
     args = types.SimpleNamespace(workload="agentic", env_median_s=1.5)
     c = e2e._workload_config(args)
     assert c.env.release_slot_while_waiting and c.env.env_kwargs["latency"]["median_s"] == 1.5
-    e2e._set(c, "scheduler.admit_lag", 3)
+    e2e.set_config_key(c, "scheduler.admit_lag", 3)
     assert c.scheduler.admit_lag == 3
     with pytest.raises(SystemExit, match="has no key 'admit_lagg'"):
-        e2e._set(c, "scheduler.admit_lagg", 3)
+        e2e.set_config_key(c, "scheduler.admit_lagg", 3)
     with pytest.raises(SystemExit, match="no section 'schedulr'"):
-        e2e._set(c, "schedulr.admit_lag", 3)
+        e2e.set_config_key(c, "schedulr.admit_lag", 3)
 
 
 def test_agentic_workload_releases_slots_and_admits_two_versions_behind():
     c = e2e._workload_config(types.SimpleNamespace(workload="agentic", env_median_s=3.0))
     assert c.env.release_slot_while_waiting and c.scheduler.admit_lag == 2 and c.runtime.max_inflight_batches == 3
-    e2e._set(c, "env.release_slot_while_waiting", False)  # the comparison the docs name
+    e2e.set_config_key(c, "env.release_slot_while_waiting", False)  # the comparison the docs name
     assert not c.env.release_slot_while_waiting
     # the test variants keep their slots: the mid-episode resume test runs episodes in slots
     from laminar_jax.config import repo_config
