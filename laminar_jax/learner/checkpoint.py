@@ -6,19 +6,28 @@ Flattening keeps orbax independent of nnx/optax container types; `leaf_paths` ch
 that the tree matches.
 
 `restore_newest` walks the steps newest first: a checkpoint that does not restore (truncated or
-corrupted files, e.g. a kill mid-save) is skipped and logged, and the newest one that restores
-wins. A layout mismatch is never skipped (it means another model or optimizer, not damage).
+corrupted files, an empty or garbled metadata file, a step directory emptied by hand; whatever
+orbax raises) is logged, and the newest one that restores wins. The newer steps that did not
+restore are then moved aside to `<directory>/damaged/<step>-<UTC time>` (outside orbax's step
+scan, kept for inspection): the resumed run retrains those steps and saves them again without
+colliding with the damaged copies. A layout mismatch is never skipped (it means another model or
+optimizer, not damage), and when no step restores nothing is moved (the resume stops, naming each
+step and its error: the cause may be the environment, e.g. memory, rather than the files).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, NamedTuple, Optional
 
 import jax
 import orbax.checkpoint as ocp
+from etils import epath
 
 log = logging.getLogger(__name__)
+
+DAMAGED_DIR = "damaged"  # under the checkpoint directory; not a step number, so orbax never lists it
 
 
 class LayoutMismatch(ValueError):
@@ -29,11 +38,19 @@ class NoUsableCheckpoint(RuntimeError):
     """Checkpoints exist but none restores; the message names each step and its error."""
 
 
+class Damaged(NamedTuple):
+    """A newer step that did not restore: its error, and where it was moved (None on processes > 0,
+    which leave the move to process 0)."""
+    step: int
+    error: str
+    moved_to: Optional[str]
+
+
 class Restored(NamedTuple):
     step: int
     state: Any
     meta: dict
-    skipped: tuple[tuple[int, str], ...]  # (step, error) of newer checkpoints that did not restore
+    skipped: tuple[Damaged, ...]  # newer checkpoints that did not restore, moved aside
 
 
 def _leaf_paths(tree: Any) -> list[str]:
@@ -84,30 +101,50 @@ class Checkpointer:
         return sorted(self._mgr.all_steps())
 
     def restore_newest(self, like: Any) -> Optional[Restored]:
-        """The newest checkpoint that restores (None when there is none); damaged newer ones are
-        skipped with a warning naming the step and the error."""
-        skipped: list[tuple[int, str]] = []
+        """The newest checkpoint that restores (None when there is none); newer ones that do not
+        restore are logged and moved aside to `damaged/` (see the module docstring)."""
+        failed: list[tuple[int, str]] = []
         for step in reversed(self.all_steps()):
             try:
                 state, meta = self.restore(step, like)
             except LayoutMismatch:
                 raise
-            except (ValueError, OSError, RuntimeError, KeyError, EOFError) as e:
-                # what orbax/tensorstore raise for damaged files; programming errors (TypeError,
-                # AttributeError) are not damage and propagate
+            except Exception as e:  # noqa: BLE001 - orbax/tensorstore raise anything, bare Exception included
                 err = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
                 log.warning("checkpoint %s step %d does not restore (%s); trying the previous one",
                             self.directory, step, err)
-                skipped.append((step, err))
+                failed.append((step, err))
                 continue
-            if skipped:
-                log.warning("checkpoint %s: resumed from step %d; newer step(s) %s did not restore",
-                            self.directory, step, [s for s, _ in skipped])
-            return Restored(step, state, meta, tuple(skipped))
-        if skipped:
+            damaged = self._move_aside(failed) if failed else ()
+            return Restored(step, state, meta, damaged)
+        if failed:
             raise NoUsableCheckpoint(f"checkpoint {self.directory}: no checkpoint restores: "
-                                     + "; ".join(f"step {s}: {e}" for s, e in skipped))
+                                     + "; ".join(f"step {s}: {e}" for s, e in failed))
         return None
+
+    def _move_aside(self, failed: list[tuple[int, str]]) -> tuple[Damaged, ...]:
+        """Move the steps in `failed` to damaged/<step>-<UTC time> (process 0; the others wait for
+        it) and make the manager forget them, so that saving those steps again cannot collide."""
+        root = epath.Path(self.directory)
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+        out = []
+        for step, err in failed:
+            dest = None
+            if jax.process_index() == 0:
+                dest = root / DAMAGED_DIR / f"{step}-{stamp}"
+                n = 1
+                while dest.exists():  # damaged twice within a second
+                    dest, n = root / DAMAGED_DIR / f"{step}-{stamp}-{n}", n + 1
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                (root / str(step)).rename(dest)
+                log.warning("checkpoint %s step %d moved aside to %s (it did not restore: %s)",
+                            self.directory, step, dest, err)
+                dest = str(dest)
+            out.append(Damaged(step, err, dest))
+        if jax.process_count() > 1:
+            ocp.multihost.sync_global_processes(f"laminar_checkpoint_move_aside_{failed[0][0]}")
+        self._mgr.reload()
+        return tuple(out)
 
     def wait(self) -> None:
         self._mgr.wait_until_finished()

@@ -365,8 +365,8 @@ class Learner:
 
     def restore_latest(self) -> Optional[dict]:
         """Restore the newest checkpoint that restores, if any; returns its `extra` (None when there
-        is none). Damaged newer checkpoints are skipped and logged; `restore_report` says which
-        step was restored and which were skipped (for the run summary)."""
+        is none). Damaged newer checkpoints are logged and moved aside; `restore_report` says which
+        step was restored and which were moved where (for the run summary)."""
         if self._ckpt is None:
             return None
         got = self._ckpt.restore_newest(self.state)
@@ -375,7 +375,7 @@ class Learner:
             self.restore_report = {"step": None, "skipped": []}
             return None
         self.state, self.version = got.state, int(got.meta["version"])
-        self.restore_report = {"step": got.step, "skipped": [{"step": s, "error": e} for s, e in got.skipped]}
+        self.restore_report = {"step": got.step, "skipped": [d._asdict() for d in got.skipped]}
         return got.meta["extra"]
 
     def close(self) -> None:

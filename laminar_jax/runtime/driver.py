@@ -79,6 +79,8 @@ class Driver:
         self._ahead: Optional[tuple] = None  # (trajectories, prepared) taken while the last step computed
         self._unrecorded: Optional[tuple] = None  # (metrics, trajectories) of a step the monitor has not heard of
         self._last_ckpt = learner.version if resumed else None
+        # Checkpoint steps that did not restore, moved aside (at the start and at learner restarts).
+        self.damaged_checkpoints: list[dict] = _damaged(learner)
         self.redispatched = buffer.ready()
         self.buffer_stats = buffer.stats()
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
@@ -279,6 +281,7 @@ class Driver:
         fresh = self.make_learner()
         try:
             fresh.restore_latest()
+            self.damaged_checkpoints += _damaged(fresh)
             for batch in self._replay:
                 fresh.step(batch, publish=False)
             if fresh.version != old.version:
@@ -310,6 +313,7 @@ class Driver:
         # run that died after that checkpoint had trained and this one trained again.
         s["restore"] = getattr(self.learner, "restore_report", None)
         s["redone_steps"] = getattr(self.weights, "redone_steps", 0)
+        s["damaged_checkpoints"] = list(self.damaged_checkpoints)  # {step, error, moved_to} each
         if self.profiler is not None:
             s["profile"] = self.profiler.report(self.monitor.trained_tokens,
                                                 int(self.buffer_stats.get("generated_tokens", 0)))
@@ -345,3 +349,8 @@ class Driver:
             raise RuntimeError(f"workers did not stop within their timeouts: {stuck}")
         if errors:
             raise errors[0]
+
+
+def _damaged(learner) -> list[dict]:
+    """The checkpoint steps `learner`'s restore moved aside ({step, error, moved_to} each)."""
+    return list((getattr(learner, "restore_report", None) or {}).get("skipped", []))

@@ -171,7 +171,8 @@ class LearnerProcess:
     def restore_latest(self) -> dict:
         """Collective: restore the newest checkpoint; process 0 returns its `extra`."""
         extra = self.learner.restore_latest()
-        return {"version": self.learner.version, "extra": extra if self.index == 0 else None}
+        return {"version": self.learner.version, "extra": extra if self.index == 0 else None,
+                "report": self.learner.restore_report if self.index == 0 else None}
 
     def warmup(self, *args) -> int:
         return self.learner.warmup(*args)
@@ -215,6 +216,7 @@ class LearnerGroup:
             raise ValueError(f"LearnerGroup: num_processes={num_processes}, expected >= 1")
         self.n, self.timeout_s, self.rpc_timeout_s = num_processes, timeout_s, rpc_timeout_s
         self.version = 0
+        self.restore_report: Optional[dict] = None  # process 0's, set by restore_latest (the run summary's)
         self.broken: Optional[str] = None
         cls = ray.remote(LearnerProcess)
         self.actors = [cls.options(**(actor_options or {})).remote(cfg_json, i, num_processes)
@@ -342,6 +344,7 @@ class LearnerGroup:
         if len(versions) != 1:
             raise LearnerGroupError(f"learner processes restored different versions: {versions}")
         self.version = versions.pop()
+        self.restore_report = out[0]["report"]
         return out[0]["extra"]
 
     def warmup(self, *args) -> int:

@@ -321,6 +321,7 @@ TRIGGERS = {
     "bad-row-utf8": lambda t, m, c: _utf8_bad_row(t),
     "reward-float32": lambda t, m, c: _reward_float32(),
     "checkpoint-skipped": lambda t, m, c: _checkpoint_damage(t, c, keep_one=True),
+    "checkpoint-moved": lambda t, m, c: _checkpoint_damage(t, c, keep_one=True),
     "checkpoint-none": lambda t, m, c: _checkpoint_damage(t, c, keep_one=False),
     "unsupported-arch": lambda t, m, c: raised(lambda: from_pretrained(
         _hf_dir(t, {"model_type": "mistral", "architectures": ["MistralForCausalLM"]}))),
