@@ -13,12 +13,13 @@ Per-device memory of a run config's placement against an accelerator (h100, h200
 """
 
 import argparse
-import importlib.util
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from laminar_jax.cli import load_config_module  # noqa: E402
+from laminar_jax.configlib import ConfigError  # noqa: E402
 from laminar_jax.sim import GPUS, default_sim_config, finalize_sim  # noqa: E402
 from laminar_jax.sim.hardware import model_names  # noqa: E402
 from laminar_jax.sim.workload import PRESETS as WORKLOADS  # noqa: E402
@@ -26,10 +27,7 @@ from laminar_jax.sim.planner import ALL_MODES, format_table, plan  # noqa: E402
 
 
 def load_config(path):
-    spec = importlib.util.spec_from_file_location("sim_config", path)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod.get_config()
+    return load_config_module(path, variant=False).get_config()
 
 
 def main(argv):
@@ -75,18 +73,15 @@ def memory_main(argv):
     ap.add_argument("--devices", type=int, default=8, help="accelerators on the host (default 8)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     args = ap.parse_args(argv)
-    path, _, variant = args.config.partition(":")
-    spec = importlib.util.spec_from_file_location("run_config", path)
-    if spec is None or not os.path.exists(path):
-        ap.error(f"--config: {path}: no such file")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    r = report(finalize(mod.get_config(variant)), args.gpu, args.devices)
+    mod = load_config_module(args.config)
+    r = report(finalize(mod.get_config(args.config.partition(":")[2])), args.gpu, args.devices)
     print(json.dumps(r) if args.json else format_report(r))
     return 0 if r["fits"] else 1
 
 
 if __name__ == "__main__":
-    if sys.argv[1:2] == ["memory"]:
-        sys.exit(memory_main(sys.argv[2:]))
-    sys.exit(main(sys.argv[1:]))
+    try:
+        sys.exit(memory_main(sys.argv[2:]) if sys.argv[1:2] == ["memory"] else main(sys.argv[1:]))
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        sys.exit(2)

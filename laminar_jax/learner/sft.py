@@ -6,6 +6,10 @@ few hundred supervised steps give it the format, and RL then has to learn the le
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
+import uuid
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -35,6 +39,14 @@ def pack_examples(pairs: Sequence[tuple], seq_len: int):
     return tokens, mask
 
 
+def sft_schedule(lr: float, steps: int) -> optax.Schedule:
+    """Linear warm-up over the first tenth of `steps`, then cosine decay to 0. A single step runs at
+    `lr`: the warm-up starts at 0 (its one step would change nothing) and leaves no step to decay."""
+    if steps < 2:
+        return optax.constant_schedule(lr)
+    return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps)
+
+
 def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float,
                batch_size: int = 32, seed: int = 0) -> list[float]:
     """Train `model` in place with cross-entropy on the response tokens; returns the loss curve."""
@@ -46,7 +58,7 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
     seg = (tokens != 0).astype(np.int32)
     seg[:, 0] = 1
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    opt = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps), weight_decay=0.0)
+    opt = optax.adamw(sft_schedule(lr, steps), weight_decay=0.0)
     opt_state = opt.init(params)
 
     @jax.jit
@@ -72,9 +84,57 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
     return losses
 
 
-def run_sft(cfg, out_dir: str, steps: Optional[int] = None, log: Callable[[str], None] = print) -> dict:
+class OutDirError(ValueError):
+    """`--out` cannot take the export: a file, a non-empty directory without overwrite, not writable."""
+
+
+def claim_out_dir(out_dir: str, overwrite: bool) -> str:
+    """Check `out_dir` before any training and return an empty staging directory beside it (same
+    file system) that the export is written into; `commit_out_dir` then puts it in place, so a
+    failed run never leaves a half-written directory and an overwrite leaves no stale file."""
+    out = os.path.realpath(out_dir)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutDirError(f"--out={out_dir}: is a file, not a directory")
+    n = len(os.listdir(out)) if os.path.isdir(out) else 0
+    if n and not overwrite:
+        raise OutDirError(f"--out={out_dir}: directory is not empty ({n} entr{'y' if n == 1 else 'ies'}); "
+                          "pass --overwrite to replace its contents, or name a new directory")
+    if os.path.isdir(out) and not os.access(out, os.W_OK | os.X_OK):
+        raise OutDirError(f"--out={out_dir}: directory is not writable")
+    parent = os.path.dirname(out)
+    above = parent
+    while not os.path.exists(above):
+        above = os.path.dirname(above)
+    if not os.path.isdir(above):
+        raise OutDirError(f"--out={out_dir}: {above} is a file, not a directory")
+    try:
+        os.makedirs(parent, exist_ok=True)
+        staging = os.path.join(parent, f".{os.path.basename(out)}.sft-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+        os.mkdir(staging)  # the mode the directory would get (umask), unless it exists:
+        if os.path.isdir(out):
+            os.chmod(staging, os.stat(out).st_mode & 0o7777)  # then the mode it has
+    except OSError as e:
+        raise OutDirError(f"--out={out_dir}: cannot write beside it in {parent} ({e.strerror or e})") from e
+    return staging
+
+
+def commit_out_dir(staging: str, out_dir: str) -> None:
+    """Put the finished export in place of `out_dir` (replacing what it held, when overwriting)."""
+    out = os.path.realpath(out_dir)
+    if os.path.isdir(out) and os.listdir(out):
+        old = tempfile.mkdtemp(prefix=f".{os.path.basename(out)}.old-", dir=os.path.dirname(out))
+        os.rename(out, os.path.join(old, "replaced"))
+        os.rename(staging, out)
+        shutil.rmtree(old)
+    else:
+        os.rename(staging, out)  # over an empty directory, or where there was none
+
+
+def run_sft(cfg, out_dir: str, steps: Optional[int] = None, log: Callable[[str], None] = print,
+            overwrite: bool = False) -> dict:
     """Supervised warm-start alone: the config's model, `steps` (default runtime.sft_warmup_steps) at
-    runtime.sft_lr on data's (prompt, response) pairs, exported to `out_dir` as a HF directory.
+    runtime.sft_lr on data's (prompt, response) pairs, exported to `out_dir` as a HF directory
+    (checked first: a non-empty one is refused unless `overwrite`, which replaces its contents).
 
     Returns a summary: pairs used, steps, first/last loss (mean of the first/last 10 steps), out_dir.
     """
@@ -84,14 +144,22 @@ def run_sft(cfg, out_dir: str, steps: Optional[int] = None, log: Callable[[str],
 
     steps = cfg.runtime.sft_warmup_steps if steps is None else steps
     if steps < 1:
-        raise ValueError(f"SFT steps={steps}: set runtime.sft_warmup_steps (or --steps) to >= 1")
-    tok = load_tokenizer(cfg.model.tokenizer)
-    pairs, counts = sft_pairs(cfg.data, tok, max_total_len=cfg.rollout.max_total_len, seed=cfg.seed + 1)
-    log(f"sft: {len(pairs)} (prompt, response) pairs {counts}; building the model")
-    model = build_model(cfg.model)
-    log(f"sft: {steps} steps at lr {cfg.runtime.sft_lr} (the first one compiles)")
-    losses = sft_warmup(model, pairs, steps, cfg.runtime.sft_lr, seed=cfg.seed)
-    write_hf_dir(model, cfg.model, out_dir)
+        from laminar_jax.configlib import ConfigError
+
+        raise ConfigError(f"SFT steps={steps}: set runtime.sft_warmup_steps (or --steps) to >= 1")
+    staging = claim_out_dir(out_dir, overwrite)
+    try:
+        tok = load_tokenizer(cfg.model.tokenizer)
+        pairs, counts = sft_pairs(cfg.data, tok, max_total_len=cfg.rollout.max_total_len, seed=cfg.seed + 1)
+        log(f"sft: {len(pairs)} (prompt, response) pairs {counts}; building the model")
+        model = build_model(cfg.model)
+        log(f"sft: {steps} steps at lr {cfg.runtime.sft_lr} (the first one compiles)")
+        losses = sft_warmup(model, pairs, steps, cfg.runtime.sft_lr, seed=cfg.seed)
+        write_hf_dir(model, cfg.model, staging)
+        commit_out_dir(staging, out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
     log(f"sft: exported to {out_dir}")
     head, tail = losses[:10], losses[-10:]
     return {"out_dir": out_dir, "pairs": len(pairs), "steps": steps, **{f"data_{k}": v for k, v in counts.items()},
