@@ -135,8 +135,13 @@ class Checkpointer:
                 n = 1
                 while dest.exists():  # damaged twice within a second
                     dest, n = root / DAMAGED_DIR / f"{step}-{stamp}-{n}", n + 1
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                (root / str(step)).rename(dest)
+                try:
+                    dest.parent.mkdir(parents=True, exist_ok=True)
+                    (root / str(step)).rename(dest)
+                except OSError as e:  # e.g. a store without directory renames: say what to do by hand
+                    raise NoUsableCheckpoint(
+                        f"checkpoint {self.directory} step {step} does not restore ({err}) and could not be moved "
+                        f"aside to {dest} ({e}); move or delete it by hand, then resume") from e
                 log.warning("checkpoint %s step %d moved aside to %s (it did not restore: %s)",
                             self.directory, step, dest, err)
                 dest = str(dest)

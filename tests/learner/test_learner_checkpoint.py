@@ -125,6 +125,21 @@ def test_the_manager_that_restored_saves_the_moved_step_again(tmp_path):
     assert sorted(n.split("-")[0] for n in os.listdir(os.path.join(d, DAMAGED_DIR))) == ["2", "3"]
 
 
+def test_a_step_that_cannot_be_moved_aside_is_an_error_saying_what_to_do(tmp_path):
+    d = str(tmp_path / "ckpt")
+    ck = Checkpointer(d, keep=3, async_save=False)
+    for step in (1, 2):
+        ck.save(step, _state(float(step)), {"version": step, "extra": {"step": step}})
+    ck.close()
+    _write_meta(d, 2, "")
+    with open(os.path.join(d, DAMAGED_DIR), "w") as f:  # in the way of the damaged/ directory
+        f.write("not a directory")
+    with pytest.raises(NoUsableCheckpoint, match="step 2 does not restore .* could not be moved aside to "
+                                                 ".*; move or delete it by hand, then resume"):
+        _resume(d)
+    assert os.path.isdir(os.path.join(d, "2"))
+
+
 def test_no_restorable_checkpoint_raises_moves_nothing_and_a_layout_change_is_never_skipped(tmp_path):
     d = str(tmp_path / "ckpt")
     ck = Checkpointer(d, keep=3, async_save=False)
