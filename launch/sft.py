@@ -1,4 +1,4 @@
-"""Entry point: python launch/sft.py --config=configs/demo.py --out=<hf_dir> [--steps=N] [--overwrite] [--config.x=y ...]
+"""Entry point: python launch/sft.py --config=configs/demo.py --out=<hf_dir> [--steps=N] [--overwrite] [--config.x=y]
 
 Supervised warm-start alone, then export: the config's model is trained with cross-entropy on
 (prompt, response) pairs (data.source='synthetic_skew', or data.source='file' with a jsonl /
