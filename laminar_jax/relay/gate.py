@@ -9,8 +9,10 @@ a thread.
 
 Bounds, all from the relay config:
 - ``handshake_timeout_s``: one deadline for the whole handshake, however the bytes trickle in;
-- ``max_handshakes`` connections in handshake at once, ``max_handshakes_per_source`` from one
-  address: a connection past either cap is closed at once, before a byte is read;
+- ``max_handshakes_per_source`` connections in handshake at once from one address: one more is
+  closed at once, before a byte is read; ``max_handshakes`` from all addresses: one more closes
+  the connection longest in handshake (a genuine handshake takes milliseconds, so a flood from
+  many addresses cannot hold the door shut against a genuine peer);
 - a first header is at most ``PRE_AUTH_MAX_HEADER`` bytes, buffered only as it arrives, so the
   handshakes hold at most ``max_handshakes`` x that much.
 A failing ``accept`` (out of file descriptors, say) or ``admit`` is logged and counted, never
@@ -93,12 +95,15 @@ class HandshakeGate:
         try:
             while not stopping.is_set():
                 self._resume_listeners()
-                for skey, _ in self._sel.select(self._select_timeout()):
-                    if isinstance(skey.data, str):
-                        self._accept(skey.fileobj, skey.data)
-                    else:
+                ready = [skey for skey, _ in self._sel.select(self._select_timeout())]
+                # Handshakes first: slots that peers gave up (closed) free up before new ones are counted.
+                for skey in ready:
+                    if not isinstance(skey.data, str):
                         self._step(skey.data)
                 self._expire()
+                for skey in ready:
+                    if isinstance(skey.data, str):
+                        self._accept(skey.fileobj, skey.data)
         finally:
             for p in list(self._pending.values()):
                 self._drop(p)
@@ -142,22 +147,35 @@ class HandshakeGate:
                 return
             self.counters["connections"] += 1
             source = addr[0] if kind == "tcp" else "unix socket"
-            if len(self._pending) >= self.cfg.max_handshakes or \
-                    self._per_source[source] >= self.cfg.max_handshakes_per_source:
+            if self._per_source[source] >= self.cfg.max_handshakes_per_source:
                 self._refuse(sock, source)
                 continue
+            if len(self._pending) >= self.cfg.max_handshakes:
+                self._evict_oldest()
             self._start(sock, kind, source, addr)
 
     def _refuse(self, sock: socket.socket, source: str) -> None:
         sock.close()
         self.counters["handshakes_refused"] += 1
+        self._log_once(source, f"closed a connection from {source} at once: {self._per_source[source]} from that "
+                               f"address are in handshake (relay.max_handshakes_per_source="
+                               f"{self.cfg.max_handshakes_per_source})")
+
+    def _evict_oldest(self) -> None:
+        """Make room for a new connection by closing the one longest in handshake. A genuine peer
+        finishes its handshake within milliseconds, so the oldest is the likeliest to be hostile,
+        and a newcomer is never turned away by connections that merely sit there."""
+        p = next(iter(self._pending.values()))  # dicts keep insertion order: the oldest first
+        self._drop(p)
+        self.counters["handshakes_evicted"] += 1
+        self._log_once(p.source, f"closed a connection from {p.source} still in handshake after "
+                                 f"{self.cfg.handshake_timeout_s - (p.deadline - time.monotonic()):.2f}s to make "
+                                 f"room: relay.max_handshakes={self.cfg.max_handshakes} are in handshake")
+
+    def _log_once(self, source: str, message: str) -> None:
         if source not in self._refused_from and len(self._refused_from) < 4096:
             self._refused_from.add(source)
-            log.warning("%s: closed a connection from %s at once: %d connections in handshake (relay."
-                        "max_handshakes=%d), %d from that address (relay.max_handshakes_per_source=%d); "
-                        "further ones from this address are only counted", self.label, source,
-                        len(self._pending), self.cfg.max_handshakes, self._per_source[source],
-                        self.cfg.max_handshakes_per_source)
+            log.warning("%s: %s; further ones from this address are only counted", self.label, message)
 
     def _start(self, sock: socket.socket, kind: str, source: str, addr) -> None:
         name = f"{kind} peer {addr[0]}:{addr[1]}" if kind == "tcp" else "unix peer"
@@ -195,7 +213,7 @@ class HandshakeGate:
                     self._hand_over(p)
                     return
         except (OSError, WireError, ValueError) as e:  # ValueError: the first header's JSON
-            self._fail(p, e)
+            self._fail(p, e if p.got_any or not isinstance(e, OSError) else HandshakeFailed(str(e), silent=True))
 
     def _advance(self, p: _Pending) -> bool:
         """Move to the next stage on a full buffer; True once the first header is in and checked."""

@@ -17,9 +17,11 @@ Version buffers are memfd-backed so a rollout on the same host maps them (one me
 Each memfd is sealed against writes by anyone but this process (F_SEAL_FUTURE_WRITE, plus
 SHRINK/GROW/SEAL) as soon as it is created: a client can map it read-only and nothing else.
 
-With a run key (``key=``) every connection is authenticated (wire.py, auth.py): a peer without
-the key is dropped at its first message, counted in ``stats()["auth_rejected"]`` and logged once
-per address; pushes must carry the learner's signature over the version and manifest digest.
+With the run's keys (``keys=``, auth.RunKeys without the private key) every connection is
+authenticated with the link key (wire.py, auth.py): a peer without it is dropped at its first
+message, counted in ``stats()["auth_rejected"]`` and logged once per address; every handshake
+runs on one thread under one deadline and caps (gate.py). Pushes must carry the learner's
+Ed25519 signature over the version and manifest digest, and each chunk its signed SHA-256.
 A push is refused when its announced size, added to the bytes announced but not yet verified
 by all unfinished pushes, exceeds ``max_unverified_bytes``; an unfinished version is dropped
 (its memory freed) when its sender disconnects or stays silent past ``io_timeout_s``.
@@ -175,12 +177,14 @@ class RelayServer:
     """See the module docstring. ``start()`` binds ``cfg.host:port`` (ephemeral when 0)."""
 
     def __init__(self, config: RelaySection = RelaySection(), successors: Sequence[str] = (),
-                 port: Optional[int] = None, key: Optional[bytes] = None, store: Any = None):
+                 port: Optional[int] = None, keys: Optional[auth.RunKeys] = None, store: Any = None):
         """``store``: the WeightStore pushes are checked against (default: built from
         ``config.store_url`` at start() when ``config.store_check_s`` > 0; None without a store)."""
         config.validate("relay")
         self._store = store
-        self.cfg, self._key = config, auth.check_key(key, "RelayServer key")
+        keys = auth.check_keys(keys, "RelayServer")
+        self.cfg, self._key = config, keys and keys.link
+        self._verifier = None if keys is None else keys.verifier()  # the learner's public key
         self._rejected_from: set[str] = set()  # addresses already logged for failing authentication
         self.relay_id = uuid.uuid4().hex
         self.unix_name = f"\0laminar-relay-{self.relay_id}"
@@ -195,7 +199,7 @@ class RelayServer:
         self._delivered: dict[str, int] = {}
         self._down = Downstream(config, successors, make_limiter(config.link_rate_bytes_per_s,
                                                                  config.link_burst_bytes), "relay forwarder",
-                                key=key)
+                                key=self._key)
         self._tcp: Optional[socket.socket] = None
         self._unix: Optional[socket.socket] = None
         self.counters = collections.Counter()
@@ -617,7 +621,7 @@ class RelayServer:
         equal. With a key each vouch must carry the new publish's learner tag."""
         for i, vouch in enumerate(vouches):
             if self._key is not None:
-                if not auth.verify_chunk(self._key, signature, i, vouch.get("digest"), vouch.get("tag")):
+                if not auth.verify_chunk(self._verifier, signature, i, vouch.get("digest"), vouch.get("tag")):
                     raise AuthError(f"{peer.name}: vouch {i} of version {buf.version} lacks a valid learner tag")
                 if vouch["digest"] != buf.vouch[i]["digest"]:
                     return f"chunk {i}"
@@ -635,7 +639,7 @@ class RelayServer:
             self.counters["pushes_refused"] += 1
             return "too_large", (f"push of version {v}: {m.total_bytes} bytes announced, above "
                                  f"relay.max_unverified_bytes={self.cfg.max_unverified_bytes}")
-        if self._key is not None and not auth.verify_version(self._key, v, m.digest(), signature):
+        if self._key is not None and not auth.verify_version(self._verifier, v, m.digest(), signature):
             self.counters["pushes_refused"] += 1
             return "forged", f"push of version {v}: no valid learner signature over the version and manifest"
         return None
@@ -671,7 +675,7 @@ class RelayServer:
         """The header fields that vouch for a chunk's bytes; with a key, the learner's tag must hold."""
         if self._key is None:
             return {"crc": int(h["crc"])}
-        if not auth.verify_chunk(self._key, buf.signature, idx, h.get("digest"), h.get("tag")):
+        if not auth.verify_chunk(self._verifier, buf.signature, idx, h.get("digest"), h.get("tag")):
             raise AuthError(f"{peer.name}: chunk {idx} of version {buf.version} lacks a valid learner tag")
         return {"digest": h["digest"], "tag": h["tag"]}
 
