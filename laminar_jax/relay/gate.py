@@ -214,6 +214,9 @@ class HandshakeGate:
                     return
         except (OSError, WireError, ValueError) as e:  # ValueError: the first header's JSON
             self._fail(p, e if p.got_any or not isinstance(e, OSError) else HandshakeFailed(str(e), silent=True))
+        except Exception as e:  # noqa: BLE001 - e.g. RecursionError from a deeply nested header: this peer's fault
+            log.warning("%s: %s broke its handshake: %s: %s", self.label, p.peer.name, type(e).__name__, e)
+            self._fail(p, e)
 
     def _advance(self, p: _Pending) -> bool:
         """Move to the next stage on a full buffer; True once the first header is in and checked."""

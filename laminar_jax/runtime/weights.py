@@ -73,8 +73,8 @@ class WeightsPlane:
         if self.publisher is None:
             from laminar_jax.relay import Publisher
 
-            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses, keys=self.keys,
-                                       handoff=self.handoff)
+            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses,
+                                       keys=self.keys, handoff=self.handoff)
         if initial and not stored:
             self.publisher.publish(learner.version, learner.policy_params())
         elif initial:  # stored already (resume): put it where servers take it from (hand-off or relays)

@@ -64,7 +64,8 @@ def test_the_owner_check_compares_with_this_process_user(tmp_path, monkeypatch):
     auth.run_keys(str(tmp_path))
     me = os.geteuid()
     monkeypatch.setattr(os, "geteuid", lambda: me + 1)
-    with pytest.raises(PermissionError, match=rf"{re.escape(str(tmp_path / auth.KEY_FILE))}: relay key is owned by .*uid {me}"):
+    key_file = re.escape(str(tmp_path / auth.KEY_FILE))
+    with pytest.raises(PermissionError, match=rf"{key_file}: relay key is owned by .*uid {me}"):
         auth.load_key(str(tmp_path / auth.KEY_FILE))
     with pytest.raises(PermissionError, match="learner public key is owned by"):
         auth.load_public_key(str(tmp_path / auth.LEARNER_PUB_FILE))

@@ -193,3 +193,20 @@ def test_authenticated_connections_are_capped_with_a_busy_error():
         connect(server.address, 2.0, 2.0, KEYS.link).request({"op": "ping"}, "pong", "a pong")
         assert server.stats()["connections_refused"] == 1
         kept[1].close()
+
+
+def test_a_first_header_that_breaks_the_parser_costs_only_that_connection():
+    import struct
+
+    from laminar_jax.relay.wire import MAGIC
+
+    with RelayServer(RelaySection(io_timeout_s=3.0)) as server:  # keyless: the header is parsed untagged
+        s = _open(server.address, "127.0.0.2", 1)[0]
+        header = b"[" * 200_000 + b"]" * 200_000  # nested past Python's recursion limit
+        s.sendall(struct.pack("<4sIQ", MAGIC, len(header), 0) + header)
+        assert _closed_by_relay(s, 5.0)
+        s.close()
+        server.check()
+        peer = connect(server.address, 2.0, 2.0)
+        assert peer.request({"op": "ping"}, "pong", "a pong")[0]["op"] == "pong"
+        peer.close()

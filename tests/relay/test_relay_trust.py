@@ -217,7 +217,7 @@ def test_a_client_write_through_the_shared_mapping_faults_and_weights_stay_uncha
     flat = _flat(3)
     with RelayServer(RelaySection(chunk_bytes=64 << 10), keys=HOSTS) as server:
         _published(server, flat)
-        p = subprocess.run([sys.executable, "-c", _WRITER, server.address], input=KEY.hex() + "\n" + HOSTS.public.hex() + "\n",
+        p = subprocess.run([sys.executable, "-c", _WRITER, server.address], input=f"{KEY.hex()}\n{HOSTS.public.hex()}\n",
                            capture_output=True, text=True, timeout=60)
         assert "mapped" in p.stdout and "wrote" not in p.stdout, p.stderr
         assert p.returncode == -11, (p.returncode, p.stderr[-2000:])  # SIGSEGV
