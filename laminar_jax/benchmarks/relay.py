@@ -256,20 +256,22 @@ def bench_auth(total_mb: int, link_rate: int, reps: int) -> dict:
                            io_timeout_s=120.0)
     free = RelaySection(keep_in_memory=1, io_timeout_s=120.0)
     tcp = dataclasses.replace(free, local_transport="tcp")
-    keys = {"plain": None, "auth": os.urandom(32)}
+    from laminar_jax.relay.auth import RunKeys
+
+    keys = {"plain": None, "auth": RunKeys.generate()}
     figures = {m: {"chain2_s": [], "hop_s": [], "pull_tcp_gbps": [], "pull_map_gbps": []} for m in keys}
     with ExitStack() as stack:
         rigs = {}
         for mode, key in keys.items():
-            chain = stack.enter_context(start_local_chain(2, limited, key=key))
-            one = stack.enter_context(start_local_chain(1, free, key=key))
+            chain = stack.enter_context(start_local_chain(2, limited, keys=key and key.for_hosts()))
+            one = stack.enter_context(start_local_chain(1, free, keys=key and key.for_hosts()))
             rigs[mode] = (stack.enter_context(Publisher(limited, relay_addresses=chain.addresses,
-                                                        copy_numpy=False, key=key)),
-                          RelayClient([chain.addresses[-1]], config=limited, key=key),
+                                                        copy_numpy=False, keys=key)),
+                          RelayClient([chain.addresses[-1]], config=limited, keys=key and key.for_hosts()),
                           stack.enter_context(Publisher(free, relay_addresses=one.addresses, copy_numpy=False,
-                                                        key=key)),
-                          RelayClient(one.addresses, config=tcp, key=key),
-                          RelayClient(one.addresses, config=free, key=key))
+                                                        keys=key)),
+                          RelayClient(one.addresses, config=tcp, keys=key and key.for_hosts()),
+                          RelayClient(one.addresses, config=free, keys=key and key.for_hosts()))
         for rep in range(reps + 1):  # rep 0 warms every relay's buffers
             for mode in (("plain", "auth") if rep % 2 else ("auth", "plain")):
                 pub2, last, pub1, ctcp, cmap = rigs[mode]
@@ -307,13 +309,16 @@ def bench_polls(polls: int, reps: int) -> dict:
     ~50 ms), on one kept authenticated connection against a fresh connection per poll (the client
     closed after each poll, as before connections were kept). Client and relay threads are both in
     this process, so process CPU counts both sides. Modes alternate per repeat."""
-    key = os.urandom(32)
+    from laminar_jax.relay.auth import RunKeys
+
+    key = RunKeys.generate()
     cfg = RelaySection(io_timeout_s=60.0)
     figures: dict[str, list[float]] = {"kept": [], "fresh": []}
-    with start_local_chain(1, cfg, key=key) as chain, Publisher(cfg, relay_addresses=chain.addresses, key=key) as pub:
+    with start_local_chain(1, cfg, keys=key.for_hosts()) as chain, \
+            Publisher(cfg, relay_addresses=chain.addresses, keys=key) as pub:
         pub.publish(1, {"w": np.zeros(1024, np.float32)})
         pub.flush(60)
-        client = RelayClient(chain.addresses, config=cfg, key=key)
+        client = RelayClient(chain.addresses, config=cfg, keys=key.for_hosts())
         for rep in range(reps + 1):  # rep 0 warms both paths
             for mode in (("kept", "fresh") if rep % 2 else ("fresh", "kept")):
                 client.close()

@@ -29,9 +29,11 @@ Interfaces (import from here or from the named module):
 - ``chain.start_local_chain(n, config) -> LocalChain`` (``.addresses``, ``.kill(i)``, ``.stop()``):
   n ``python -m laminar_jax.relay.worker`` processes, relay i forwarding to relays i+1, i+2, ...
 - ``config.RelaySection``: the plane's config section.
-- ``auth.run_key(run_dir) -> bytes``: the run's relay key (``<run_dir>/relay.key``, 0600). Pass it
-  as ``key=`` to RelayServer, Publisher, RelayClient and ``start_local_chain``: connections are then
-  authenticated (HMAC per frame, nonces against replay) and versions signed by the learner.
+- ``auth.run_keys(run_dir) -> RunKeys``: the run's link key (``relay.key``) and the learner's Ed25519
+  keypair (``learner.key``, ``learner.pub``), all 0600, reused on resume. Pass it as ``keys=`` to
+  Publisher, and ``keys.for_hosts()`` (no private key) to RelayServer, RelayClient and
+  ``start_local_chain``: connections are then authenticated (HMAC per frame, nonces against replay)
+  and versions and chunks signed by the learner alone.
 
 Nothing here imports jax at import time; relay worker processes never do.
 """

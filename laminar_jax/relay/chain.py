@@ -11,6 +11,7 @@ import threading
 import time
 from typing import Optional, Sequence
 
+from laminar_jax.relay.auth import RunKeys, check_keys
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.wire import RemoteError, WireError, connect
 
@@ -22,6 +23,7 @@ class LocalChain:
 
     def __init__(self, procs: list[subprocess.Popen], addresses: list[str], cfg: RelaySection,
                  key: Optional[bytes] = None):
+        """``key``: the run's link key (control connections to the workers)."""
         self.procs, self.addresses, self.cfg, self.key = procs, addresses, cfg, key
 
     def __len__(self) -> int:
@@ -87,28 +89,30 @@ def _read_line(p: subprocess.Popen, timeout: float) -> Optional[str]:
 
 def start_local_chain(n: int, config: RelaySection = RelaySection(), startup_timeout: float = 30.0,
                       env: Optional[dict] = None, python: Sequence[str] = (sys.executable,),
-                      key: Optional[bytes] = None) -> LocalChain:
+                      keys: Optional[RunKeys] = None) -> LocalChain:
     """Spawn n ``laminar_jax.relay.worker`` processes (ephemeral ports), chain them, return handles.
 
-    ``key`` (the run's relay key) reaches each worker on its stdin, never in argv or environment."""
+    ``keys`` (the run's keys, without the private one) reach each worker on its stdin, never in
+    argv or environment."""
     from laminar_jax.relay.worker import config_json
 
     if n < 1:
         raise ValueError(f"start_local_chain(n={n}): must be >= 1")
     config.validate("relay")
+    keys = check_keys(keys, "start_local_chain")
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = _REPO + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     cmd = [*python, "-m", "laminar_jax.relay.worker", "--port", "0", "--config-json", config_json(config),
-           "--parent-pid", str(os.getpid())] + (["--key-stdin"] if key is not None else [])
+           "--parent-pid", str(os.getpid())] + (["--key-stdin"] if keys is not None else [])
     procs = []
     for _ in range(n):
-        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE if key is not None else None,
+        p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stdin=subprocess.PIPE if keys is not None else None,
                              text=True, env=env, cwd=_REPO)
         procs.append(p)
-        if key is not None:
-            p.stdin.write(key.hex() + "\n")
+        if keys is not None:
+            p.stdin.write(keys.link.hex() + "\n" + keys.public.hex() + "\n")
             p.stdin.close()
-    chain = LocalChain(procs, [], config, key)
+    chain = LocalChain(procs, [], config, keys and keys.link)
     try:
         deadline = time.monotonic() + startup_timeout
         for i, p in enumerate(procs):

@@ -31,10 +31,14 @@ class RelayClient:
     """Pulls versions; ``addresses`` in preference order (local relay first)."""
 
     def __init__(self, addresses: Sequence[str], store: Any = None, config: RelaySection = RelaySection(),
-                 holder: Optional[str] = None, key: Optional[bytes] = None):
-        """``key``: the run's relay key (auth.run_key); None talks to relays that run without one."""
+                 holder: Optional[str] = None, keys: Optional[auth.RunKeys] = None):
+        """``keys``: the run's keys without the private one (auth.run_keys(...).for_hosts()): the link
+        key authenticates connections, the learner's public key checks every version and chunk.
+        None talks to relays that run without keys."""
         self.addresses, self.store, self.cfg = tuple(addresses), store, config
-        self.key = auth.check_key(key, "RelayClient key")
+        keys = auth.check_keys(keys, "RelayClient")
+        self.key = keys and keys.link
+        self._verifier = None if keys is None else keys.verifier()
         self.holder = holder or f"client-{socket.gethostname()}-{os.getpid()}"
         self.last_source: Optional[str] = None  # where the last pull came from (relay address or store URL)
         self.errors: list[str] = []  # relay errors met by the last call
@@ -154,7 +158,7 @@ class RelayClient:
                 h, _ = peer.request({"op": "pull", "newer_than": newer_than, "wait_s": wait}, "pulled",
                                     f"a version newer than {newer_than}")
                 m = Manifest.from_dict(h["manifest"], f"manifest of version {h.get('version')} from relay {addr}")
-                if self.key is not None and not auth.verify_version(self.key, m.version, m.digest(),
+                if self.key is not None and not auth.verify_version(self._verifier, m.version, m.digest(),
                                                                     h.get("signature")):
                     raise AuthError(f"relay {addr}: version {m.version} lacks a valid learner signature")
                 peer.settimeout(self.cfg.io_timeout_s)
@@ -219,38 +223,42 @@ class RelayClient:
 
     def _read_checked(self, peer: Peer, h: dict, mv: memoryview, m: Manifest, signature: Optional[str],
                       what: str) -> None:
-        """Read the payload chunk by chunk, each hashed (and checked against its learner tag) while
-        the next ones arrive: the SHA-256 pass overlaps the transfer instead of following it."""
+        """Read the payload chunk by chunk; each chunk's learner signature and SHA-256 are checked
+        on other threads while the next ones arrive, so the checks overlap the transfer."""
         from laminar_jax.relay.manifest import chunk_span
 
         chunk_bytes, chunks = self._chunk_tags(peer.name, h, m, signature)
         spans = [chunk_span(i, m.total_bytes, chunk_bytes) for i in range(len(chunks))]
 
-        def digest(i: int) -> str:
-            return hashlib.sha256(mv[spans[i][0]:spans[i][1]]).hexdigest()
+        def check(i: int) -> Optional[str]:
+            digest, tag = chunks[i]
+            if not auth.verify_chunk(self._verifier, signature, i, digest, tag):
+                return f"chunk {i} of version {m.version} has no valid learner signature"
+            if hashlib.sha256(mv[spans[i][0]:spans[i][1]]).hexdigest() != digest:
+                return f"chunk {i} of version {m.version} does not match its signed digest"
+            return None
 
-        # hashlib releases the GIL: chunks hash on other cores while this thread reads
+        # hashlib and OpenSSL release the GIL: chunks are checked on other cores while this thread reads
         with ThreadPoolExecutor(min(8, os.cpu_count() or 1, len(chunks)) or 1) as pool:
             futures = []
             for i, (start, stop) in enumerate(spans):
                 peer.recv_into(mv[start:stop], what)
-                futures.append(pool.submit(digest, i))
-            for i, fut in enumerate(futures):
-                if fut.result() != chunks[i][0]:
-                    raise AuthError(f"{peer.name}: chunk {i} of version {m.version} does not match its tag")
+                futures.append(pool.submit(check, i))
+            for fut in futures:
+                problem = fut.result()
+                if problem is not None:
+                    raise AuthError(f"{peer.name}: {problem}")
 
     def _chunk_tags(self, name: str, h: dict, m: Manifest, signature: Optional[str]) -> tuple[int, list]:
-        """(chunk_bytes, [[digest, tag], ...]) from a data header, every tag checked."""
+        """(chunk_bytes, [[digest, tag], ...]) from a data header, its shape checked (the tags are
+        checked as the chunks arrive)."""
         from laminar_jax.relay.manifest import num_chunks
 
         chunk_bytes, chunks = int(h.get("chunk_bytes", 0)), h.get("chunks")
-        if (self.key is None or h.get("signature") != signature or chunk_bytes < 1 or not isinstance(chunks, list)
-                or len(chunks) != num_chunks(m.total_bytes, chunk_bytes)):
+        if (self._verifier is None or h.get("signature") != signature or chunk_bytes < 1
+                or not isinstance(chunks, list) or len(chunks) != num_chunks(m.total_bytes, chunk_bytes)
+                or not all(isinstance(pair, list) and len(pair) == 2 for pair in chunks)):
             raise AuthError(f"{name}: bytes of version {m.version} come without valid chunk tags")
-        for i, pair in enumerate(chunks):
-            if not (isinstance(pair, list) and len(pair) == 2
-                    and auth.verify_chunk(self.key, signature, i, pair[0], pair[1])):
-                raise AuthError(f"{name}: chunk {i} of version {m.version} has no valid learner tag")
         return chunk_bytes, chunks
 
     # ---- store path

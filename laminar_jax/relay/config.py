@@ -39,6 +39,10 @@ class RelaySection:
       gc_on_publish: Run the store's gc() after each version the publisher writes (after the version is relayed or handed off; the scan for orphaned data of killed writers on the first gc and every 32nd).
       store_check_s: With store_url set, a relay makes a pushed version pullable only once the weight store has committed that version with the same layout, waiting at most this many seconds for the commit; a version the store does not have by then (or has with another layout, or has already replaced) is dropped and counted. 0 disables the check.
       local_handoff: Local runtime only: rollout servers (all in the learner's process) take each version from the publisher's memory as soon as the weight store has committed it, and no relay runs; False runs the in-process relay and servers pull through it, as hosts of a Ray run do (what relay fault injection needs). The Ray runtime ignores it.
+      handshake_timeout_s: One deadline for a new connection's whole handshake (the key exchange and its first request's header), however slowly its bytes arrive; a connection not done by then is closed.
+      max_handshakes: Connections a relay holds in handshake (not yet authenticated) at once, from all addresses; a new one past it closes the connection longest in handshake (genuine handshakes take milliseconds). All handshakes run on one thread and hold at most 1 MiB (a first request's header) each.
+      max_handshakes_per_source: Connections in handshake at once from one address (all unix-socket peers count as one); one past it is closed at once. Every rollout server of a host may connect at the same moment when a version lands: keep it above the servers per host.
+      max_connections: Authenticated connections a relay serves at once, one thread each (rollout clients keep one per relay for version polls, and one per mapped version); one past it gets a 'busy' error and is closed.
       max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
     """
 
@@ -67,6 +71,10 @@ class RelaySection:
     local_transport: Literal["memfd", "tcp"] = "memfd"
     gc_on_publish: bool = True
     max_unverified_bytes: int = 64 << 30
+    handshake_timeout_s: float = 10.0
+    max_handshakes: int = 128
+    max_handshakes_per_source: int = 32
+    max_connections: int = 512
     local_handoff: bool = True
     store_check_s: float = 120.0
 
@@ -87,7 +95,10 @@ class RelaySection:
         for i, a in enumerate(self.relay_addresses):
             host, _, port = a.rpartition(":")
             expect(bool(host) and port.isdigit(), f"{prefix}.relay_addresses[{i}]", a, "'host:port'")
-        for name in ("connect_timeout_s", "io_timeout_s", "heartbeat_s", "dead_retry_s"):
+        for name in ("max_handshakes", "max_handshakes_per_source", "max_connections"):
+            v = getattr(self, name)
+            expect(v >= 1, f"{prefix}.{name}", v, ">= 1")
+        for name in ("connect_timeout_s", "io_timeout_s", "heartbeat_s", "dead_retry_s", "handshake_timeout_s"):
             v = getattr(self, name)
             expect(v > 0, f"{prefix}.{name}", v, "> 0 seconds")
         expect(self.heartbeat_s < self.io_timeout_s, f"{prefix}.heartbeat_s", self.heartbeat_s,

@@ -81,24 +81,27 @@ class PublisherStats:
 class Publisher:
     def __init__(self, config: RelaySection = RelaySection(), store: Any = None,
                  relay_addresses: Optional[Sequence[str]] = None, copy_numpy: bool = True,
-                 key: Optional[bytes] = None, handoff: Any = None):
+                 keys: Any = None, handoff: Any = None):
         """``store``: a WeightStore (default: built from config.store_url, if set).
         ``copy_numpy``: copy numpy leaves (the caller may mutate them after publish returns).
-        ``key``: the run's relay key (auth.run_key): authenticates the links and signs each version.
+        ``keys``: the run's keys (auth.run_keys, with the learner's private key): the link key
+        authenticates the connections, the private key signs each version and chunk.
         ``handoff``: a relay.handoff.Handoff that gets each version's host copy once the store
         has committed it (at once without a store), for rollout servers in this process."""
-        from laminar_jax.relay.auth import check_key
+        from laminar_jax.relay.auth import check_keys
         from laminar_jax.relay.store import WeightStore
 
         config.validate("relay")
-        self.cfg, self.copy_numpy, self._key = config, copy_numpy, check_key(key, "Publisher key")
+        keys = check_keys(keys, "Publisher", signing=True)
+        self.cfg, self.copy_numpy = config, copy_numpy
+        self._signer = None if keys is None else keys.signer("Publisher")
         self.store = store if store is not None else (WeightStore.from_config(config) if config.store_url else None)
         addrs = tuple(config.relay_addresses if relay_addresses is None else relay_addresses)
         self.handoff = handoff
         if self.store is None and not addrs and handoff is None:
             raise ValueError("Publisher: neither a store (relay.store_url) nor relay.relay_addresses configured")
         limiter = make_limiter(config.link_rate_bytes_per_s, config.link_burst_bytes)
-        self._down = Downstream(config, addrs, limiter, "publisher", key=key) if addrs else None
+        self._down = Downstream(config, addrs, limiter, "publisher", key=keys and keys.link) if addrs else None
         self._cond = threading.Condition()
         self._pending: list[_Job] = []
         self._busy: Optional[int] = None
@@ -240,7 +243,7 @@ class Publisher:
             manifest = plan_layout(job.host, job.version)
             try:
                 chunk = chunk_bytes_for(self.cfg, manifest.total_bytes)
-                self._down.deliver(ArraysSource(manifest, job.host, chunk, self._key))
+                self._down.deliver(ArraysSource(manifest, job.host, chunk, self._signer))
                 t["relay_visible"] = time.perf_counter() - job.t_publish
                 self._counts["relayed"] += 1
             except NoRelayReachable as e:

@@ -10,8 +10,8 @@ Push protocol (sender -> receiver, one TCP connection, several versions one afte
       its chunk headers, and the receiver answers complete when they equal what it holds, else
       drops what it holds and takes this publish's chunks)
     chunk {version, index, crc} + bytes     (no reply; bytes land straight in the receiver's buffer)
-      or, with the run key: chunk {version, index, digest, tag}: the SHA-256 of the bytes and the
-      learner's tag on it (auth.chunk_tag); relays store both and forward them unchanged
+      or, with the run's keys: chunk {version, index, digest, tag}: the SHA-256 of the bytes and
+      the learner's Ed25519 signature on it (auth.chunk_tag); relays store both and forward them unchanged
     keepalive                               (no reply; sent while waiting for upstream chunks)
     end {version}                           -> missing {chunks}   (checksum failures: resent, repeat)
     abort {version}                         (no reply; the sender gave up on this version)
@@ -63,10 +63,11 @@ class ArraysSource:
     """Chunks of a version held as separate host arrays (the publisher's side); always ready."""
 
     def __init__(self, manifest: Manifest, arrays: dict[str, np.ndarray], chunk_bytes: int,
-                 key: Optional[bytes] = None):
+                 signer: Optional[Any] = None):
+        """``signer``: the learner's Ed25519PrivateKey (RunKeys.signer); None sends CRCs, unsigned."""
         self.manifest, self.chunk_bytes = manifest, chunk_bytes
-        self.key = key
-        self.signature = None if key is None else auth.sign_version(key, manifest.version, manifest.digest())
+        self.signer = signer
+        self.signature = None if signer is None else auth.sign_version(signer, manifest.version, manifest.digest())
         self.publish = secrets.token_hex(8)
         self._pairs = [(e, arrays[e.name]) for e in manifest.entries]
         self._offsets = [e.offset for e in manifest.entries]
@@ -78,12 +79,12 @@ class ArraysSource:
     def chunk(self, index: int) -> tuple[list[Any], dict]:
         start, stop = chunk_span(index, self.manifest.total_bytes, self.chunk_bytes)
         segs = chunk_segments(self._pairs, start, stop, first_array(self._offsets, start))
-        if self.key is not None:  # one SHA-256 per chunk, here only; relays forward the tag as is
+        if self.signer is not None:  # one SHA-256 per chunk, here only; relays forward the tag as is
             h = hashlib.sha256()
             for s in segs:
                 h.update(memoryview(s).cast("B"))
             digest = h.hexdigest()
-            return segs, {"digest": digest, "tag": auth.chunk_tag(self.key, self.signature, index, digest)}
+            return segs, {"digest": digest, "tag": auth.chunk_tag(self.signer, self.signature, index, digest)}
         crc = 0
         for s in segs:
             crc = crc32_of(s, crc)

@@ -17,9 +17,11 @@ Version buffers are memfd-backed so a rollout on the same host maps them (one me
 Each memfd is sealed against writes by anyone but this process (F_SEAL_FUTURE_WRITE, plus
 SHRINK/GROW/SEAL) as soon as it is created: a client can map it read-only and nothing else.
 
-With a run key (``key=``) every connection is authenticated (wire.py, auth.py): a peer without
-the key is dropped at its first message, counted in ``stats()["auth_rejected"]`` and logged once
-per address; pushes must carry the learner's signature over the version and manifest digest.
+With the run's keys (``keys=``, auth.RunKeys without the private key) every connection is
+authenticated with the link key (wire.py, auth.py): a peer without it is dropped at its first
+message, counted in ``stats()["auth_rejected"]`` and logged once per address; every handshake
+runs on one thread under one deadline and caps (gate.py). Pushes must carry the learner's
+Ed25519 signature over the version and manifest digest, and each chunk its signed SHA-256.
 A push is refused when its announced size, added to the bytes announced but not yet verified
 by all unfinished pushes, exceeds ``max_unverified_bytes``; an unfinished version is dropped
 (its memory freed) when its sender disconnects or stays silent past ``io_timeout_s``.
@@ -50,11 +52,11 @@ from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc32_of, num_chunks
 from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
 from laminar_jax.relay.ratelimit import make_limiter
-from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame, server_handshake
+from laminar_jax.relay.gate import HandshakeGate
+from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
 from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)
-PRE_AUTH_MAX_HEADER = 1 << 20  # a connection's first header, read before its tag can be checked
 _F_SEAL_FUTURE_WRITE = 0x10  # linux/fcntl.h (5.1+); not in every Python's fcntl module
 _SEALS = (getattr(fcntl, "F_SEAL_SEAL", 1) | getattr(fcntl, "F_SEAL_SHRINK", 2) | getattr(fcntl, "F_SEAL_GROW", 4)
           | _F_SEAL_FUTURE_WRITE)
@@ -175,12 +177,14 @@ class RelayServer:
     """See the module docstring. ``start()`` binds ``cfg.host:port`` (ephemeral when 0)."""
 
     def __init__(self, config: RelaySection = RelaySection(), successors: Sequence[str] = (),
-                 port: Optional[int] = None, key: Optional[bytes] = None, store: Any = None):
+                 port: Optional[int] = None, keys: Optional[auth.RunKeys] = None, store: Any = None):
         """``store``: the WeightStore pushes are checked against (default: built from
         ``config.store_url`` at start() when ``config.store_check_s`` > 0; None without a store)."""
         config.validate("relay")
         self._store = store
-        self.cfg, self._key = config, auth.check_key(key, "RelayServer key")
+        keys = auth.check_keys(keys, "RelayServer")
+        self.cfg, self._key = config, keys and keys.link
+        self._verifier = None if keys is None else keys.verifier()  # the learner's public key
         self._rejected_from: set[str] = set()  # addresses already logged for failing authentication
         self.relay_id = uuid.uuid4().hex
         self.unix_name = f"\0laminar-relay-{self.relay_id}"
@@ -195,10 +199,12 @@ class RelayServer:
         self._delivered: dict[str, int] = {}
         self._down = Downstream(config, successors, make_limiter(config.link_rate_bytes_per_s,
                                                                  config.link_burst_bytes), "relay forwarder",
-                                key=key)
+                                key=self._key)
         self._tcp: Optional[socket.socket] = None
         self._unix: Optional[socket.socket] = None
         self.counters = collections.Counter()
+        self._gate = HandshakeGate(config, self._key, self._admit, self._reject, self.counters,
+                                   f"relay {self.relay_id[:8]}")
 
     # ---- lifecycle
     @property
@@ -214,17 +220,16 @@ class RelayServer:
 
             self._store = WeightStore.from_config(self.cfg)
         self._tcp = socket.create_server((self.cfg.host, self._port), backlog=64)
-        self._tcp.settimeout(0.2)
         try:
             self._unix = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             self._unix.bind(self.unix_name)
             self._unix.listen(64)
-            self._unix.settimeout(0.2)
         except (AttributeError, OSError):
             self._unix = None  # no abstract unix sockets here: local pulls use TCP
-        self._spawn(self._accept_loop, self._tcp, "tcp")
+        self._gate.add_listener(self._tcp, "tcp")
         if self._unix is not None:
-            self._spawn(self._accept_loop, self._unix, "unix")
+            self._gate.add_listener(self._unix, "unix")
+        self._spawn(self._gate.run, self._stopping)
         self._spawn(self._forward_loop)
         return self
 
@@ -329,28 +334,31 @@ class RelayServer:
             buf.pins -= 1
             self._recycle_locked(buf)
 
-    # ---- accepting and dispatch
-    def _accept_loop(self, lsock: socket.socket, kind: str) -> None:
-        while not self._stopping.is_set():
+    # ---- serving authenticated connections (the gate runs every handshake: gate.py)
+    def _admit(self, peer: Peer, kind: str, source: str, first: tuple[dict, int]) -> None:
+        """Give a connection whose handshake succeeded its thread, if one is free (max_connections)."""
+        with self._cond:
+            full = len(self._conns) >= self.cfg.max_connections
+            if not full:
+                self._conns.add(peer.sock)
+        if full:
+            self.counters["connections_refused"] += 1
             try:
-                sock, addr = lsock.accept()
-            except socket.timeout:
-                continue
-            except OSError:
-                if self._stopping.is_set():
-                    return
-                raise
-            if kind == "tcp":
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            sock.settimeout(self.cfg.io_timeout_s)
-            self.counters["connections"] += 1
-            name = f"{kind} peer {addr[0]}:{addr[1]}" if kind == "tcp" else "unix peer"
-            source = addr[0] if kind == "tcp" else "unix socket"
-            self._conns.add(sock)
-            threading.Thread(target=self._serve, args=(Peer(sock, name), kind, source), daemon=True,
+                peer.send(error_frame("busy", f"relay serves relay.max_connections={self.cfg.max_connections} "
+                                              f"connections already; retry later"))
+            finally:
+                peer.close()
+            return
+        try:
+            threading.Thread(target=self._serve, args=(peer, kind, source, first), daemon=True,
                              name="relay-conn").start()
+        except BaseException:
+            with self._cond:
+                self._conns.discard(peer.sock)
+            self.counters["thread_start_failed"] += 1
+            raise  # the gate logs it, closes the connection and goes on
 
-    def _reject(self, peer: Peer, source: str, err: BaseException) -> None:
+    def _reject(self, source: str, err: BaseException) -> None:
         """Count a peer that failed authentication; log it once per address (a scanner must not
         flood the log)."""
         with self._cond:
@@ -362,20 +370,8 @@ class RelayServer:
             log.warning("relay %s: dropped a connection from %s that failed authentication: %s "
                         "(further ones from this address are only counted)", self.relay_id[:8], source, err)
 
-    def _serve(self, peer: Peer, kind: str, source: str = "") -> None:
+    def _serve(self, peer: Peer, kind: str, source: str, first: Optional[tuple[dict, int]]) -> None:
         try:
-            if self._key is not None:
-                peer.max_header = PRE_AUTH_MAX_HEADER
-                try:
-                    server_handshake(peer, self._key)
-                    first = peer.recv("a request")
-                except (AuthError, WireError, OSError) as e:
-                    if not isinstance(e, PeerClosed):
-                        self._reject(peer, source, e)
-                    return
-                peer.max_header = Peer.max_header
-            else:
-                first = None
             while not self._stopping.is_set():
                 try:
                     header, plen = first if first is not None else peer.recv("a request")
@@ -392,12 +388,13 @@ class RelayServer:
                 if handler(peer, header, plen) is True:
                     return
         except AuthError as e:  # an authenticated peer sent a bad tag later on: tampering
-            self._reject(peer, source, e)
+            self._reject(source, e)
         except (OSError, WireError, ManifestError, ValueError, KeyError, TypeError) as e:
             if not self._stopping.is_set():
                 self._conn_errors.append(f"{peer.name}: {type(e).__name__}: {e}")
         finally:
-            self._conns.discard(peer.sock)
+            with self._cond:
+                self._conns.discard(peer.sock)
             peer.close()
 
     # ---- simple ops
@@ -422,7 +419,10 @@ class RelayServer:
 
     def _op_stop(self, peer: Peer, h: dict, plen: int) -> None:
         peer.send({"op": "ok"})
-        threading.Thread(target=self.stop, daemon=True).start()
+        try:
+            threading.Thread(target=self.stop, daemon=True, name="relay-stop").start()
+        except RuntimeError:  # no thread to spare: stop from here (this connection's thread is not joined)
+            self.stop(0.0)
 
     # ---- serving pulls
     def _wait_for(self, pred, wait_s: float) -> bool:
@@ -535,8 +535,7 @@ class RelayServer:
                 if self._store is not None and self.cfg.store_check_s > 0:
                     buf.cleared = False
                     buf.pins += 1  # the checker's pin, released when it ends
-                    threading.Thread(target=self._check_store, args=(buf,), daemon=True,
-                                     name=f"relay-store-check-v{v}").start()
+                    self._start_store_check(buf)
                 self._cond.notify_all()
             if buf is not None:
                 buf.pins += 1
@@ -622,7 +621,7 @@ class RelayServer:
         equal. With a key each vouch must carry the new publish's learner tag."""
         for i, vouch in enumerate(vouches):
             if self._key is not None:
-                if not auth.verify_chunk(self._key, signature, i, vouch.get("digest"), vouch.get("tag")):
+                if not auth.verify_chunk(self._verifier, signature, i, vouch.get("digest"), vouch.get("tag")):
                     raise AuthError(f"{peer.name}: vouch {i} of version {buf.version} lacks a valid learner tag")
                 if vouch["digest"] != buf.vouch[i]["digest"]:
                     return f"chunk {i}"
@@ -640,7 +639,7 @@ class RelayServer:
             self.counters["pushes_refused"] += 1
             return "too_large", (f"push of version {v}: {m.total_bytes} bytes announced, above "
                                  f"relay.max_unverified_bytes={self.cfg.max_unverified_bytes}")
-        if self._key is not None and not auth.verify_version(self._key, v, m.digest(), signature):
+        if self._key is not None and not auth.verify_version(self._verifier, v, m.digest(), signature):
             self.counters["pushes_refused"] += 1
             return "forged", f"push of version {v}: no valid learner signature over the version and manifest"
         return None
@@ -676,7 +675,7 @@ class RelayServer:
         """The header fields that vouch for a chunk's bytes; with a key, the learner's tag must hold."""
         if self._key is None:
             return {"crc": int(h["crc"])}
-        if not auth.verify_chunk(self._key, buf.signature, idx, h.get("digest"), h.get("tag")):
+        if not auth.verify_chunk(self._verifier, buf.signature, idx, h.get("digest"), h.get("tag")):
             raise AuthError(f"{peer.name}: chunk {idx} of version {buf.version} lacks a valid learner tag")
         return {"digest": h["digest"], "tag": h["tag"]}
 
@@ -718,6 +717,21 @@ class RelayServer:
             self._evict_locked()
 
     # ---- the store check
+    def _start_store_check(self, buf: VersionBuf) -> None:
+        """Start ``buf``'s store check (caller holds the lock); without a thread to run it, the
+        version is dropped at once, as one the store did not confirm."""
+        try:
+            threading.Thread(target=self._check_store, args=(buf,), daemon=True,
+                             name=f"relay-store-check-v{buf.version}").start()
+        except RuntimeError as e:
+            buf.pins -= 1
+            self._versions.pop(buf.version, None)
+            buf.evicted = True
+            self.counters["store_refused"] += 1
+            self._conn_errors.append(f"store check: version {buf.version}: no thread to run it: {e}")
+            log.warning("relay %s: dropped version %d: cannot start its store check: %s", self.relay_id[:8],
+                        buf.version, e)
+
     def _check_store(self, buf: VersionBuf) -> None:
         """Clear ``buf`` once the store holds its version with the same layout; drop it if the store
         has another layout, has moved past it without it, or does not commit it in time."""

@@ -123,6 +123,8 @@ class WeightStore:
         if format not in FORMATS:
             raise ValueError(f"WeightStore.format={format!r}: must be one of {FORMATS}")
         self.url = normalize_url(url_or_path)
+        if self.url.startswith("file://"):  # weights are the run's: owner-only, like the run dir
+            os.makedirs(self.url[len("file://"):], mode=0o700, exist_ok=True)
         self.keep_last, self.format, self.verify, self.lease_ttl_s = keep_last, format, verify, lease_ttl_s
         self._kv = ts.KvStore.open(self.url).result()
         self._base = self._kv.spec().to_json()

@@ -24,6 +24,7 @@ from laminar_jax.relay import auth
 MAGIC = b"LMR1"
 MAGIC_AUTH = b"LMA1"
 _PREFIX = struct.Struct("<4sIQ")
+PREFIX_BYTES = _PREFIX.size
 MAX_HEADER = 64 << 20
 APP_AUTHENTICATED = frozenset({"chunk", "data"})
 SLICE = 1 << 20  # bytes per send call, so rate limiting stays smooth
@@ -170,6 +171,13 @@ class Peer:
         if self._rx_left:
             raise WireError(f"{self.name}: {self._rx_left} payload bytes of the previous frame left unread")
         raw_prefix = self._recv_exact(_PREFIX.size, what)
+        hlen, _ = self.check_prefix(raw_prefix, what)
+        raw = self._recv_exact(hlen, what)
+        tag = self._recv_exact(auth.TAG_BYTES, what) if self.session is not None else b""
+        return self.parse_head(raw_prefix, raw, tag, what)
+
+    def check_prefix(self, raw_prefix: bytes, what: str) -> tuple[int, int]:
+        """(header length, payload length) of a frame prefix; raises on a bad magic or header size."""
         magic, hlen, plen = _PREFIX.unpack(raw_prefix)
         want = MAGIC if self.session is None else MAGIC_AUTH
         if magic != want or hlen > self.max_header:
@@ -179,10 +187,16 @@ class Peer:
             if magic == MAGIC and self.session is not None:
                 raise AuthError(f"{self.name}: unauthenticated frame (the peer has no run key) waiting for {what}")
             raise WireError(f"{self.name}: bad frame (magic={magic!r}, header={hlen} bytes) waiting for {what}")
-        raw = self._recv_exact(hlen, what)
+        return hlen, plen
+
+    def parse_head(self, raw_prefix: bytes, raw: bytes, tag: bytes, what: str) -> tuple[dict, int]:
+        """The (header, payload length) of a frame whose prefix, header and header tag (empty
+        without a session) were read; checks the tag before the JSON is parsed. The payload is
+        left to recv_into (its tag is checked once its last byte is in)."""
+        _, plen = self.check_prefix(raw_prefix, what)
         if self.session is not None:
             mac = self.session.recv_mac(raw_prefix, raw)
-            if not auth.tags_equal(self._recv_exact(auth.TAG_BYTES, what), mac.digest()):
+            if not auth.tags_equal(tag, mac.digest()):
                 raise AuthError(f"{self.name}: frame failed authentication (wrong key, tampered or replayed) "
                                 f"waiting for {what}")
         try:

@@ -1,8 +1,10 @@
 """Relay worker process: ``python -m laminar_jax.relay.worker [--port P] [--config-json J] [--successors a,b]
-[--parent-pid P] [--key-stdin | --key-file F]``.
+[--parent-pid P] [--key-stdin | --key-file F [--public-key-file P]]``.
 
-With ``--key-stdin`` the run's relay key (hex) is the first line of stdin; with ``--key-file``
-it is read from an owner-only key file (auth.run_key). The key never appears in argv.
+With ``--key-stdin`` the run's link key and the learner's public key (hex) are stdin's first two
+lines; with ``--key-file`` the link key is read from an owner-only key file (auth.run_key) and the
+public key from ``--public-key-file`` (default: ``learner.pub`` beside the key file). Keys never
+appear in argv; a relay never gets the learner's private key.
 
 Prints one JSON line ``{"address": "host:port", "pid": ...}`` on stdout once listening, then
 serves until SIGTERM/SIGINT or a ``stop`` request. A background failure is printed to stderr
@@ -20,8 +22,10 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 from laminar_jax.configlib import from_config_dict
+from laminar_jax.relay.auth import RunKeys
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.server import RelayServer
 
@@ -33,30 +37,35 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--successors", default="", help="comma-separated host:port of the next relays, nearest first")
     p.add_argument("--parent-pid", type=int, default=None,
                    help="exit when this process is no longer our parent (it died: no orphaned relays)")
-    p.add_argument("--key-stdin", action="store_true", help="read the run's relay key (hex) from stdin's first line")
-    p.add_argument("--key-file", default=None, help="read the run's relay key from this owner-only file")
+    p.add_argument("--key-stdin", action="store_true",
+                   help="read the run's link key and the learner's public key (hex) from stdin's first two lines")
+    p.add_argument("--key-file", default=None, help="read the run's link key from this owner-only file")
+    p.add_argument("--public-key-file", default=None,
+                   help="the learner's public key (default with --key-file: learner.pub beside it)")
     return p.parse_args(argv)
 
 
-def read_key(args: argparse.Namespace) -> "bytes | None":
-    from laminar_jax.relay.auth import check_key, load_key
+def read_keys(args: argparse.Namespace) -> Optional[RunKeys]:
+    from laminar_jax.relay.auth import LEARNER_PUB_FILE, load_key, load_public_key
 
     if args.key_file:
-        return load_key(args.key_file)
+        pub = args.public_key_file or os.path.join(os.path.dirname(os.path.abspath(args.key_file)), LEARNER_PUB_FILE)
+        return RunKeys(load_key(args.key_file), load_public_key(pub))
     if not args.key_stdin:
         return None
-    line = sys.stdin.readline().strip()
+    lines = [sys.stdin.readline().strip() for _ in range(2)]
     try:
-        return check_key(bytes.fromhex(line), "relay key on stdin")
+        return RunKeys(bytes.fromhex(lines[0]), bytes.fromhex(lines[1]))
     except ValueError:
-        raise SystemExit("relay worker: --key-stdin: stdin's first line must be the key as hex") from None
+        raise SystemExit("relay worker: --key-stdin: stdin's first two lines must be the link key and the "
+                         "learner's public key, as hex") from None
 
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
     cfg = from_config_dict(RelaySection, json.loads(args.config_json), "relay")
     successors = [a for a in args.successors.split(",") if a]
-    server = RelayServer(cfg, successors=successors, port=args.port, key=read_key(args)).start()
+    server = RelayServer(cfg, successors=successors, port=args.port, keys=read_keys(args)).start()
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -24,11 +24,11 @@ from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeou
 from laminar_jax.runtime.weights import WeightsPlane
 
 
-def _relay(cfg: Config, key: bytes) -> tuple:
+def _relay(cfg: Config, keys) -> tuple:
     """The in-process relay: (its address, stop, kill-for-fault-injection)."""
     from laminar_jax.relay import RelayServer
 
-    relay = RelayServer(cfg.relay, key=key)
+    relay = RelayServer(cfg.relay, keys=keys.for_hosts())
     relay.start()
     address = relay.address
 
@@ -39,20 +39,20 @@ def _relay(cfg: Config, key: bytes) -> tuple:
     return address, relay.stop, kill
 
 
-def _weights_plane(cfg: Config, run_dir: str, key: bytes) -> WeightsPlane:
+def _weights_plane(cfg: Config, run_dir: str, keys) -> WeightsPlane:
     """With relay.local_handoff (every server is in this process): the store and an in-memory
     hand-off, no relay. Otherwise, or with servers in their own processes, the in-process relay,
     which servers pull through."""
     if not cfg.relay.local_handoff or cfg.runtime.server_processes:
-        address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), key)
-        return WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), key)
+        address, stop_relay, kill_relay = _relay(relays_checking_store(cfg, run_dir), keys)
+        return WeightsPlane(cfg, run_dir, [address], stop_relay, kill_relay, rpc_timeout(cfg), keys)
     from laminar_jax.relay.handoff import Handoff
 
     def no_relay() -> str:
         raise RuntimeError("relay fault injection: this local run has no relay (relay.local_handoff=True "
                            "hands versions to the servers in memory); set relay.local_handoff=False")
 
-    return WeightsPlane(cfg, run_dir, [], lambda: None, no_relay, rpc_timeout(cfg), key, handoff=Handoff())
+    return WeightsPlane(cfg, run_dir, [], lambda: None, no_relay, rpc_timeout(cfg), keys, handoff=Handoff())
 
 
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
@@ -60,7 +60,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     from laminar_jax.learner.learner import Learner
     from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model import build_model, load_tokenizer
-    from laminar_jax.relay.auth import run_key
+    from laminar_jax.relay.auth import run_keys
 
     cfg, resuming = resolve(cfg, run_dir)
     monitor = Monitor(cfg, run_dir, time.time())
@@ -79,14 +79,14 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     if extra:
         monitor.phase(f"resumed from the checkpoint at learner version {learner.version}")
     buffer = BufferService(cfg, learner.version, extra["runtime"] if extra else None)
-    key = run_key(run_dir)
-    weights = _weights_plane(cfg, run_dir, key)
+    keys = run_keys(run_dir)  # the same on resume: the run dir keeps them
+    weights = _weights_plane(cfg, run_dir, keys)
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
     # Servers start from the learner's (possibly restored) weights, exactly as published.
     # Host copies: each server places them on its own devices (no full replica on the default device first).
     if cfg.runtime.server_processes:
-        fleet = _process_fleet(cfg, buffer, weights, key, monitor)
+        fleet = _process_fleet(cfg, buffer, weights, keys.for_hosts(), monitor)
     else:
         host = unflatten_params(learner.policy_params(), nnx_params(model))
         fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
@@ -95,7 +95,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
                   summary_extra=lambda d: {"placement": layout, "weights": d.weights.path()})
 
 
-def _process_fleet(cfg: Config, buffer, weights: WeightsPlane, key: bytes, monitor):
+def _process_fleet(cfg: Config, buffer, weights: WeightsPlane, keys, monitor):
     """runtime.server_processes: the servers as child processes pulling from the in-process relay;
     their CPU counts in the run's cores-busy figure."""
     import jax
@@ -108,7 +108,7 @@ def _process_fleet(cfg: Config, buffer, weights: WeightsPlane, key: bytes, monit
                           f"(backend here: {jax.default_backend()}, placement.rollout_tp="
                           f"{cfg.placement.rollout_tp}); on accelerators use runtime.kind='ray', which gives each "
                           "rollout actor its own devices")
-    fleet = ProcessFleet(cfg, buffer, weights.relay_addresses, weights.store_url, key, monitor.timeline,
+    fleet = ProcessFleet(cfg, buffer, weights.relay_addresses, weights.store_url, keys, monitor.timeline,
                          rpc_timeout(cfg))
     monitor.cpu_sources.append(fleet.cpu_s)
     return fleet

@@ -30,10 +30,15 @@ def relays_checking_store(cfg: Config, run_dir: str) -> Config:
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
     """(cfg with runtime.run_dir = run_dir and learner.checkpoint_dir resolved (default
-    <run_dir>/checkpoints, absolute), whether that directory holds a checkpoint)."""
+    <run_dir>/checkpoints, absolute), whether that directory holds a checkpoint). The run dir and a
+    local checkpoint dir are created owner-only (0700); one another user owns is refused."""
+    from laminar_jax.relay.auth import private_dir
+
+    private_dir(run_dir, "run dir")
     path = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")
     if "://" not in path:
         path = os.path.abspath(path)  # orbax refuses relative paths; URLs (gs://...) pass through
+        private_dir(path, "checkpoint dir")
     cfg = dataclasses.replace(cfg, runtime=dataclasses.replace(cfg.runtime, run_dir=run_dir),
                               learner=dataclasses.replace(cfg.learner, checkpoint_dir=path))
     if "://" not in path:

@@ -102,7 +102,7 @@ def serve_buffer(conn, buffer, stop: threading.Event) -> None:
 
 
 def child_main(ctl, buf, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
-               key: bytes, timeout_s: float) -> None:
+               keys, timeout_s: float) -> None:
     """A rollout process: build the host, say ready (or why not), answer the fleet's calls until it
     says exit or its pipe ends (the parent is gone)."""
     from laminar_jax.process_settings import apply_process_settings
@@ -110,7 +110,7 @@ def child_main(ctl, buf, cfg, index: int, generation: int, addresses: Sequence[s
 
     apply_process_settings(cfg)  # before this process's JAX starts; it inherits none of the parent's
     try:
-        host = RolloutHost(cfg, index, generation, addresses, store_url, PipeBuffer(buf, timeout_s), key)
+        host = RolloutHost(cfg, index, generation, addresses, store_url, PipeBuffer(buf, timeout_s), keys)
     except BaseException:  # noqa: BLE001 - told to the parent, which reports the failed start
         ctl.send(("error", traceback.format_exc()))
         os._exit(1)
@@ -165,7 +165,7 @@ class Child:
     the first message on its control pipe."""
 
     def __init__(self, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
-                 key: bytes, buffer, timeout_s: float):
+                 keys, buffer, timeout_s: float):
         self.index, self.name = index, server_name(index, generation)
         self.ctl, ctl_child = _pipe()
         buf, buf_child = _pipe()
@@ -175,9 +175,9 @@ class Child:
         self.proc = subprocess.Popen([sys.executable, "-m", __name__, *map(str, fds)], pass_fds=fds, env=env)
         ctl_child.close()  # the child holds its ends now: a pipe ends (EOF) when either process is gone
         buf_child.close()
-        # The key travels on the pipe, never in argv or the environment.
+        # The keys (no private key: keys.for_hosts()) travel on the pipe, never in argv or the environment.
         self.ctl.send(dict(cfg=cfg, index=index, generation=generation, addresses=tuple(addresses),
-                           store_url=store_url, key=key, timeout_s=timeout_s))
+                           store_url=store_url, keys=keys, timeout_s=timeout_s))
         self._buf = buf
         self._lock = threading.Lock()
         self.broken: Optional[str] = None
@@ -277,10 +277,10 @@ def _each(children: Sequence[Child], method: str, *args, timeout: float) -> list
 class ProcessFleet:
     """Rollout servers 0..n-1 as child processes; see the module doc."""
 
-    def __init__(self, cfg, buffer, addresses: Sequence[str], store_url: str, key: bytes, timeline,
+    def __init__(self, cfg, buffer, addresses: Sequence[str], store_url: str, keys, timeline,
                  rpc_timeout_s: float):
         self.cfg, self.buffer, self.addresses, self.store_url = cfg, buffer, list(addresses), store_url
-        self.key, self.timeline, self.rpc_timeout_s = key, timeline, rpc_timeout_s
+        self.keys, self.timeline, self.rpc_timeout_s = keys, timeline, rpc_timeout_s
         n = cfg.runtime.num_servers
         self.generations = [0] * n
         self.all: list[Child] = []  # every child ever started (their CPU counts after they are gone)
@@ -298,7 +298,7 @@ class ProcessFleet:
             raise
 
     def _spawn(self, i: int) -> Child:
-        c = Child(self.cfg, i, self.generations[i], self.addresses, self.store_url, self.key, self.buffer,
+        c = Child(self.cfg, i, self.generations[i], self.addresses, self.store_url, self.keys, self.buffer,
                   self.rpc_timeout_s)
         self.all.append(c)
         return c

@@ -98,10 +98,10 @@ def follow_named(name: str, dead, timeout_s: float):
 class RelayActor:
     """One relay server per node; rollout actors on that node pull from it (memfd when local)."""
 
-    def __init__(self, cfg, key: bytes):
+    def __init__(self, cfg, keys):
         from laminar_jax.relay import RelayServer
 
-        self.server = RelayServer(cfg.relay, key=key).start()
+        self.server = RelayServer(cfg.relay, keys=keys).start()
 
     def address(self) -> str:
         """host:port others reach it at (a wildcard bind advertises the node's IP)."""
@@ -140,7 +140,7 @@ class RolloutActor(RolloutHost):
     buffer actor behind `RemoteBuffer`, the engine over the GPUs Ray gave it."""
 
     def __init__(self, cfg, index: int, generation: int, relays: dict, store_url: Optional[str], buffer,
-                 rpc_timeout_s: float, key: bytes, buffer_name: Optional[str] = None):
+                 rpc_timeout_s: float, keys, buffer_name: Optional[str] = None):
         from laminar_jax.process_settings import apply_process_settings
 
         apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
@@ -148,7 +148,7 @@ class RolloutActor(RolloutHost):
         here = node_id()
         addresses = [a for n, a in relays.items() if n == here] + [a for n, a in relays.items() if n != here]
         super().__init__(cfg, index, generation, addresses, store_url, RemoteBuffer(buffer, rpc_timeout_s, buffer_name),
-                         key, mesh=actor_mesh(cfg.placement.rollout_tp))
+                         keys, mesh=actor_mesh(cfg.placement.rollout_tp))
 
     def ready(self) -> dict:
         return {**super().ready(), "node": node_id()}

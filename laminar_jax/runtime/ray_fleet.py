@@ -20,10 +20,12 @@ from laminar_jax.runtime.loops import Failure, mark_replaced
 
 class RayFleet:
     def __init__(self, cfg, buffer_handle, relays: dict, store_url: str, timeline, rpc_timeout_s: float,
-                 actor_options: dict, key: bytes, buffer_name: Optional[str] = None):
+                 actor_options: dict, keys, buffer_name: Optional[str] = None):
         self.buffer_name = buffer_name  # actors look a restarted buffer up by this name
         self.cfg, self.buffer_handle, self.relays, self.store_url = cfg, buffer_handle, relays, store_url
-        self.key = key  # handed to each actor in its constructor (Ray's object store; never argv or logs)
+        # The run's keys less the learner's private key, handed to each actor in its constructor
+        # (Ray's object store; never argv or logs).
+        self.keys = keys.for_hosts()
         self.timeline, self.rpc_timeout_s, self.actor_options = timeline, rpc_timeout_s, actor_options
         n = cfg.runtime.num_servers
         self.generations = [0] * n
@@ -43,7 +45,7 @@ class RayFleet:
 
         return ray.remote(RolloutActor).options(**self.actor_options).remote(
             self.cfg, i, self.generations[i], self.relays, self.store_url, self.buffer_handle, self.rpc_timeout_s,
-            self.key, self.buffer_name)
+            self.keys, self.buffer_name)
 
     def _get(self, ref, what: str, timeout: Optional[float] = None):
         from laminar_jax.runtime.ray_actors import bounded_get

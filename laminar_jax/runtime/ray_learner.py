@@ -61,7 +61,7 @@ class LearnerProcess:
         self.learner = None
         self.publisher = None  # process 0 only: relay Publisher, or an in-memory one (tests)
         self._relays: list[str] = []
-        self._key: Optional[bytes] = None
+        self._keys = None  # the run's keys, with the learner's private key (process 0 signs)
 
     def coordinator_address(self, host: Optional[str] = None) -> str:
         """host:port for the jax.distributed coordinator (process 0's node, a free port).
@@ -105,8 +105,8 @@ class LearnerProcess:
                 "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
 
     def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
-                         key: Optional[bytes] = None) -> None:
-        """Process 0 publishes each version to the weight store and the relay chain (signed with `key`)."""
+                         keys=None) -> None:
+        """Process 0 publishes each version to the weight store and the relay chain (signed with `keys`)."""
         if self.index != 0:
             return
         from laminar_jax.config import finalize
@@ -115,8 +115,8 @@ class LearnerProcess:
         rcfg = finalize(json.loads(self.cfg_json)).relay
         store = WeightStore.from_config(rcfg, store_url) if store_url else None
         self._relays = list(relay_addresses)
-        self._key = key
-        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, key=key)
+        self._keys = keys
+        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, keys=keys)
         self.learner.publisher = self.publisher
 
     def _gather_policy(self) -> dict[str, np.ndarray]:
@@ -144,7 +144,7 @@ class LearnerProcess:
                 from laminar_jax.relay import Publisher
 
                 pub = Publisher(finalize(json.loads(self.cfg_json)).relay, store=None, relay_addresses=self._relays,
-                                key=self._key)
+                                keys=self._keys)
             try:
                 pub.publish(self.learner.version, host)
                 if relays_only:
@@ -316,9 +316,9 @@ class LearnerGroup:
         return out[0]["metrics"]
 
     def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
-                         key: Optional[bytes] = None) -> None:
+                         keys=None) -> None:
         self._all("attach_publisher", "learner process 0 to build its weight publisher", store_url,
-                  list(relay_addresses), key, timeout=self.rpc_timeout_s)
+                  list(relay_addresses), keys, timeout=self.rpc_timeout_s)
 
     def publish_current(self, relays_only: bool = False) -> None:
         """Publish the current version (gathered; process 0 publishes)."""

@@ -79,7 +79,7 @@ def _node_affinity(node_id: str, soft: bool):
     return NodeAffinitySchedulingStrategy(node_id=node_id, soft=soft)
 
 
-def _start_relays(cfg: Config, gpus: float, timeout_s: float, key: bytes) -> dict:
+def _start_relays(cfg: Config, gpus: float, timeout_s: float, keys) -> dict:
     """One relay actor per alive node, chained master-first: {node: (actor, address)}."""
     import ray
 
@@ -87,7 +87,7 @@ def _start_relays(cfg: Config, gpus: float, timeout_s: float, key: bytes) -> dic
     cls = ray.remote(RelayActor)
     for node in [n["NodeID"] for n in ray.nodes() if n.get("Alive")]:
         actor = cls.options(**role_options("relay", gpus), scheduling_strategy=_node_affinity(node, soft=False)
-                            ).remote(cfg, key)
+                            ).remote(cfg, keys.for_hosts())
         out[node] = (actor, ray.get(actor.address.remote(), timeout=timeout_s))
     chain = [a for _, a in out.values()]
     for i, (actor, _) in enumerate(out.values()):  # each forwards down the chain
@@ -157,7 +157,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
     import ray
 
     from laminar_jax.model import build_model, load_tokenizer
-    from laminar_jax.relay.auth import run_key
+    from laminar_jax.relay.auth import run_keys
     from laminar_jax.runtime.ray_buffer import RestartingBuffer
 
     cfg, resuming = resolve(cfg, run_dir)
@@ -186,19 +186,19 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
         buffer = RestartingBuffer(handle, rpc, spawn, learner.version, restore, cfg.scheduler.max_server_restarts,
                                   t0=monitor.t0)
         built.append(lambda: ray.kill(buffer.handle, no_restart=True))
-        key = run_key(run_dir)
-        relays = _start_relays(relays_checking_store(cfg, run_dir), gpus, rpc, key)
+        keys = run_keys(run_dir)  # the same on resume: the run dir keeps them
+        relays = _start_relays(relays_checking_store(cfg, run_dir), gpus, rpc, keys)
         built += [lambda a=a: ray.kill(a, no_restart=True) for a, _ in relays.values()]
         master = next(iter(relays.values()))
         weights = WeightsPlane(cfg, run_dir, [a for _, a in relays.values()],
                                stop_relays=lambda: close_all([lambda a=a: ray.kill(a, no_restart=True)
                                                               for a, _ in relays.values()]),
                                kill_master=functools.partial(_kill_relay, *master),
-                               rpc_timeout_s=rpc, key=key)
+                               rpc_timeout_s=rpc, keys=keys)
         weights.attach(learner, initial=True)
         monitor.phase(f"starting {rt.num_servers} rollout actors")
         fleet = RayFleet(cfg, handle, {n: a for n, (_, a) in relays.items()}, weights.store_url, monitor.timeline,
-                         rpc, role_options("rollout", gpus, cfg.placement.rollout_tp), key, buffer_name)
+                         rpc, role_options("rollout", gpus, cfg.placement.rollout_tp), keys, buffer_name)
         buffer.on_restart = fleet.buffer_restarted
     except BaseException:
         close_all([*reversed(built), monitor.close, *([ray.shutdown] if started else [])])

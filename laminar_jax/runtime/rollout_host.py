@@ -22,7 +22,7 @@ from laminar_jax.threads import Worker
 
 class RolloutHost:
     def __init__(self, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
-                 buffer, key: bytes, mesh=None, board_sync_s: float = 0.05):
+                 buffer, keys, mesh=None, board_sync_s: float = 0.05):
         """addresses: the relays to pull from, nearest first; mesh: the engine's (None: the default device)."""
         from laminar_jax.model import build_model, load_tokenizer
         from laminar_jax.relay import RelayClient, WeightStore
@@ -35,7 +35,7 @@ class RolloutHost:
         section = server_section(cfg, index, generation)
         self.name = name = section.server_id
         store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
-        client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, key=key)
+        client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
         engine, _ = make_engine(model, section, mesh=mesh)
         from_flat = params_from_flat(model, engine)

@@ -14,7 +14,7 @@ from typing import Callable, Sequence
 
 class WeightsPlane:
     def __init__(self, cfg, run_dir: str, relay_addresses: Sequence[str], stop_relays: Callable[[], None],
-                 kill_master: Callable[[], str], rpc_timeout_s: float, key: bytes, handoff=None):
+                 kill_master: Callable[[], str], rpc_timeout_s: float, keys, handoff=None):
         """handoff: a relay.handoff.Handoff when every rollout server runs in this process
         (relay.local_handoff): servers take versions from it, and relay_addresses may be empty."""
         from laminar_jax.relay import WeightStore
@@ -25,7 +25,9 @@ class WeightsPlane:
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s
-        self.key = key  # the run's relay key (relay/auth.py): every relay message is authenticated with it
+        # The run's keys (relay/auth.py): the link key authenticates every relay message; the learner's
+        # private key signs versions and stays on the learner's side (servers get keys.for_hosts()).
+        self.keys = keys
         self.handoff = handoff
         self.publisher = None
         self.last_stats = None
@@ -36,7 +38,7 @@ class WeightsPlane:
         from laminar_jax.relay import RelayClient
 
         client = RelayClient(list(addresses) or self.relay_addresses, store=self.store, config=self.rcfg,
-                             holder=holder, key=self.key)
+                             holder=holder, keys=self.keys.for_hosts())
         if self.handoff is None:
             return client
         from laminar_jax.relay.handoff import HandoffClient
@@ -63,7 +65,7 @@ class WeightsPlane:
             if self.handoff is not None:
                 raise ValueError("relay.local_handoff: a learner group publishes from its own process; "
                                  "its versions cannot be handed off in this one")
-            learner.attach_publisher(self.store_url, self.relay_addresses, self.key)
+            learner.attach_publisher(self.store_url, self.relay_addresses, self.keys)
             if initial or not stored:
                 learner.publish_current(relays_only=stored)
             self.publisher = GroupPublisherProxy(learner)
@@ -71,8 +73,8 @@ class WeightsPlane:
         if self.publisher is None:
             from laminar_jax.relay import Publisher
 
-            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses, key=self.key,
-                                       handoff=self.handoff)
+            self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses,
+                                       keys=self.keys, handoff=self.handoff)
         if initial and not stored:
             self.publisher.publish(learner.version, learner.policy_params())
         elif initial:  # stored already (resume): put it where servers take it from (hand-off or relays)
@@ -86,7 +88,7 @@ class WeightsPlane:
             self.handoff.offer(version, dict(tree_items(params)))
         if not self.relay_addresses:
             return
-        seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses, key=self.key)
+        seed = Publisher(self.rcfg, store=None, relay_addresses=self.relay_addresses, keys=self.keys)
         try:
             seed.publish(version, params)
             seed.flush(timeout=self.rpc_timeout_s)

@@ -185,10 +185,16 @@ def _checkpoint_relative(tmp_path, monkeypatch):
             pass
 
 
+def _host_keys(link):
+    from laminar_jax.relay.auth import RunKeys
+
+    return RunKeys(link, RunKeys.generate().public)
+
+
 def _relay_without_key():
     from laminar_jax.relay import RelayServer, RelaySection
 
-    with RelayServer(RelaySection(io_timeout_s=2.0), key=b"k" * 32) as server:
+    with RelayServer(RelaySection(io_timeout_s=2.0), keys=_host_keys(b"k" * 32)) as server:
         return raised(lambda: RelayClient([server.address]).wait_for(1, 0.5))
 
 
@@ -198,7 +204,7 @@ def _relay_push_refusal(**cfg):
     from laminar_jax.relay.wire import connect
 
     m = plan_layout({"w": np.zeros(4096, np.float32)}, 5)
-    with RelayServer(RelaySection(io_timeout_s=2.0, **cfg), key=b"k" * 32) as server:
+    with RelayServer(RelaySection(io_timeout_s=2.0, **cfg), keys=_host_keys(b"k" * 32)) as server:
         peer = connect(server.address, 2.0, 2.0, b"k" * 32)
         try:
             return raised(lambda: peer.request({"op": "push", "version": 5, "manifest": m.to_dict(),

@@ -22,7 +22,10 @@ from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
 from laminar_jax.relay.wire import MAGIC, AuthError, Peer, RemoteError, WireError, connect
 
-KEY = bytes(range(32))
+LEARNER = auth.RunKeys.generate()  # the learner's keys; relays and clients get HOSTS
+HOSTS = LEARNER.for_hosts()
+KEY = LEARNER.link
+SIGNER = LEARNER.signer("test learner")
 CFG = RelaySection(chunk_bytes=64 << 10, io_timeout_s=3.0, heartbeat_s=0.1)
 
 
@@ -30,11 +33,11 @@ def _flat(seed=0, n=50_000):
     return {"w": np.random.default_rng(seed).random(n).astype(np.float32), "b": np.arange(5, dtype=np.int64)}
 
 
-def _published(server, flat, version=1, key=KEY):
-    with Publisher(CFG, relay_addresses=[server.address], key=key) as pub:
+def _published(server, flat, version=1, keys=LEARNER):
+    with Publisher(CFG, relay_addresses=[server.address], keys=keys) as pub:
         pub.publish(version, flat)
         pub.flush(20)
-    assert RelayClient([server.address], config=CFG, key=key).wait_for(version, 10) == version
+    assert RelayClient([server.address], config=CFG, keys=keys and keys.for_hosts()).wait_for(version, 10) == version
 
 
 def _wait(pred, timeout=5.0):
@@ -62,9 +65,9 @@ def test_run_key_is_created_once_owner_only_and_refused_when_readable_by_others(
 def test_authenticated_publish_and_pull_roundtrip(transport):
     cfg = RelaySection(chunk_bytes=64 << 10, local_transport=transport)
     flat = _flat()
-    with RelayServer(cfg, key=KEY) as server:
+    with RelayServer(cfg, keys=HOSTS) as server:
         _published(server, flat)
-        v, got = RelayClient([server.address], config=cfg, key=KEY).pull(0, timeout=10, copy=True)
+        v, got = RelayClient([server.address], config=cfg, keys=HOSTS).pull(0, timeout=10, copy=True)
         assert v == 1
         for k in flat:
             np.testing.assert_array_equal(got[k], flat[k])
@@ -72,19 +75,19 @@ def test_authenticated_publish_and_pull_roundtrip(transport):
 
 
 def test_peers_without_the_key_are_dropped_counted_and_logged_once(caplog):
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         _published(server, _flat())
         caplog.set_level(logging.WARNING, logger="laminar_jax.relay.server")
-        for key in (None, None, b"x" * 32):  # keyless twice, then a wrong key
+        for keys in (None, None, auth.RunKeys(b"x" * 32, HOSTS.public)):  # keyless twice, then a wrong key
             with pytest.raises((AuthError, WireError, OSError), match="run key|authentication|closed|lost"):
-                RelayClient([server.address], config=CFG, key=key).pull(0, timeout=1)
+                RelayClient([server.address], config=CFG, keys=keys).pull(0, timeout=1)
         assert _wait(lambda: server.stats().get("auth_rejected", 0) >= 3)
         logged = [r for r in caplog.records if "failed authentication" in r.getMessage()]
         assert len(logged) == 1 and "127.0.0.1" in logged[0].getMessage()
 
 
 def test_control_ops_without_the_key_do_nothing():
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         for op in ({"op": "stop"}, {"op": "set_successors", "addresses": ["127.0.0.1:1"]}):
             peer = connect(server.address, 2.0, 3.0)  # no key
             try:
@@ -102,9 +105,9 @@ def test_control_ops_without_the_key_do_nothing():
         assert server.stats()["successors"] == ["127.0.0.1:1"]
 
 
-def _push_header(version, flat, key, signature="auto"):
+def _push_header(version, flat, signer, signature="auto"):
     m = plan_layout(flat, version)
-    src = ArraysSource(m, flat, CFG.chunk_bytes, key)
+    src = ArraysSource(m, flat, CFG.chunk_bytes, signer)
     h = {"op": "push", "version": version, "manifest": m.to_dict(), "chunk_bytes": CFG.chunk_bytes}
     sig = src.signature if signature == "auto" else signature
     if sig is not None:
@@ -114,13 +117,13 @@ def _push_header(version, flat, key, signature="auto"):
 
 def test_forged_versions_are_refused_and_the_learner_keeps_reaching_rollouts():
     flat = _flat(1)
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         _published(server, flat, 1)
         forged = {"w": np.zeros(50_000, np.float32), "b": np.zeros(5, np.int64)}
-        for sig in (None, "00" * 32, auth.sign_version(KEY, 1_000_000_001, "x")):
+        for sig in (None, "00" * 32, auth.sign_version(SIGNER, 1_000_000_001, "x")):
             peer = connect(server.address, 2.0, 3.0, KEY)  # even a key holder cannot push unsigned versions
             try:
-                h, _ = _push_header(1_000_000_000, forged, KEY, signature=sig)
+                h, _ = _push_header(1_000_000_000, forged, SIGNER, signature=sig)
                 with pytest.raises(RemoteError, match="signature"):
                     peer.request(h, "have", "forged push")
             finally:
@@ -134,7 +137,7 @@ def test_forged_versions_are_refused_and_the_learner_keeps_reaching_rollouts():
             peer.close()
         assert server.versions_held() == [1] and server.stats()["partial"] == {}
         _published(server, _flat(2), 2)
-        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(1, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(1, timeout=5, copy=True)
         assert v == 2 and np.array_equal(got["w"], _flat(2)["w"])
 
 
@@ -164,7 +167,7 @@ def _frame(session, header):
 
 
 def test_replayed_frames_are_refused_within_and_across_connections():
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         nonce = auth.new_nonce()
         s, session = _open_session(server, nonce)
         genuine = _frame(session, {"op": "set_successors", "addresses": ["127.0.0.1:1"]})
@@ -199,8 +202,9 @@ _WRITER = textwrap.dedent("""
     import numpy as np
     from laminar_jax.relay.client import RelayClient
     from laminar_jax.relay.config import RelaySection
-    addr, key = sys.argv[1], bytes.fromhex(sys.stdin.readline().strip())
-    v, flat = RelayClient([addr], config=RelaySection(local_transport="memfd"), key=key).pull(0, timeout=10)
+    from laminar_jax.relay.auth import RunKeys
+    addr, keys = sys.argv[1], RunKeys(*(bytes.fromhex(sys.stdin.readline().strip()) for _ in range(2)))
+    v, flat = RelayClient([addr], config=RelaySection(local_transport="memfd"), keys=keys).pull(0, timeout=10)
     w = flat["w"]
     assert not w.flags.writeable
     print("mapped", flush=True)
@@ -211,13 +215,13 @@ _WRITER = textwrap.dedent("""
 
 def test_a_client_write_through_the_shared_mapping_faults_and_weights_stay_unchanged():
     flat = _flat(3)
-    with RelayServer(RelaySection(chunk_bytes=64 << 10), key=KEY) as server:
+    with RelayServer(RelaySection(chunk_bytes=64 << 10), keys=HOSTS) as server:
         _published(server, flat)
-        p = subprocess.run([sys.executable, "-c", _WRITER, server.address], input=KEY.hex() + "\n",
+        p = subprocess.run([sys.executable, "-c", _WRITER, server.address], input=f"{KEY.hex()}\n{HOSTS.public.hex()}\n",
                            capture_output=True, text=True, timeout=60)
         assert "mapped" in p.stdout and "wrote" not in p.stdout, p.stderr
         assert p.returncode == -11, (p.returncode, p.stderr[-2000:])  # SIGSEGV
-        _, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        _, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         np.testing.assert_array_equal(got["w"], flat["w"])
 
 
@@ -225,7 +229,7 @@ def test_the_memfd_itself_refuses_writes_resizes_and_writable_mappings():
     import mmap
 
     flat = _flat(4)
-    with RelayServer(RelaySection(chunk_bytes=64 << 10), key=KEY) as server:
+    with RelayServer(RelaySection(chunk_bytes=64 << 10), keys=HOSTS) as server:
         _published(server, flat)
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(3)
@@ -252,16 +256,16 @@ def test_the_memfd_itself_refuses_writes_resizes_and_writable_mappings():
         finally:
             os.close(fd)
             peer.close()
-        _, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        _, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         np.testing.assert_array_equal(got["w"], flat["w"])
 
 
 # ---- bounded memory per peer
 def test_an_unfinished_version_is_dropped_when_its_sender_disconnects_or_stalls():
     flat = _flat(5, 400_000)  # ~1.6 MB: 25 chunks
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         for stall in (False, True):
-            h, src = _push_header(7, flat, KEY)
+            h, src = _push_header(7, flat, SIGNER)
             peer = connect(server.address, 2.0, 10.0, KEY)
             peer.request(h, "have", "push")
             for i in range(src.n // 2):
@@ -279,21 +283,21 @@ def test_an_unfinished_version_is_dropped_when_its_sender_disconnects_or_stalls(
 
 def test_announced_bytes_are_capped_per_push_and_across_peers():
     cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=5.0, max_unverified_bytes=3 << 20)
-    with RelayServer(cfg, key=KEY) as server:
+    with RelayServer(cfg, keys=HOSTS) as server:
         big = {"w": np.zeros(1 << 20, np.float32)}  # 4 MiB > cap
         peer = connect(server.address, 2.0, 5.0, KEY)
         try:
             with pytest.raises(RemoteError, match="max_unverified_bytes"):
-                peer.request(_push_header(1, big, KEY)[0], "have", "push")
+                peer.request(_push_header(1, big, SIGNER)[0], "have", "push")
         finally:
             peer.close()
         half = {"w": np.zeros(1 << 19, np.float32)}  # 2 MiB each: the second exceeds 3 MiB
         first = connect(server.address, 2.0, 5.0, KEY)
         second = connect(server.address, 2.0, 5.0, KEY)
         try:
-            first.request(_push_header(2, half, KEY)[0], "have", "push")
+            first.request(_push_header(2, half, SIGNER)[0], "have", "push")
             with pytest.raises(RemoteError, match="not yet verified"):
-                second.request(_push_header(3, half, KEY)[0], "have", "push")
+                second.request(_push_header(3, half, SIGNER)[0], "have", "push")
         finally:
             first.close()
             second.close()
@@ -302,12 +306,13 @@ def test_announced_bytes_are_capped_per_push_and_across_peers():
 
 
 # ---- bounded fuzz: hostile bytes and peers never take the relay down
-@pytest.mark.parametrize("key", [KEY, None], ids=["keyed", "keyless"])
+@pytest.mark.parametrize("key", [LEARNER, None], ids=["keyed", "keyless"])
 def test_fuzz_hostile_peers_leave_the_relay_serving(key):
     flat = _flat(6)
     rng = np.random.default_rng(0)
-    with RelayServer(RelaySection(chunk_bytes=64 << 10, io_timeout_s=2.0), key=key) as server:
-        _published(server, flat, key=key)
+    cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=2.0, max_handshakes_per_source=64)  # all reach the key check
+    with RelayServer(cfg, keys=key and key.for_hosts()) as server:
+        _published(server, flat, keys=key)
         host, port = server.address.rsplit(":", 1)
         idle = [socket.create_connection((host, int(port)), timeout=3) for _ in range(50)]
         prefixes = [struct.pack("<4sIQ", MAGIC, (1 << 32) - 1, 0), struct.pack("<4sIQ", MAGIC, 10, 1 << 63),
@@ -341,15 +346,15 @@ def test_fuzz_hostile_peers_leave_the_relay_serving(key):
             s.close()
         assert not server.stopped and server.versions_held() == [1] and server.stats()["successors"] == []
         server.check()
-        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         assert v == 1 and np.array_equal(got["w"], flat["w"])
         assert server.stats()["auth_rejected"] >= 10
 
 
 def test_chunks_need_the_learners_tag_and_corrupted_bytes_are_fetched_again():
     flat = _flat(7, 100_000)
-    with RelayServer(CFG, key=KEY) as server:
-        h, src = _push_header(4, flat, KEY)
+    with RelayServer(CFG, keys=HOSTS) as server:
+        h, src = _push_header(4, flat, SIGNER)
         peer = connect(server.address, 2.0, 5.0, KEY)
         try:
             peer.request(h, "have", "push")
@@ -367,7 +372,7 @@ def test_chunks_need_the_learners_tag_and_corrupted_bytes_are_fetched_again():
             peer.close()
         assert server.versions_held() == [4] and server.stats()["bad_chunks"] == 1
         # A key holder that is not the learner's publish cannot tag chunks of a version it did not sign.
-        h, src = _push_header(5, flat, KEY)
+        h, src = _push_header(5, flat, SIGNER)
         peer = connect(server.address, 2.0, 5.0, KEY)
         try:
             peer.request(h, "have", "push")
@@ -379,7 +384,7 @@ def test_chunks_need_the_learners_tag_and_corrupted_bytes_are_fetched_again():
         finally:
             peer.close()
         assert _wait(lambda: server.stats()["auth_rejected"] == 1 and server.stats()["partial"] == {})
-        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         assert v == 4 and np.array_equal(got["w"], flat["w"])
 
 
@@ -387,20 +392,20 @@ def test_relay_worker_processes_get_the_key_on_stdin_or_from_the_key_file(tmp_pa
     from laminar_jax.relay.chain import start_local_chain
 
     flat = _flat(8)
-    with start_local_chain(2, CFG, key=KEY) as chain:
+    with start_local_chain(2, CFG, keys=HOSTS) as chain:
         for p in chain.procs:  # never in argv
             with open(f"/proc/{p.pid}/cmdline", "rb") as f:
                 assert KEY.hex().encode() not in f.read()
-        with Publisher(CFG, relay_addresses=chain.addresses, key=KEY) as pub:
+        with Publisher(CFG, relay_addresses=chain.addresses, keys=LEARNER) as pub:
             pub.publish(1, flat)
             pub.flush(20)
-        last = RelayClient([chain.addresses[-1]], config=CFG, key=KEY)
+        last = RelayClient([chain.addresses[-1]], config=CFG, keys=HOSTS)
         assert last.wait_for(1, 20) == 1
         _, got = last.pull(0, timeout=5, copy=True)
         assert np.array_equal(got["w"], flat["w"])
         with pytest.raises((AuthError, WireError)):
             RelayClient([chain.addresses[0]], config=CFG).wait_for(1, 1)
-    key = auth.run_key(str(tmp_path))
+    key = auth.run_keys(str(tmp_path)).link  # the worker reads learner.pub beside the key file
     p = subprocess.Popen([sys.executable, "-m", "laminar_jax.relay.worker", "--port", "0", "--key-file",
                           str(tmp_path / auth.KEY_FILE), "--parent-pid", str(os.getpid())],
                          stdout=subprocess.PIPE, text=True)
@@ -421,9 +426,9 @@ def test_relay_worker_processes_get_the_key_on_stdin_or_from_the_key_file(tmp_pa
 
 def test_tcp_pulls_check_every_chunk_against_the_learners_tags():
     flat = _flat(9, 100_000)
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         _published(server, flat)
-        client = RelayClient([server.address], config=CFG, key=KEY)
+        client = RelayClient([server.address], config=CFG, keys=HOSTS)
         peer = connect(server.address, 2.0, 5.0, KEY)
         try:
             h, _ = peer.request({"op": "pull", "newer_than": 0}, "pulled", "pull")
@@ -440,10 +445,10 @@ def test_tcp_pulls_check_every_chunk_against_the_learners_tags():
         check = lambda data, sig: client._read_checked(FakePeer(data), d, memoryview(bytearray(plen)), m, sig, "bytes")
         check(bytes(buf), h["signature"])  # intact: passes
         buf[plen // 2] ^= 0x40
-        with pytest.raises(AuthError, match="does not match its tag"):
+        with pytest.raises(AuthError, match="does not match its signed digest"):
             check(bytes(buf), h["signature"])
         with pytest.raises(AuthError, match="without valid chunk tags"):
-            check(bytes(buf), auth.sign_version(KEY, 1, m.digest()))
+            check(bytes(buf), auth.sign_version(SIGNER, 1, m.digest()))
 
 
 class FakePeer:
@@ -467,7 +472,7 @@ def _signed_push(server, version, flat):
     m = plan_layout(flat, version)
     peer = connect(server.address, 2.0, 3.0, KEY)
     try:
-        return push_version(peer, ArraysSource(m, flat, CFG.chunk_bytes, KEY), None, 0.1, 3.0, 1)
+        return push_version(peer, ArraysSource(m, flat, CFG.chunk_bytes, SIGNER), None, 0.1, 3.0, 1)
     finally:
         peer.close()
 
@@ -478,11 +483,11 @@ def test_relay_refuses_a_version_the_store_does_not_commit(tmp_path):
     cfg = RelaySection(chunk_bytes=64 << 10, io_timeout_s=3.0, heartbeat_s=0.1, store_url=str(tmp_path / "w"),
                        store_check_s=1.0)
     store = WeightStore(cfg.store_url)
-    with RelayServer(cfg, key=KEY) as server:
-        with Publisher(cfg, store=store, relay_addresses=[server.address], key=KEY) as pub:
+    with RelayServer(cfg, keys=HOSTS) as server:
+        with Publisher(cfg, store=store, relay_addresses=[server.address], keys=LEARNER) as pub:
             pub.publish(1, _flat(1))
             pub.flush(20)
-        assert RelayClient([server.address], config=cfg, key=KEY).wait_for(1, 10) == 1  # stored: served
+        assert RelayClient([server.address], config=cfg, keys=HOSTS).wait_for(1, 10) == 1  # stored: served
         assert server.stats()["store_cleared"] == 1
         # Signed, fully delivered, but never committed to the store: never served, then dropped.
         assert _signed_push(server, 7, _flat(7)) == "delivered"
@@ -503,7 +508,7 @@ def test_relay_refuses_a_version_the_store_does_not_commit(tmp_path):
         time.sleep(0.2)
         assert server.versions_held() == [1]
         store.write(3, _flat(3))
-        v, got = RelayClient([server.address], config=cfg, key=KEY).pull(1, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=cfg, keys=HOSTS).pull(1, timeout=5, copy=True)
         assert v == 3 and np.array_equal(got["w"], _flat(3)["w"])
         assert server.stats()["store_refused"] == 3
 
@@ -514,7 +519,7 @@ def test_a_version_signed_again_by_a_restarted_learner_is_compared_by_its_tagged
     from laminar_jax.relay.push import push_version
 
     flat, other = _flat(1), _flat(2)
-    with RelayServer(CFG, key=KEY) as server:
+    with RelayServer(CFG, keys=HOSTS) as server:
         _published(server, flat)
         assert _signed_push(server, 1, flat) == "skipped"
         assert server.stats()["republished_same"] == 1
@@ -527,15 +532,15 @@ def test_a_version_signed_again_by_a_restarted_learner_is_compared_by_its_tagged
         peer = connect(server.address, 2.0, 3.0, KEY)
         try:
             with pytest.raises((WireError, OSError)):
-                push_version(peer, UntaggedVouches(plan_layout(other, 1), other, CFG.chunk_bytes, KEY),
+                push_version(peer, UntaggedVouches(plan_layout(other, 1), other, CFG.chunk_bytes, SIGNER),
                              None, 0.1, 3.0, 1)
         finally:
             peer.close()
         assert server.stats().get("republished_replaced", 0) == 0
-        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         assert v == 1 and np.array_equal(got["w"], flat["w"])
 
         assert _signed_push(server, 1, other) == "delivered"
         assert server.stats()["republished_replaced"] == 1
-        v, got = RelayClient([server.address], config=CFG, key=KEY).pull(0, timeout=5, copy=True)
+        v, got = RelayClient([server.address], config=CFG, keys=HOSTS).pull(0, timeout=5, copy=True)
         assert v == 1 and np.array_equal(got["w"], other["w"])
