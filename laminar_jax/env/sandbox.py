@@ -122,7 +122,7 @@ class SandboxResult(NamedTuple):
 
 def classify(returncode: int, stderr: str, stopped, limits: SandboxLimits) -> tuple[str, str]:
     """(status, detail) of a finished run; `stopped` is None, "wall" or "output" (capture.Captured)."""
-    if stopped == "wall" or stopped is True:
+    if stopped == "wall":
         return "wall_limit", f"wall time > {limits.wall_s} s"
     if stopped == "output":
         return "output_limit", f"output > {limits.output_bytes} bytes"
