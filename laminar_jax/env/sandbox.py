@@ -121,11 +121,14 @@ class SandboxResult(NamedTuple):
 
 
 def classify(returncode: int, stderr: str, stopped, limits: SandboxLimits) -> tuple[str, str]:
-    """(status, detail) of a finished run; `stopped` is None, "wall" or "output" (capture.Captured)."""
+    """(status, detail) of a finished run; `stopped`: None, "wall" or "output" (capture.Captured), or
+    "closed" (it closed its output and was still running)."""
     if stopped == "wall":
         return "wall_limit", f"wall time > {limits.wall_s} s"
     if stopped == "output":
         return "output_limit", f"output > {limits.output_bytes} bytes"
+    if stopped == "closed":
+        return "error", "closed stdout and stderr but kept running (stopped)"
     if "SANDBOX-DENIED " in stderr:
         return "denied", stderr.rsplit("SANDBOX-DENIED ", 1)[1].strip().splitlines()[0]
     # Killed by a signal: -N from the interpreter itself (sandbox="none"), 128+N through bwrap.
@@ -180,17 +183,21 @@ def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimit
         got = capture(proc, code.encode("utf-8", "replace"), t0 + limits.wall_s, keep=limits.output_chars * 4,
                       max_total=limits.output_bytes)
     finally:
-        _stop(proc, sandbox)
+        killed = _stop(proc, sandbox)
     err = got.stderr.text(limits.output_chars)
-    status, detail = classify(proc.returncode, err, got.stopped, limits)
+    # Still running with its output closed: stopped here, which is no CPU limit.
+    stopped = got.stopped or ("closed" if killed else None)
+    status, detail = classify(proc.returncode, err, stopped, limits)
     return SandboxResult(status, proc.returncode, got.stdout.text(limits.output_chars), err, detail,
                          time.monotonic() - t0)
 
 
-def _stop(proc: subprocess.Popen, sandbox: str) -> None:
-    """Kill what is left and reap. bwrap: killing it takes its PID namespace, and all in it, along."""
+def _stop(proc: subprocess.Popen, sandbox: str) -> bool:
+    """Kill what is left and reap; whether the run itself was still going. bwrap: killing it takes
+    its PID namespace, and all in it, along."""
+    running = proc.poll() is None
     if sandbox == "bwrap":
-        if proc.poll() is None:
+        if running:
             proc.kill()
     else:
         try:
@@ -198,6 +205,7 @@ def _stop(proc: subprocess.Popen, sandbox: str) -> None:
         except ProcessLookupError:
             pass
     proc.wait(timeout=30)
+    return running
 
 
 class Scratch:
