@@ -179,11 +179,13 @@ def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimit
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    got = None
     try:
         got = capture(proc, code.encode("utf-8", "replace"), t0 + limits.wall_s, keep=limits.output_chars * 4,
                       max_total=limits.output_bytes)
     finally:
-        killed = _stop(proc, sandbox)
+        # Its output closed on its own: give the exit that usually follows a moment before killing.
+        killed = _stop(proc, sandbox, grace_s=_EXIT_WAIT_S if got is not None and got.stopped is None else 0.0)
     err = got.stderr.text(limits.output_chars)
     # Still running with its output closed: stopped here, which is no CPU limit.
     stopped = got.stopped or ("closed" if killed else None)
@@ -192,9 +194,16 @@ def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimit
                          time.monotonic() - t0)
 
 
-def _stop(proc: subprocess.Popen, sandbox: str) -> bool:
-    """Kill what is left and reap; whether the run itself was still going. bwrap: killing it takes
-    its PID namespace, and all in it, along."""
+_EXIT_WAIT_S = 1.0  # from the end of its output to its exit, for a run that is ending by itself
+
+
+def _stop(proc: subprocess.Popen, sandbox: str, grace_s: float) -> bool:
+    """Kill what is left and reap; whether the run itself was still going after `grace_s`. bwrap:
+    killing it takes its PID namespace, and all in it, along."""
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        pass
     running = proc.poll() is None
     if sandbox == "bwrap":
         if running:

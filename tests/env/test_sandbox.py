@@ -200,3 +200,9 @@ def test_a_record_cannot_turn_the_sandbox_off():
     driver.start(req, {"extra_info": {"env": "fake-sandboxed", "env_kwargs": {"sandbox": "none"}}})
     (_, (factory, name, _record)), = pool.calls
     assert name == "fake-sandboxed" and factory().sandbox == "bwrap"
+
+
+def test_a_run_that_closes_its_output_and_lingers_is_stopped_as_an_error(scratch):
+    # Unsandboxed, where -9 would otherwise read as the CPU limit's kill (bwrap holds the pipes: wall limit).
+    r = run_python("import os, time\nos.close(1)\nos.close(2)\ntime.sleep(30)", scratch, LIMITS, "none")
+    assert r.status == "error" and "kept running" in r.detail and r.wall_s < 4, r
