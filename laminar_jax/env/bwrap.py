@@ -55,7 +55,8 @@ def _interpreter_mounts() -> tuple[list[str], list[str]]:
                                      "installed_base": sys.base_prefix, "installed_platbase": sys.base_exec_prefix})
     ro = [interpreter(), os.path.realpath(base["stdlib"]), os.path.realpath(base["platstdlib"])]
     libdir, soname = sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("INSTSONAME")
-    if sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname and os.path.exists(os.path.join(libdir, soname)):
+    shared = sysconfig.get_config_var("Py_ENABLE_SHARED") and libdir and soname
+    if shared and os.path.exists(os.path.join(libdir, soname)):
         ro.append(os.path.realpath(os.path.join(libdir, soname)))
     hide = sorted({os.path.realpath(base[k]) for k in ("purelib", "platlib") if os.path.isdir(base[k])})
     return ro, hide

@@ -161,7 +161,8 @@ def _command(scratch_dir: str, limits: SandboxLimits, sandbox: str) -> tuple[lis
         args = base + [str(limits.max_processes), str(_sandbox_uid(scratch_dir)), SCRATCH]
         boot = [interpreter(), "-I", "-S", "-X", "utf8", "-c", _LIMITS + _RUN, *args]
         return bwrap_argv(scratch_dir) + boot, "/"
-    args = base + ["-1", "-1", os.path.realpath(scratch_dir)]  # no process cap: RLIMIT_NPROC would count all the trainer's threads
+    # No process cap: RLIMIT_NPROC would count every thread of the trainer's uid.
+    args = base + ["-1", "-1", os.path.realpath(scratch_dir)]
     return [sys.executable, "-I", "-S", "-X", "utf8", "-c", _LIMITS + _AUDIT + _RUN, *args], scratch_dir
 
 

@@ -59,7 +59,8 @@ def test_ten_gigabytes_are_refused(scratch):
 @needs_bwrap
 def test_a_fork_bomb_meets_the_process_cap(scratch):
     code = ("import os, time\nn = 0\ntry:\n    while n < 1000:\n        if os.fork() == 0:\n"
-            "            time.sleep(5)\n            os._exit(0)\n        n += 1\nexcept OSError as e:\n    print(n, e.errno)")
+            "            time.sleep(5)\n            os._exit(0)\n        n += 1\n"
+            "except OSError as e:\n    print(n, e.errno)")
     r = run_python(code, scratch, LIMITS._replace(max_processes=8))
     # 8 tasks of the sandbox's uid in all (bwrap's init is one of them when not root), then EAGAIN
     assert r.status == "ok" and r.stdout.split()[1] == "11" and 6 <= int(r.stdout.split()[0]) <= 7, r
@@ -136,9 +137,10 @@ def test_python_env_reports_the_limit_to_the_policy():
     env = make_env("python", cpu_s=1, wall_s=30.0)  # 1 CPU-second can take many wall seconds on a loaded machine
     env.reset({"ground_truth": 45})
     try:
-        obs, reward, done = env.step('<tool_call>{"name": "python", "arguments": {"code": "while 1: pass"}}</tool_call>')
+        call = '<tool_call>{"name": "python", "arguments": {"code": "%s"}}</tool_call>'
+        obs, reward, done = env.step(call % "while 1: pass")
         assert "cpu_limit" in obs and reward == 0.0 and not done
-        obs, _, _ = env.step('<tool_call>{"name": "python", "arguments": {"code": "print(sum(range(10)))"}}</tool_call>')
+        obs, _, _ = env.step(call % "print(sum(range(10)))")
         assert obs == "45"
         assert env.step("The answer is 45.") == (None, 1.0, True)
         assert [r.status for r in env.runs] == ["cpu_limit", "ok"]

@@ -50,8 +50,9 @@ def run_host(code: str, scratch: str, **limits) -> tuple[int, dict]:
     limits = {"cpu_s": 2, "wall_s": 3.0, **limits}
     env = dict(os.environ, PYTHONPATH=REPO)
     # Its own session: an attack on the host's process group must not reach pytest.
-    p = subprocess.run([sys.executable, "-c", HOST], input=json.dumps({"code": code, "scratch": scratch, "limits": limits}),
-                       capture_output=True, text=True, timeout=60, env=env, start_new_session=True)
+    request = json.dumps({"code": code, "scratch": scratch, "limits": limits})
+    p = subprocess.run([sys.executable, "-c", HOST], input=request, capture_output=True, text=True, timeout=60,
+                       env=env, start_new_session=True)
     line = next((x for x in p.stdout.splitlines() if x.startswith("HOST ")), None)
     return p.returncode, (json.loads(line[5:]) if line else {"host_stderr": p.stderr[-2000:]})
 
