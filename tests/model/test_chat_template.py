@@ -125,6 +125,9 @@ def test_named_templates_pick_tool_use_with_tools(tmp_path):
 
 def test_the_sandbox_refuses_python_internals():
     import jinja2.exceptions
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    assert isinstance(ct.compile_template("{{ 1 }}").environment, ImmutableSandboxedEnvironment)
 
     with pytest.raises(jinja2.exceptions.SecurityError):
         ct.render("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
