@@ -93,6 +93,23 @@ def marker_pids(marker: str) -> list[int]:
     return pids
 
 
+def spawn_unaudited(child: str, marker: str) -> str:
+    """Code that starts `python -c child marker` through _posixsubprocess.fork_exec (no audit event), then sleeps."""
+    return f'''
+import _posixsubprocess, os, sys, time
+exe = os.fsencode(sys.executable)
+r, w = os.pipe()
+args = [[exe, b"-I", b"-S", b"-c", {child!r}.encode(), {marker!r}.encode()], [exe], True, (), None, None,
+        -1, -1, -1, -1, -1, -1, r, w, False, False, -1, None, None, None, -1, None]
+try:
+    pid = _posixsubprocess.fork_exec(*args, False)
+except TypeError:
+    pid = _posixsubprocess.fork_exec(*args)
+print("spawned", pid, flush=True)
+time.sleep(60)
+'''
+
+
 def test_killpg_of_the_host_group_leaves_the_host_alive(dirs):
     rc, rep = run_host("import os, signal\nos.killpg(os.getpgid(os.getppid()), signal.SIGKILL)", dirs[0])
     assert rc == 0 and "status" in rep, (rc, rep)
@@ -160,19 +177,7 @@ except OSError:
     pass
 time.sleep(30)
 '''
-    code = f'''
-import _posixsubprocess, os, sys, time
-exe = os.fsencode(sys.executable)
-r, w = os.pipe()
-args = [[exe, b"-I", b"-S", b"-c", {child!r}.encode(), {marker!r}.encode()], [exe], True, (), None, None,
-        -1, -1, -1, -1, -1, -1, r, w, False, False, -1, None, None, None, -1, None]
-try:
-    pid = _posixsubprocess.fork_exec(*args, False)
-except TypeError:
-    pid = _posixsubprocess.fork_exec(*args)
-print("spawned", pid, flush=True)
-time.sleep(60)
-'''
+    code = spawn_unaudited(child, marker)
     before = snapshot(run)
     try:
         rc, rep = run_host(code, scratch, wall_s=3.0)
@@ -219,3 +224,31 @@ def test_150_mb_of_output_keeps_the_host_memory_bounded(dirs):
     assert rc == 0, (rc, rep)
     assert rep["peak_growth_mib"] < 48, rep
     assert 0 < len(rep["stdout"]) <= 4000 and set(rep["stdout"]) == {"x"}, rep["status"]
+
+
+def test_everything_in_the_sandbox_dies_with_its_host(dirs):
+    marker = f"sandbox-orphan-{uuid.uuid4().hex}"
+    code = spawn_unaudited("import os, time\nos.setsid()\ntime.sleep(60)", marker)
+    request = json.dumps({"code": code, "scratch": dirs[0], "limits": {"cpu_s": 5, "wall_s": 60.0}})
+    host = subprocess.Popen([sys.executable, "-c", HOST], stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, env=dict(os.environ, PYTHONPATH=REPO), start_new_session=True)
+    try:
+        host.stdin.write(request.encode())
+        host.stdin.close()
+        deadline = time.monotonic() + 30
+        while not marker_pids(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert marker_pids(marker), "the sandboxed code did not start its child"
+        host.kill()  # the trainer dies mid-call
+        host.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while marker_pids(marker) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = marker_pids(marker)
+    finally:
+        if host.poll() is None:
+            host.kill()
+            host.wait(timeout=10)
+        for pid in marker_pids(marker):
+            os.kill(pid, signal.SIGKILL)
+    assert left == [], f"processes outlived their host: {left}"
