@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -41,6 +42,17 @@ class SandboxUnavailable(RuntimeError):
 
 def find_bwrap() -> Optional[str]:
     return shutil.which("bwrap") or next((p for p in ("/usr/bin/bwrap", "/bin/bwrap") if os.access(p, os.X_OK)), None)
+
+
+@functools.lru_cache(maxsize=4)
+def _version(bwrap: str) -> tuple[int, ...]:
+    """bwrap's version, e.g. (0, 8, 0); (0,) when it does not say."""
+    try:
+        out = subprocess.run([bwrap, "--version"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return (0,)
+    m = re.search(r"(\d+)\.(\d+)(?:\.(\d+))?", out)
+    return tuple(int(g) for g in m.groups() if g is not None) if m else (0,)
 
 
 def interpreter() -> str:
@@ -111,7 +123,9 @@ def bwrap_argv(scratch_dir: str) -> list[str]:
         ns = ["--unshare-ipc", "--unshare-pid", "--unshare-net", "--unshare-uts", "--unshare-cgroup-try",
               "--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID"]
     else:
-        ns = ["--unshare-all", "--unshare-user", "--disable-userns"]
+        ns = ["--unshare-all", "--unshare-user"]
+        if _version(bwrap) >= (0, 8):  # no nested user namespaces (the option is new in 0.8)
+            ns.append("--disable-userns")
     return [bwrap, *ns, "--die-with-parent", "--new-session", *_mount_args(interpreter()),
             "--proc", "/proc", "--dev", "/dev", "--bind", os.path.realpath(scratch_dir), SCRATCH,
             "--remount-ro", "/", "--chdir", "/", "--clearenv",
