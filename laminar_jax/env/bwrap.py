@@ -88,11 +88,12 @@ def _mount_args(exe: str) -> tuple[str, ...]:
     if os.path.isfile("/etc/ld.so.cache"):
         ro.append("/etc/ld.so.cache")
     binds = sorted(set(system + [p for p in ro if os.path.exists(p) and not _under(p, system)]))
-    # bwrap creates missing parents 0700, which the uid the code runs as could not traverse.
+    # bwrap creates a missing parent of a mount point 0700, which the uid the code runs as could not
+    # traverse; --dir creates it 0755.
     parents = sorted({a for p in binds for a in _ancestors(p)} - set(binds) - {"/"}, key=lambda p: p.count("/"))
     for p in parents:
         if not any(_under(p, [s]) for s in binds):
-            args += ["--perms", "0755", "--dir", p]
+            args += ["--dir", p]
     for p in binds:
         args += ["--ro-bind", p, p]
     for p in hide:
