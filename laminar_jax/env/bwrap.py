@@ -129,9 +129,12 @@ def bwrap_argv(scratch_dir: str) -> list[str]:
             ns.append("--disable-userns")
     return [bwrap, *ns, "--die-with-parent", "--new-session", *_mount_args(interpreter()),
             "--proc", "/proc", "--dev", "/dev", "--bind", os.path.realpath(scratch_dir), SCRATCH,
-            "--remount-ro", "/", "--chdir", "/", "--clearenv",
-            "--setenv", "HOME", SCRATCH, "--setenv", "TMPDIR", SCRATCH, "--setenv", "PATH", "/usr/bin:/bin",
-            "--setenv", "LANG", "C.UTF-8"]
+            "--remount-ro", "/", "--chdir", "/"]
+
+
+def sandbox_env() -> dict[str, str]:
+    """The whole environment bwrap and the code inside get (bwrap passes its own on)."""
+    return {"PATH": "/usr/bin:/bin", "HOME": SCRATCH, "TMPDIR": SCRATCH, "LANG": "C.UTF-8"}
 
 
 @functools.lru_cache(maxsize=4)
@@ -143,7 +146,8 @@ def _probe(bwrap: str, exe: str) -> Optional[str]:
     try:
         cmd = bwrap_argv(scratch) + [exe, "-I", "-S", "-c", "print('sandbox-ok')"]
         try:
-            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL)
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=30, stdin=subprocess.DEVNULL,
+                               env=sandbox_env())
         except (OSError, subprocess.TimeoutExpired) as e:
             return f"{bwrap} did not run: {e}"
         if r.returncode != 0 or "sandbox-ok" not in r.stdout:

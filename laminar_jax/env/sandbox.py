@@ -34,7 +34,7 @@ import tempfile
 import time
 from typing import NamedTuple
 
-from laminar_jax.env.bwrap import SANDBOX_MODES, SCRATCH, bwrap_argv, interpreter
+from laminar_jax.env.bwrap import SANDBOX_MODES, SCRATCH, bwrap_argv, interpreter, sandbox_env
 from laminar_jax.env.capture import capture
 
 # Runs first in the sandboxed interpreter: limits, the uid drop, then the code from stdin.
@@ -51,6 +51,7 @@ if _uid >= 0:
     os.setresgid(_uid, _uid, _uid)
     os.setresuid(_uid, _uid, _uid)
 os.chdir(sys.argv[7])  # after the drop: the scratch dir is the sandbox uid's, mode 0700
+os.environ["PWD"] = sys.argv[7]
 _fd = os.open(os.devnull, os.O_RDONLY)
 os.dup2(_fd, 0)
 os.close(_fd)
@@ -154,16 +155,17 @@ def _sandbox_uid(scratch_dir: str) -> int:
     return uid
 
 
-def _command(scratch_dir: str, limits: SandboxLimits, sandbox: str) -> tuple[list[str], str]:
-    """(argv, cwd) of one run."""
+def _command(scratch_dir: str, limits: SandboxLimits, sandbox: str) -> tuple[list[str], str, dict]:
+    """(argv, cwd, environment) of one run."""
     base = [str(limits.cpu_s), str(limits.memory_bytes), str(limits.file_bytes), str(limits.open_files)]
     if sandbox == "bwrap":
         args = base + [str(limits.max_processes), str(_sandbox_uid(scratch_dir)), SCRATCH]
         boot = [interpreter(), "-I", "-S", "-X", "utf8", "-c", _LIMITS + _RUN, *args]
-        return bwrap_argv(scratch_dir) + boot, "/"
+        return bwrap_argv(scratch_dir) + boot, "/", sandbox_env()
     # No process cap: RLIMIT_NPROC would count every thread of the trainer's uid.
     args = base + ["-1", "-1", os.path.realpath(scratch_dir)]
-    return [sys.executable, "-I", "-S", "-X", "utf8", "-c", _LIMITS + _AUDIT + _RUN, *args], scratch_dir
+    env = {"PATH": "/usr/bin:/bin", "HOME": scratch_dir, "TMPDIR": scratch_dir, "LANG": "C.UTF-8"}
+    return [sys.executable, "-I", "-S", "-X", "utf8", "-c", _LIMITS + _AUDIT + _RUN, *args], scratch_dir, env
 
 
 def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimits(),
@@ -175,8 +177,7 @@ def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimit
     if sandbox not in SANDBOX_MODES:
         raise ValueError(f"sandbox={sandbox!r}: expected one of {SANDBOX_MODES}")
     os.makedirs(scratch_dir, exist_ok=True)
-    argv, cwd = _command(scratch_dir, limits, sandbox)
-    env = {"PATH": "/usr/bin:/bin", "HOME": scratch_dir, "TMPDIR": scratch_dir, "PYTHONDONTWRITEBYTECODE": "1"}
+    argv, cwd, env = _command(scratch_dir, limits, sandbox)
     t0 = time.monotonic()
     proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
