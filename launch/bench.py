@@ -9,6 +9,7 @@
   faults    the demo under a scripted chaos schedule (kill a rollout server, the relay, the learner)
   sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
+  env       a trivial python tool call, sandboxed (bubblewrap) against unsandboxed: calls/s, p50/p99 (--sandbox)
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
@@ -24,7 +25,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "env")
 
 
 def _host_malloc(argv):

@@ -23,6 +23,7 @@ class EnvSection:
       turn_stop: Text that ends a policy turn (the end of a tool call), matched as token ids on the host.
       max_response_tokens: Budget of a whole trajectory's response (policy + observation tokens); 0 = up to rollout.max_total_len.
       chat_template: Template rendering tool messages (None: the tokenizer's own; see env/tools.py for the plain fallback).
+      sandbox: How the python environment isolates model-written code: 'bwrap' (bubblewrap namespaces; the environment refuses to start without bwrap, `apt-get install bubblewrap`) or 'none' (unsandboxed, in the trainer's own user and namespaces; the log and the summary's env_sandbox say so). Overrides any environment kwarg of the same name.
       release_slot_while_waiting: A sequence waiting on its environment gives its slot to other requests (its KV pages stay) and takes a free slot again on the observation (False: it keeps its slot).
     """
 
@@ -36,12 +37,14 @@ class EnvSection:
     turn_stop: str = "</tool_call>"
     max_response_tokens: int = 0
     chat_template: Optional[str] = None
+    sandbox: str = "bwrap"
     release_slot_while_waiting: bool = False
 
     def validate(self, prefix: str) -> None:
         expect(self.workers >= 1, f"{prefix}.workers", self.workers, ">= 1")
         expect(self.timeout_s > 0, f"{prefix}.timeout_s", self.timeout_s, "> 0")
         expect(self.turn_max_new_tokens >= 1, f"{prefix}.turn_max_new_tokens", self.turn_max_new_tokens, ">= 1")
+        expect(self.sandbox in ("bwrap", "none"), f"{prefix}.sandbox", self.sandbox, "'bwrap' or 'none'")
         expect(self.max_response_tokens >= 0, f"{prefix}.max_response_tokens", self.max_response_tokens, ">= 0")
         expect(self.by_data_source is None or all(isinstance(k, str) and isinstance(v, str) and v
                                                   for k, v in self.by_data_source.items()),

@@ -64,10 +64,12 @@ def _reset(factory: Callable[[], Environment], name: str, record: dict):
 class EpisodeDriver:
     def __init__(self, pool: EnvPool, tokenizer, *, default_env: Optional[str] = None,
                  by_data_source: Optional[dict] = None, chat_template: Optional[str] = None,
-                 env_kwargs: Optional[dict] = None, clock: Callable[[], float] = time.monotonic):
+                 env_kwargs: Optional[dict] = None, sandbox: str = "bwrap",
+                 clock: Callable[[], float] = time.monotonic):
         self.pool, self.tokenizer, self.clock = pool, tokenizer, clock
         self.default_env, self.by_data_source, self.chat_template = default_env, by_data_source or {}, chat_template
         self.env_kwargs = {k: dict(v) for k, v in (env_kwargs or {}).items()}
+        self.sandbox = sandbox
         self._eps: dict[str, _Episode] = {}
         self._done = self._turns = self._tool_turns = self._failures = 0
         self._wait_slot_s = 0.0
@@ -77,7 +79,8 @@ class EpisodeDriver:
     def start(self, request, record: dict) -> None:
         """Begin an episode for `request` (a rollout Request with .turn set): its env resets in the pool."""
         name, kwargs = select_env(record, self.default_env, self.by_data_source)
-        kwargs = {**self.env_kwargs.get(name, {}), **kwargs}
+        # The config's sandbox setting wins over a record's: data cannot turn the sandbox off.
+        kwargs = {**self.env_kwargs.get(name, {}), **kwargs, "sandbox": self.sandbox}
         ep = _Episode(name, None, request)
         ep.pending = self.pool.submit(_reset, lambda: make_env(name, **kwargs), name, record)
         self._eps[request.uid] = ep

@@ -5,6 +5,10 @@
 The tool message is the run's stdout (and, when it did not end ok, its status and the last
 stderr line). The episode ends at an answer (a turn without a tool call; reward 1.0 when its last
 number equals ground_truth) or after max_turns. Each episode has its own scratch directory.
+
+sandbox='bwrap' (the default) isolates each run with bubblewrap and refuses to build the
+environment when bwrap is missing or cannot create namespaces (bwrap.SandboxUnavailable says how to
+fix it); sandbox='none' runs the code in the trainer's own user and namespaces (env.sandbox).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from typing import Optional
 
 from laminar_jax.env.base import Environment, StepResult
 from laminar_jax.env.calculator import answer_matches
+from laminar_jax.env.bwrap import check_sandbox
 from laminar_jax.env.registry import register_env
 from laminar_jax.env.sandbox import SandboxLimits, Scratch, run_python
 from laminar_jax.env.tools import ToolCallError, parse_tool_calls
@@ -20,8 +25,9 @@ from laminar_jax.env.tools import ToolCallError, parse_tool_calls
 
 class PythonEnv(Environment):
     def __init__(self, max_turns: int = 4, cpu_s: int = 5, memory_mb: int = 512, wall_s: float = 10.0,
-                 scratch_root: Optional[str] = None):
-        self.max_turns, self.scratch_root = max_turns, scratch_root
+                 scratch_root: Optional[str] = None, sandbox: str = "bwrap"):
+        check_sandbox(sandbox)
+        self.max_turns, self.scratch_root, self.sandbox = max_turns, scratch_root, sandbox
         self.limits = SandboxLimits(cpu_s=cpu_s, memory_bytes=memory_mb << 20, wall_s=wall_s)
         self.turn, self.ground_truth, self.scratch, self.runs = 0, None, None, []
 
@@ -44,7 +50,7 @@ class PythonEnv(Environment):
         call = calls[0]
         if call.name != "python" or not isinstance(call.arguments.get("code"), str):
             return StepResult(f"error: unknown tool {call.name!r} or missing 'code'", 0.0, False)
-        res = run_python(call.arguments["code"], self.scratch.path, self.limits)
+        res = run_python(call.arguments["code"], self.scratch.path, self.limits, self.sandbox)
         self.runs.append(res)
         obs = res.stdout if res.status == "ok" else f"{res.stdout}\n[{res.status}: {res.detail}]"
         return StepResult(obs.strip() or "(no output)", 0.0, False)

@@ -8,7 +8,8 @@ Selection, first match wins:
   4. ``default`` (config).
 verl's ``tools_kwargs`` (per-tool create/execute kwargs) are passed to the environment as
 ``tools_kwargs`` when the environment accepts it; verl's tool *classes* are not loaded: a tool
-here is part of an Environment.
+here is part of an Environment. ``sandbox`` (env.sandbox) likewise reaches only the environments
+that take it.
 """
 
 from __future__ import annotations
@@ -59,6 +60,18 @@ def select_env(record: dict[str, Any], default: Optional[str] = None,
     return name, kwargs
 
 
+def accepts(name: str, keyword: str) -> bool:
+    """Whether registered environment `name` names `keyword` among its parameters (False for unknown names)."""
+    _builtins()
+    if name not in _REGISTRY:
+        return False
+    try:
+        params = inspect.signature(_REGISTRY[name]).parameters
+    except (TypeError, ValueError):
+        return False
+    return keyword in params
+
+
 def make_env(name: str, **kwargs: Any) -> Environment:
     """Build a registered environment; unknown names and keyword arguments are refused by name."""
     _builtins()
@@ -69,7 +82,8 @@ def make_env(name: str, **kwargs: Any) -> Environment:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         params = {}
-    if "tools_kwargs" in kwargs and "tools_kwargs" not in params and not any(
-            p.kind == p.VAR_KEYWORD for p in params.values()):
-        kwargs.pop("tools_kwargs")
+    takes_any = any(p.kind == p.VAR_KEYWORD for p in params.values())
+    for optional in ("tools_kwargs", "sandbox"):  # given to every environment; used by those that take it
+        if optional in kwargs and optional not in params and not takes_any:
+            kwargs.pop(optional)
     return factory(**kwargs)

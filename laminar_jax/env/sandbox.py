@@ -1,25 +1,31 @@
-"""Run untrusted Python in a subprocess with CPU-time, memory, file-size and wall limits, a scratch
-directory as cwd, no network and no writes outside the scratch directory.
+"""Run untrusted, model-written Python isolated by bubblewrap, under CPU, memory, process-count,
+file-size, output and wall limits, with a scratch directory as its only writable place.
 
-How each limit is enforced (Linux):
-  - CPU time: RLIMIT_CPU (the kernel sends SIGXCPU, then SIGKILL);
-  - memory: RLIMIT_AS (address space; an allocation past it raises MemoryError);
-  - wall time: the parent kills the child's process group at `wall_s`;
+sandbox="bwrap" (the default; bwrap.py says what the code can see): one `bwrap` per call, in fresh
+PID, network, IPC, UTS and mount namespaces. A bootstrap inside sets the limits (soft = hard, so the
+code cannot raise them) and, when the trainer is root, drops to the scratch directory's owner, an
+otherwise unused uid; then it runs the code, which it read from stdin (the host never writes into
+the scratch directory by path, where the code could have planted a symlink). Limits:
+  - CPU time: RLIMIT_CPU per process (SIGXCPU, then SIGKILL);
+  - memory: RLIMIT_AS per process (an allocation past it raises MemoryError); with the process cap,
+    the whole sandbox holds at most max_processes x memory_bytes;
+  - processes: RLIMIT_NPROC (threads count as processes), counted for the sandbox's own uid;
   - file size: RLIMIT_FSIZE; open files: RLIMIT_NOFILE;
-  - network, writes outside the scratch dir, subprocesses, ctypes: a `sys.addaudithook` hook
-    installed before the code runs refuses socket connect/bind/sendto, opening for writing (and
-    remove/rename/mkdir/chmod...) outside the scratch dir, fork/exec/spawn/system and ctypes;
-    a refusal writes a `SANDBOX-DENIED <what>` line to stderr and ends the process at once.
-What this is not: a security boundary against hostile code. Audit hooks live in the interpreter
-(a C extension or a bug in CPython could bypass them) and there is no network namespace (the
-machine has no `unshare` for us); it contains mistakes and runaway model-written code, the
-workload of a tool-use sandbox. Run untrusted code from the internet in a container or VM.
+  - wall time and output: the host reads stdout/stderr as streams, keeps only their last
+    `output_chars`, and at `wall_s` or past `output_bytes` kills bwrap, whose PID namespace dies
+    with it: every process the code started (setsid or not) is gone when run_python returns.
+There is no persistent interpreter: each call is a fresh sandbox (state lives in scratch files).
+
+sandbox="none" (only when asked for, env.sandbox='none'): the same interpreter in the trainer's own
+user and namespaces, with the limits above but no process cap, and a `sys.addaudithook` hook that
+refuses network, subprocesses, ctypes and writes outside scratch. It contains mistakes, not an
+attacker: audit hooks live in the interpreter and are bypassable (dir_fd, _posixsubprocess, /proc).
 """
 
 from __future__ import annotations
 
 import os
-import resource
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,12 +34,36 @@ import tempfile
 import time
 from typing import NamedTuple
 
-_BOOTSTRAP = r'''
-import os, sys
-scratch = os.path.realpath(sys.argv[1])
-with open(sys.argv[2], encoding="utf-8") as f:
-    src = f.read()
-code = compile(src, "<sandbox>", "exec")
+from laminar_jax.env.bwrap import SANDBOX_MODES, SCRATCH, bwrap_argv, interpreter, sandbox_env
+from laminar_jax.env.capture import capture
+
+# Runs first in the sandboxed interpreter: limits, the uid drop, then the code from stdin.
+_LIMITS = r'''
+import os, sys, resource as _r
+_cpu, _mem, _fsize, _nofile, _nproc, _uid = (int(a) for a in sys.argv[1:7])
+for _k, _v in ((_r.RLIMIT_CPU, (_cpu, _cpu + 1)), (_r.RLIMIT_AS, (_mem, _mem)), (_r.RLIMIT_FSIZE, (_fsize, _fsize)),
+               (_r.RLIMIT_NOFILE, (_nofile, _nofile)), (_r.RLIMIT_CORE, (0, 0)), (_r.RLIMIT_NPROC, (_nproc, _nproc))):
+    if _v[0] >= 0:
+        _r.setrlimit(_k, _v)
+_src = sys.stdin.buffer.read().decode("utf-8", "replace")
+if _uid >= 0:
+    os.setgroups([])
+    os.setresgid(_uid, _uid, _uid)
+    os.setresuid(_uid, _uid, _uid)
+os.chdir(sys.argv[7])  # after the drop: the scratch dir is the sandbox uid's, mode 0700
+os.environ["PWD"] = sys.argv[7]
+_fd = os.open(os.devnull, os.O_RDONLY)
+os.dup2(_fd, 0)
+os.close(_fd)
+_code = compile(_src, "<sandbox>", "exec")
+'''
+_RUN = r'''
+del _r, _cpu, _mem, _fsize, _nofile, _nproc, _uid, _k, _v, _src, _fd
+exec(_code, {"__name__": "__main__", "__builtins__": __builtins__})
+'''
+# sandbox="none" only: refuse the obvious escapes (not a security boundary, see the module docstring).
+_AUDIT = r'''
+scratch = os.getcwd()
 _W = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 _PATH_EVENTS = {"os.remove", "os.rename", "os.rmdir", "os.mkdir", "os.symlink", "os.link", "os.chmod",
                 "os.chown", "os.truncate", "os.utime", "shutil.rmtree", "shutil.move", "shutil.copyfile"}
@@ -68,8 +98,6 @@ def _hook(event, args):
                 _deny("write outside the scratch dir (" + event + "): " + repr(p))
 
 sys.addaudithook(_hook)
-del f
-exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
 '''
 
 
@@ -79,11 +107,13 @@ class SandboxLimits(NamedTuple):
     wall_s: float = 10.0
     file_bytes: int = 16 << 20
     open_files: int = 64
-    output_chars: int = 4000
+    output_chars: int = 4000  # of stdout and of stderr, the last ones, returned
+    max_processes: int = 32  # processes and threads in the sandbox (bwrap only)
+    output_bytes: int = 4 << 20  # stdout + stderr past this: the run is stopped (status output_limit)
 
 
 class SandboxResult(NamedTuple):
-    status: str  # ok | error | cpu_limit | memory_limit | wall_limit | denied
+    status: str  # ok | error | cpu_limit | memory_limit | wall_limit | output_limit | denied
     returncode: int
     stdout: str
     stderr: str
@@ -91,25 +121,19 @@ class SandboxResult(NamedTuple):
     wall_s: float
 
 
-def _limit(limits: SandboxLimits):
-    def pre() -> None:
-        os.setsid()  # own process group: the wall limit kills everything the code left behind
-        resource.setrlimit(resource.RLIMIT_CPU, (limits.cpu_s, limits.cpu_s + 1))
-        resource.setrlimit(resource.RLIMIT_AS, (limits.memory_bytes, limits.memory_bytes))
-        resource.setrlimit(resource.RLIMIT_FSIZE, (limits.file_bytes, limits.file_bytes))
-        resource.setrlimit(resource.RLIMIT_NOFILE, (limits.open_files, limits.open_files))
-        resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
-
-    return pre
-
-
-def classify(returncode: int, stderr: str, timed_out: bool, limits: SandboxLimits) -> tuple[str, str]:
-    """(status, detail) of a finished run."""
-    if timed_out:
+def classify(returncode: int, stderr: str, stopped, limits: SandboxLimits) -> tuple[str, str]:
+    """(status, detail) of a finished run; `stopped`: None, "wall" or "output" (capture.Captured), or
+    "closed" (it closed its output and was still running)."""
+    if stopped == "wall":
         return "wall_limit", f"wall time > {limits.wall_s} s"
+    if stopped == "output":
+        return "output_limit", f"output > {limits.output_bytes} bytes"
+    if stopped == "closed":
+        return "error", "closed stdout and stderr but kept running (stopped)"
     if "SANDBOX-DENIED " in stderr:
         return "denied", stderr.rsplit("SANDBOX-DENIED ", 1)[1].strip().splitlines()[0]
-    if returncode in (-signal.SIGXCPU, -signal.SIGKILL):
+    # Killed by a signal: -N from the interpreter itself (sandbox="none"), 128+N through bwrap.
+    if returncode in (-signal.SIGXCPU, -signal.SIGKILL, 128 + signal.SIGXCPU, 128 + signal.SIGKILL):
         return "cpu_limit", f"CPU time > {limits.cpu_s} s"
     if "MemoryError" in stderr:
         return "memory_limit", f"address space > {limits.memory_bytes >> 20} MiB"
@@ -119,30 +143,80 @@ def classify(returncode: int, stderr: str, timed_out: bool, limits: SandboxLimit
     return "ok", ""
 
 
-def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimits()) -> SandboxResult:
-    """Run `code` with cwd = scratch_dir under `limits`; never raises for what the code does."""
+def _sandbox_uid(scratch_dir: str) -> int:
+    """As root: the uid the code runs as, the scratch dir's owner (given a fresh unused uid if it is root's)."""
+    if os.geteuid() != 0:
+        return -1
+    st = os.stat(scratch_dir)
+    if st.st_uid != 0:
+        return st.st_uid
+    uid = 0x60000000 + secrets.randbelow(1 << 24)  # far above login and container subuid ranges
+    os.chown(scratch_dir, uid, uid)
+    return uid
+
+
+def _command(scratch_dir: str, limits: SandboxLimits, sandbox: str) -> tuple[list[str], str, dict]:
+    """(argv, cwd, environment) of one run."""
+    base = [str(limits.cpu_s), str(limits.memory_bytes), str(limits.file_bytes), str(limits.open_files)]
+    if sandbox == "bwrap":
+        args = base + [str(limits.max_processes), str(_sandbox_uid(scratch_dir)), SCRATCH]
+        boot = [interpreter(), "-I", "-S", "-X", "utf8", "-c", _LIMITS + _RUN, *args]
+        return bwrap_argv(scratch_dir) + boot, "/", sandbox_env()
+    # No process cap: RLIMIT_NPROC would count every thread of the trainer's uid.
+    args = base + ["-1", "-1", os.path.realpath(scratch_dir)]
+    env = {"PATH": "/usr/bin:/bin", "HOME": scratch_dir, "TMPDIR": scratch_dir, "LANG": "C.UTF-8"}
+    return [sys.executable, "-I", "-S", "-X", "utf8", "-c", _LIMITS + _AUDIT + _RUN, *args], scratch_dir, env
+
+
+def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimits(),
+               sandbox: str = "bwrap") -> SandboxResult:
+    """Run `code` with cwd = the scratch dir under `limits`; never raises for what the code does.
+
+    Raises bwrap.SandboxUnavailable when sandbox='bwrap' and bwrap is not installed.
+    """
+    if sandbox not in SANDBOX_MODES:
+        raise ValueError(f"sandbox={sandbox!r}: expected one of {SANDBOX_MODES}")
     os.makedirs(scratch_dir, exist_ok=True)
-    src = os.path.join(scratch_dir, ".sandbox_main.py")
-    with open(src, "w", encoding="utf-8") as f:
-        f.write(code)
-    env = {"PATH": "/usr/bin:/bin", "HOME": scratch_dir, "TMPDIR": scratch_dir, "PYTHONDONTWRITEBYTECODE": "1"}
+    argv, cwd, env = _command(scratch_dir, limits, sandbox)
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _BOOTSTRAP, scratch_dir, src], cwd=scratch_dir,
-                            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            preexec_fn=_limit(limits), text=True, errors="replace")
-    timed_out = False
+    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
+    got = None
     try:
-        out, err = proc.communicate(timeout=limits.wall_s)
+        got = capture(proc, code.encode("utf-8", "replace"), t0 + limits.wall_s, keep=limits.output_chars * 4,
+                      max_total=limits.output_bytes)
+    finally:
+        # Its output closed on its own: give the exit that usually follows a moment before killing.
+        killed = _stop(proc, sandbox, grace_s=_EXIT_WAIT_S if got is not None and got.stopped is None else 0.0)
+    err = got.stderr.text(limits.output_chars)
+    # Still running with its output closed: stopped here, which is no CPU limit.
+    stopped = got.stopped or ("closed" if killed else None)
+    status, detail = classify(proc.returncode, err, stopped, limits)
+    return SandboxResult(status, proc.returncode, got.stdout.text(limits.output_chars), err, detail,
+                         time.monotonic() - t0)
+
+
+_EXIT_WAIT_S = 1.0  # from the end of its output to its exit, for a run that is ending by itself
+
+
+def _stop(proc: subprocess.Popen, sandbox: str, grace_s: float) -> bool:
+    """Kill what is left and reap; whether the run itself was still going after `grace_s`. bwrap:
+    killing it takes its PID namespace, and all in it, along."""
+    try:
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
-        timed_out = True
+        pass
+    running = proc.poll() is None
+    if sandbox == "bwrap":
+        if running:
+            proc.kill()
+    else:
         try:
-            os.killpg(proc.pid, signal.SIGKILL)
+            os.killpg(proc.pid, signal.SIGKILL)  # its session's group; a setsid()'d descendant escapes this
         except ProcessLookupError:
             pass
-        out, err = proc.communicate(timeout=10)
-    status, detail = classify(proc.returncode, err, timed_out, limits)
-    n = limits.output_chars
-    return SandboxResult(status, proc.returncode, out[-n:], err[-n:], detail, time.monotonic() - t0)
+    proc.wait(timeout=30)
+    return running
 
 
 class Scratch:
@@ -153,3 +227,6 @@ class Scratch:
 
     def close(self) -> None:
         shutil.rmtree(self.path, ignore_errors=True)
+
+
+__all__ = ["SCRATCH", "SandboxLimits", "SandboxResult", "Scratch", "classify", "run_python"]

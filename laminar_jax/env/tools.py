@@ -76,11 +76,15 @@ def render_tool_message(content: str, tokenizer: Optional[Any] = None, chat_temp
     does not extend the conversation by appending (or refuses a 'tool' role): PLAIN_TOOL_FORMAT.
     """
     if tokenizer is not None:
+        from laminar_jax.model.chat_template import ChatTemplateBudgetError
+
         head = [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]
         try:
             base = tokenizer.apply_chat_template(head, add_generation_prompt=False, chat_template=chat_template)
             full = tokenizer.apply_chat_template(head + [{"role": "tool", "content": content}],
                                                  add_generation_prompt=True, chat_template=chat_template)
+        except ChatTemplateBudgetError:
+            raise  # a runaway template is an error, not a template without tool support
         except Exception:  # noqa: BLE001 - a template without tool support: the documented plain format
             full, base = "", None
         if base is not None and full.startswith(base) and content in full[len(base):]:

@@ -7,6 +7,8 @@ helpers transformers gives them (``raise_exception``, a ``tojson`` that does not
 ``strftime_now``, loop controls, trim_blocks / lstrip_blocks), and see only plain JSON data.
 Rendering the same template with the same inputs gives the same text as
 ``transformers.AutoTokenizer.apply_chat_template(..., tokenize=False)``.
+A render runs under a time and output budget (template_budget.py); a template past it raises
+ChatTemplateBudgetError naming the template file.
 """
 
 from __future__ import annotations
@@ -17,6 +19,9 @@ import json
 import os
 from typing import Any, Optional, Sequence, Union
 
+from laminar_jax.model import template_budget as tb
+from laminar_jax.model.template_budget import RenderBudget
+
 # The names under which tokenizer_config.json gives special tokens; templates read e.g. bos_token.
 SPECIAL_TOKEN_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 TEMPLATE_FILE = "chat_template.jinja"
@@ -25,6 +30,21 @@ CONFIG_FILE = "tokenizer_config.json"
 
 class MissingChatTemplateError(ValueError):
     """Chat-message prompts, but the tokenizer has no chat template; the message names the file."""
+
+
+class ChatTemplateBudgetError(ValueError):
+    """A template ran past its render budget (time, output, or one value's size); the message names the file."""
+
+
+class TemplateText(str):
+    """Template text that remembers where it came from (a file, or the setting that gave it inline)."""
+
+    origin: str
+
+    def __new__(cls, text: str, origin: str):
+        self = super().__new__(cls, text)
+        self.origin = origin
+        return self
 
 
 def _raise_exception(message: str):
@@ -42,15 +62,48 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
-@functools.lru_cache(maxsize=32)
-def compile_template(source: str):
-    """A compiled, sandboxed template (cached: one compile per distinct template text)."""
-    import jinja2
-    import jinja2.ext
+@functools.lru_cache(maxsize=1)
+def _environment_class():
+    """ImmutableSandboxedEnvironment whose `*`, `**`, `%`, `~` and calls check the render budget."""
+    from jinja2.compiler import CodeGenerator, optimizeconst
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    class BudgetCodeGenerator(CodeGenerator):
+        @optimizeconst
+        def visit_Concat(self, node, frame):  # `a ~ b`: jinja's str_join, with the size checked first
+            self.write("environment.budget_join((")
+            for arg in node.nodes:
+                self.visit(arg, frame)
+                self.write(", ")
+            self.write("))")
+
+    class BudgetSandboxedEnvironment(ImmutableSandboxedEnvironment):
+        code_generator_class = BudgetCodeGenerator
+        intercepted_binops = frozenset({"*", "**", "%"})
+
+        def call_binop(self, context, operator, left, right):
+            tb.check_binop(operator, left, right)
+            return tb.check_result(super().call_binop(context, operator, left, right))
+
+        def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja's own signature
+            tb.check_call(__obj, args, kwargs)
+            return tb.check_result(super().call(__context, __obj, *args, **kwargs))
+
+        @staticmethod
+        def budget_join(parts):
+            return tb.budget_join(parts)
+
+    return BudgetSandboxedEnvironment
+
+
+@functools.lru_cache(maxsize=32)
+def compile_template(source: str):
+    """A compiled, sandboxed, budgeted template (cached: one compile per distinct template text)."""
+    import jinja2.ext
+
+    env = _environment_class()(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
+    env.filters = {name: tb.guard_filter(f) for name, f in env.filters.items()}
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     return env.from_string(source)
@@ -73,19 +126,27 @@ def check_messages(messages: Sequence[dict]) -> None:
 
 
 def render(source: str, messages: Sequence[dict], *, special_tokens: dict[str, str], tools=None,
-           add_generation_prompt: bool = True, **template_kwargs) -> str:
-    """Render `messages` through the template `source`.
+           add_generation_prompt: bool = True, where: Optional[str] = None,
+           budget: RenderBudget = RenderBudget(), **template_kwargs) -> str:
+    """Render `messages` through the template `source`, within `budget`.
 
     As transformers does: keys whose value is None are dropped from messages (templates test for
     presence, not for None), special tokens are visible by name, and template_kwargs (template flags
-    such as Qwen3's ``enable_thinking``) override them.
+    such as Qwen3's ``enable_thinking``) override them. `where` names the template in errors (default:
+    the source's origin when it is a TemplateText).
     """
     check_messages(messages)
     msgs = [{k: v for k, v in m.items() if v is not None} for m in plain_data(list(messages), "messages")]
     ctx = {**special_tokens, **plain_data(template_kwargs, "chat template flags")}
     tools = None if tools is None else plain_data(list(tools), "tools")
-    return compile_template(source).render(messages=msgs, tools=tools, documents=None,
-                                           add_generation_prompt=add_generation_prompt, **ctx)
+    template = compile_template(str(source))
+    try:
+        return tb.run_budgeted(budget, lambda: template.generate(
+            messages=msgs, tools=tools, documents=None, add_generation_prompt=add_generation_prompt, **ctx))
+    except tb.BudgetExceeded as e:
+        name = where or getattr(source, "origin", None) or "the chat template (given as text)"
+        raise ChatTemplateBudgetError(f"{name}: chat template rendering stopped: {e} (budget: {budget.seconds} s, "
+                                      f"{budget.chars} characters)") from None
 
 
 def _pick(templates: Union[str, list, dict], where: str, with_tools: bool) -> str:
@@ -108,7 +169,7 @@ class TemplateSource:
 
     def __init__(self, directory: str, config: dict):
         self.directory = directory
-        self.where = os.path.join(directory, CONFIG_FILE)
+        self.where = os.path.join(directory, CONFIG_FILE)  # the file the template comes from
         self._templates: Optional[Union[str, list, dict]] = None
         jinja_file = os.path.join(directory, TEMPLATE_FILE)
         if os.path.exists(jinja_file):
@@ -127,7 +188,7 @@ class TemplateSource:
                 f"{os.path.join(self.directory, CONFIG_FILE)}: no 'chat_template' (and no {TEMPLATE_FILE} beside it), "
                 "but the prompts are chat messages; give the tokenizer a template or set data.chat_template "
                 "(a Jinja template or a path to one)")
-        return _pick(self._templates, self.where, with_tools)
+        return TemplateText(_pick(self._templates, self.where, with_tools), self.where)
 
 
 def resolve_override(spec: Optional[str]) -> Optional[str]:
@@ -135,11 +196,11 @@ def resolve_override(spec: Optional[str]) -> Optional[str]:
     if not spec:
         return None
     if "{{" in spec or "{%" in spec:
-        return spec
+        return TemplateText(spec, "data.chat_template (inline text)")
     if not os.path.isfile(spec):
         raise FileNotFoundError(f"data.chat_template={spec!r}: no such template file (nor is it Jinja text)")
     with open(spec, encoding="utf-8") as f:
-        return f.read()
+        return TemplateText(f.read(), spec)
 
 
 # The built-in tokenizer's format as a template: a lone user message is used verbatim (the

@@ -90,6 +90,12 @@ def _tool_call_ids(cfg) -> tuple:
     return tuple(load_tokenizer(cfg.model.tokenizer).encode(TOOL_CALL_START))
 
 
+def _env_sandbox(cfg) -> dict:
+    """Multi-turn runs: how model-written code was isolated ('none' is named so no one misses it)."""
+    env = getattr(cfg, "env", None)
+    return {"env_sandbox": env.sandbox} if env is not None and env.enabled else {}
+
+
 def _shared_frac(servers: list) -> Optional[float]:
     shared = sum(s.prompts_shared for s in servers)
     total = shared + sum(s.prompts_prefilled for s in servers)
@@ -282,6 +288,7 @@ class Monitor:
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],
             **self.env_summary(),
+            **_env_sandbox(self.cfg),
             **self.eval_summary(),
             **self.tool_call_curve(),
             "repack_moves": stats.repack_moves,

@@ -307,6 +307,20 @@ class EpisodeFeed:
         return self.driver.finish(done)
 
 
+def check_env_sandbox(e) -> None:
+    """Before any episode: env.sandbox='bwrap' with bwrap unusable fails the run here, saying how to fix it,
+    when the config names an environment that takes a sandbox; 'none' is logged as a warning."""
+    if e.sandbox == "none":
+        log.warning("env.sandbox='none': model-written code runs UNSANDBOXED, in this process's user and namespaces")
+        return
+    from laminar_jax.env.bwrap import check_sandbox
+    from laminar_jax.env.registry import accepts
+
+    named = {e.default, *(e.by_data_source or {}).values(), *(e.env_kwargs or {})} - {None}
+    if any(accepts(n, "sandbox") for n in named):
+        check_sandbox(e.sandbox)
+
+
 def episode_feed(cfg, tokenizer, record_of: Callable[[str], dict]):
     """An EpisodeFeed for cfg.env (None when env.enabled is False); its EnvPool dies with the process."""
     if not cfg.env.enabled:
@@ -316,8 +330,10 @@ def episode_feed(cfg, tokenizer, record_of: Callable[[str], dict]):
     from laminar_jax.rollout.records import TurnSpec
 
     e = cfg.env
+    check_env_sandbox(e)
     driver = EpisodeDriver(EnvPool(e.workers, e.timeout_s), tokenizer, default_env=e.default,
-                           by_data_source=e.by_data_source, chat_template=e.chat_template, env_kwargs=e.env_kwargs)
+                           by_data_source=e.by_data_source, chat_template=e.chat_template, env_kwargs=e.env_kwargs,
+                           sandbox=e.sandbox)
     stop = tuple(tokenizer.encode(e.turn_stop))
     return EpisodeFeed(driver, record_of, TurnSpec(e.turn_max_new_tokens, (stop,), e.max_response_tokens,
                                                    release_slot=e.release_slot_while_waiting))

@@ -171,6 +171,24 @@ def _chat_without_template(tmp_path):
     return tok.apply_chat_template([{"role": "user", "content": "hi"}])
 
 
+def _runaway_chat_template(tmp_path):
+    from tests.model.chat_fixtures import write_tokenizer_dir
+
+    d = write_tokenizer_dir(str(tmp_path / "tok"), "qwen2.5", with_template=False)
+    with open(os.path.join(d, "chat_template.jinja"), "w", encoding="utf-8") as f:
+        f.write("{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}")
+    return load_tokenizer(d).apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def _python_env_without_bwrap(monkeypatch):
+    from laminar_jax.env import bwrap
+    from laminar_jax.env.config import EnvSection
+    from laminar_jax.runtime.rollout_worker import check_env_sandbox
+
+    monkeypatch.setattr(bwrap, "find_bwrap", lambda: None)
+    return raised(lambda: check_env_sandbox(EnvSection(enabled=True, default="python")))
+
+
 def _checkpoint_relative(tmp_path, monkeypatch):
     from laminar_jax.learner.checkpoint import Checkpointer
 
@@ -299,6 +317,8 @@ TRIGGERS = {
     "config-cli-unknown": lambda t, m, c: _cli_unknown_key(),
     "config-group-of-one": lambda t, m, c: raised(lambda: _finalize_with(**{"runtime.samples_per_prompt": 1})),
     "chat-template-missing": lambda t, m, c: raised(lambda: _chat_without_template(t)),
+    "chat-template-budget": lambda t, m, c: raised(lambda: _runaway_chat_template(t)),
+    "sandbox-no-bwrap": lambda t, m, c: _python_env_without_bwrap(m),
     "sft-source": lambda t, m, c: raised(lambda: _demo_run(t, "sft", **{
         "runtime.sft_warmup_steps": 5, "data.source": "file", "data.path": _prompts_file(t)})),
     "kv-num-pages": lambda t, m, c: raised(lambda: _finalize_with(**{"rollout.num_pages": 8})),

@@ -28,6 +28,7 @@ def test_agentic_short_run_trains_on_multi_turn_episodes(tmp_path):
     assert s["env_failures"] == 0 and s["env_episodes"] >= c.runtime.total_steps * c.runtime.prompts_per_step
     assert 0.0 < s["env_latency_p50_s"] <= s["env_latency_p99_s"]
     assert 0.0 < s["env_wait_share"] < 1.0
+    assert s["env_sandbox"] == "bwrap"  # the summary says how model-written code was isolated
     assert s["reward_first"] is not None
     assert os.path.exists(tmp_path / "run" / "timeline.png")
 

@@ -36,6 +36,12 @@ def test_tool_message_through_the_template_or_the_plain_format():
             return "".join(m["content"] for m in messages)
 
     assert render_tool_message("7", FakeNoToolRole()) == PLAIN_TOOL_FORMAT.format(content="7")
+    # A runaway template is an error, not a template without tool support.
+    from laminar_jax.model.chat_template import ChatTemplateBudgetError
+
+    with pytest.raises(ChatTemplateBudgetError, match="output of"):
+        render_tool_message("7", BuiltinTokenizer(),
+                            chat_template="{% for i in range(100000) %}{{ 'x' * 100 }}{% endfor %}")
 
 
 def test_calculator_episode():

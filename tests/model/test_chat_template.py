@@ -125,12 +125,58 @@ def test_named_templates_pick_tool_use_with_tools(tmp_path):
 
 def test_the_sandbox_refuses_python_internals():
     import jinja2.exceptions
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    assert isinstance(ct.compile_template("{{ 1 }}").environment, ImmutableSandboxedEnvironment)
 
     with pytest.raises(jinja2.exceptions.SecurityError):
         ct.render("{{ messages.__class__.__mro__ }}{{ ''.__class__.__subclasses__() }}",
                   [{"role": "user", "content": "x"}], special_tokens={})
     with pytest.raises(jinja2.exceptions.SecurityError):  # immutable: templates cannot mutate their inputs
         ct.render("{{ messages.append(1) }}", [{"role": "user", "content": "x"}], special_tokens={})
+
+
+LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}done"
+HUGE = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+
+
+@pytest.mark.parametrize("template,what", [(LOOP, "ran longer than"), (HUGE, "output of")])
+def test_a_runaway_template_is_an_error_naming_its_file(tmp_path, template, what):
+    import time
+
+    d = write_tokenizer_dir(str(tmp_path / "tok"), "qwen2.5", with_template=False)
+    (tmp_path / "tok" / "chat_template.jinja").write_text(template)
+    tok = HFTokenizer(d)
+    t0 = time.monotonic()
+    with pytest.raises(ct.ChatTemplateBudgetError, match=what) as e:
+        tok.apply_chat_template(CONVERSATIONS["single_user"])
+    assert str(tmp_path / "tok" / "chat_template.jinja") in str(e.value)
+    assert time.monotonic() - t0 < 60  # stopped, not run out: the loop alone is 10^10 iterations
+    override = tmp_path / "override.jinja"  # data.chat_template as a file: that file is named
+    override.write_text(template)
+    with pytest.raises(ct.ChatTemplateBudgetError, match=str(override)):
+        tok.apply_chat_template(CONVERSATIONS["single_user"], chat_template=ct.resolve_override(str(override)))
+
+
+@pytest.mark.parametrize("template", [
+    "{{ 'x' * 10**9 }}", "{{ [0] * 10**9 }}", "{{ 9 ** 1000000000 }}", "{{ 'x' | center(10**9) }}",
+    "{{ 'x'.ljust(10**9) }}", "{{ '%999999999d' % 1 }}", "{{ '{:>999999999}'.format(1) }}",
+    "{% set ns = namespace(s='x') %}{% for i in range(40) %}{% set ns.s = ns.s ~ ns.s %}{% endfor %}{{ ns.s|length }}",
+    "{% macro f() %}{{ f() }}{% endmacro %}{{ f() }}",
+])
+def test_one_huge_value_is_refused_before_it_is_built(template):
+    with pytest.raises(ct.ChatTemplateBudgetError, match="the chat template .given as text."):
+        ct.render(template, [{"role": "user", "content": "x"}], special_tokens={},
+                  budget=ct.RenderBudget(seconds=10.0, chars=1_000_000))
+
+
+def test_the_budget_leaves_ordinary_templates_alone():
+    out = ct.render("{% for m in messages %}{{ m.content * 3 }}{{ '%5d' % 42 }}{{ 'a' ~ 'b' }}{% endfor %}",
+                    [{"role": "user", "content": "xy"}], special_tokens={}, budget=ct.RenderBudget(1.0, 100))
+    assert out == "xyxyxy   42ab"
+    with pytest.raises(ct.ChatTemplateBudgetError, match="output of 101"):
+        ct.render("{{ 'x' * 50 }}{{ 'y' * 51 }}", [{"role": "user", "content": "x"}], special_tokens={},
+                  budget=ct.RenderBudget(1.0, 100))
 
 
 def test_builtin_template_keeps_the_demo_format():
