@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.precision import cast_floating
 from laminar_jax.native import ops as native_ops
 from laminar_jax.rollout.attention import (
     BACKENDS,

@@ -171,3 +171,32 @@ def test_a_server_refuses_a_version_in_another_dtype():
     assert {x.dtype for x in jax.tree.leaves(params)} == {jnp.dtype(jnp.bfloat16)}  # the value head cast too
     with pytest.raises(ValueError, match="is bfloat16, this server serves float32"):
         params_from_flat(model, dtype="float32")(flat)
+
+
+_FSDP_CHILD = """
+import jax, jax.numpy as jnp, ml_dtypes, numpy as np
+from tests.learner.test_master_weights import _learner, _served, _trajectories
+learner, pub = _learner(True, updates=4)  # every device on the fsdp axis (the default mesh)
+assert len(learner.mesh.devices.flat) == 8
+leaves = jax.tree.leaves(learner.state.params["actor"]) + jax.tree.leaves(learner.state.opt_state)
+assert all(x.dtype == jnp.float32 for x in leaves if x.ndim)
+assert sum("fsdp" in str(x.sharding.spec) for x in leaves) >= 9, [x.sharding.spec for x in leaves]
+assert learner.step(_trajectories())["skipped"] == 0
+served, master = _served(learner, pub), learner.master_params()
+for n in served:
+    np.testing.assert_array_equal(served[n], master[n].astype(ml_dtypes.bfloat16), err_msg=n)
+print("OK", len(served))
+"""
+
+
+def test_master_weights_train_sharded_over_fsdp():
+    """The float32 master and its AdamW state shard over the mesh as the params did; the compute
+    copy is cast inside the step; the version is cast before the host copy (8 fake CPU devices)."""
+    import subprocess
+    import sys
+
+    from tests.subprocess_env import child_env
+
+    p = subprocess.run([sys.executable, "-c", _FSDP_CHILD], capture_output=True, text=True, timeout=600,
+                       env=child_env(XLA_FLAGS="--xla_force_host_platform_device_count=8", JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout[-2000:] + p.stderr[-4000:]
