@@ -16,6 +16,7 @@ import logging
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 
 log = logging.getLogger(__name__)
@@ -45,13 +46,14 @@ def _leaf_dtypes(tree: Any) -> list[str]:
 
 
 def _check_dtypes(directory: str, step: int, saved: Optional[list], live: list[str], paths: list[str]) -> None:
-    """A checkpoint whose tensors are in other dtypes (bfloat16 parameters trained without master
-    weights, restored into a float32 master) is another layout: say which tensor and both dtypes.
-    Checkpoints written before dtypes were recorded are not checked."""
+    """A tensor may restore into a dtype that holds its values exactly (a bfloat16 state trained
+    without master weights resumes as a float32 master); into any other (a float32 master into
+    bfloat16 parameters) is another layout: say which tensor and both dtypes. Checkpoints written
+    before dtypes were recorded are not checked (orbax casts them to the live dtype)."""
     if saved is None:
         return
     for path, a, b in zip(paths, saved, live):
-        if a != b:
+        if a != b and str(jnp.promote_types(a, b)) != b:
             raise LayoutMismatch(f"checkpoint {directory} step {step}: {path} is {a}, the live learner's is {b} "
                                  f"(learner.master_weights and model.param_dtype set the state's dtypes)")
 

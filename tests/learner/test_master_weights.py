@@ -160,6 +160,18 @@ def test_checkpoints_hold_the_master_copy(tmp_path):
         old.restore_latest()
 
 
+def test_a_checkpoint_restores_only_into_dtypes_that_hold_it_exactly():
+    from laminar_jax.learner.checkpoint import LayoutMismatch, _check_dtypes
+
+    paths = ["['params']['w']", "['step']"]
+    _check_dtypes("d", 1, ["bfloat16", "int32"], ["float32", "int32"], paths)  # no-master state -> master: exact
+    _check_dtypes("d", 1, None, ["float32", "int32"], paths)  # written before dtypes were recorded
+    with pytest.raises(LayoutMismatch, match=r"\['w'\] is float32, the live learner's is bfloat16"):
+        _check_dtypes("d", 1, ["float32", "int32"], ["bfloat16", "int32"], paths)
+    with pytest.raises(LayoutMismatch, match="is float16"):
+        _check_dtypes("d", 1, ["float16", "int32"], ["bfloat16", "int32"], paths)
+
+
 def test_a_server_refuses_a_version_in_another_dtype():
     from laminar_jax.learner.publish import flatten_params
     from laminar_jax.model.precision import cast_floating
