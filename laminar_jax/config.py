@@ -125,8 +125,9 @@ def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
 
     Linked values are derived here, once: `learner.pack_length` (unless set) = rollout.max_total_len,
     `rollout.dtype` (unless set) = model.dtype, and `learner.total_steps` (the optimizer updates the
-    lr schedule spans) = runtime.total_steps x ppo_epochs x mini_batches. (The checkpoint directory, <run_dir>/checkpoints unless set, is
-    resolved when the run starts and its run directory exists: runtime/parts.py.)
+    lr schedule spans) = runtime.total_steps x ppo_epochs x mini_batches. (The checkpoint directory,
+    <run_dir>/checkpoints unless set, is resolved when the run starts and its run directory exists:
+    runtime/parts.py.)
     """
     cfg = derive(from_config_dict(Config, cd))
     validate_tree(cfg)

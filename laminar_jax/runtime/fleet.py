@@ -133,8 +133,9 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
         params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
+        place = from_flat if engine.mesh is None else params_from_flat(model, engine, cfg.rollout.dtype)
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, from_flat if engine.mesh is None else params_from_flat(model, engine, cfg.rollout.dtype),
+                               buffer, policy, place,
                                pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker
