@@ -11,8 +11,8 @@ python launch/run.py --config=configs/gpu_node.py \
 
 Variants:
   :32b   Qwen2.5-32B on an 8 x H200 node: learner over 4, two rollout servers at TP 2 (GPUs 4-5, 6-7).
-         Parameters and AdamW state in bfloat16 (8 bytes per parameter): in float32 the 32B training
-         state alone is 131 GB per learner GPU (the planner says so).
+         Weights loaded in bfloat16; the learner trains float32 master weights with float32 AdamW
+         state (learner.master_weights: in bfloat16 lr 1e-6 updates round to nothing).
   :0.5b  Qwen2.5-0.5B shapes, learner and one server colocated on whatever devices the host has
          (one GPU: the benchmark set-up).
 Without model.path it builds the shapes with random weights (a systems test).
@@ -26,6 +26,7 @@ def get_config(variant: str = ""):
     c.model.preset = "qwen2.5-7b"
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    c.rollout.dtype = "bfloat16"  # served and published in bfloat16; the learner trains float32 master weights
 
     c.data.source = "file"
     c.data.path = "data/dapo_math_17k.parquet"
@@ -38,7 +39,7 @@ def get_config(variant: str = ""):
     c.placement.colocate = False
     c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
 
-    # Per rollout GPU: 30.5 GB of float32 weights + 37.6 GB of bf16 KV (10240 pages x 64 tokens).
+    # Per rollout GPU: 15.2 GB of bfloat16 weights + 37.6 GB of bf16 KV (10240 pages x 64 tokens).
     c.rollout.num_slots = 128
     c.rollout.page_size = 64
     c.rollout.num_pages = 128 * 80 + 1
@@ -68,7 +69,8 @@ def get_config(variant: str = ""):
     c.scheduler.repack_interval_s = 2.0
     if variant == "32b":
         c.model.preset = "qwen2.5-32b"
-        c.model.param_dtype = "bfloat16"
+        c.model.param_dtype = "bfloat16"  # the weights as loaded; training keeps float32 masters:
+        c.learner.master_weights = True  # 16 bytes/param of training state: the memory plan must be rechecked
         c.placement.rollout_tp = 2  # 8 KV heads: 4 per GPU
         # Per rollout GPU: 32.8 GB of weights (half) + 85.9 GB of KV (half of 10240 pages x 64 tokens, 64 layers).
         c.rollout.num_slots = 96

@@ -17,6 +17,7 @@ def get_config(variant: str = ""):
     c.model.preset = "qwen2.5-7b"
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    c.rollout.dtype = "bfloat16"  # served and published in bfloat16; the learner trains float32 master weights
 
     c.data.source = "file"
     c.data.path = "data/dapo_math_17k.parquet"
@@ -27,8 +28,8 @@ def get_config(variant: str = ""):
     c.mesh.fsdp = -1
     c.mesh.tensor = 1
 
-    # Per rollout GPU (launch/plan.py memory --gpu h100): 30.5 GB of float32 weights + 37.6 GB of
-    # bf16 KV (10240 pages x 64 tokens); 256 x 72 pages (67.6 GB of KV) did not fit an 80 GB H100.
+    # Per rollout GPU: 15.2 GB of bfloat16 weights (rollout.dtype) + 37.6 GB of bf16 KV (10240 pages x
+    # 64 tokens); 256 x 72 pages (67.6 GB of KV) did not fit beside float32 weights on an 80 GB H100.
     c.rollout.num_slots = 128
     c.rollout.page_size = 64
     c.rollout.num_pages = 128 * 80 + 1

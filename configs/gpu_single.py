@@ -15,6 +15,7 @@ def get_config(variant: str = ""):
     c.model.preset = "qwen2.5-0.5b"
     c.model.dtype = "bfloat16"
     c.model.param_dtype = "float32"
+    c.rollout.dtype = "bfloat16"  # served and published in bfloat16; the learner trains float32 master weights
 
     c.data.source = "file"
     c.data.path = "data/math/train.parquet"

@@ -124,9 +124,10 @@ def finalize(cd: ml_collections.ConfigDict | dict) -> Config:
     """Validate after overrides: unknown keys, wrong types and bad values raise ConfigError.
 
     Linked values are derived here, once: `learner.pack_length` (unless set) = rollout.max_total_len,
-    and `learner.total_steps` (the optimizer updates the lr schedule spans) = runtime.total_steps x
-    ppo_epochs x mini_batches. (The checkpoint directory, <run_dir>/checkpoints unless set, is
-    resolved when the run starts and its run directory exists: runtime/parts.py.)
+    `rollout.dtype` (unless set) = model.dtype, and `learner.total_steps` (the optimizer updates the
+    lr schedule spans) = runtime.total_steps x ppo_epochs x mini_batches. (The checkpoint directory,
+    <run_dir>/checkpoints unless set, is resolved when the run starts and its run directory exists:
+    runtime/parts.py.)
     """
     cfg = derive(from_config_dict(Config, cd))
     validate_tree(cfg)
@@ -140,7 +141,8 @@ def derive(cfg: Config) -> Config:
     if ln.pack_length is None:
         # The longest trajectory is rollout.max_total_len tokens; one packed row must hold it.
         updates["pack_length"] = cfg.rollout.max_total_len
-    return dataclasses.replace(cfg, learner=dataclasses.replace(ln, **updates))
+    rollout = cfg.rollout if cfg.rollout.dtype is not None else dataclasses.replace(cfg.rollout, dtype=cfg.model.dtype)
+    return dataclasses.replace(cfg, learner=dataclasses.replace(ln, **updates), rollout=rollout)
 
 
 def unknown_override(argv: list[str]) -> Optional[str]:

@@ -92,6 +92,20 @@ def test_finalize_derives_linked_values_once(tmp_path):
 
     with pytest.raises(ConfigError, match="buffer.max_staleness"):
         finalize(c)
+def test_serving_dtype_follows_the_model_dtype_unless_set():
+    cd = default_config()
+    cd.model.dtype = "bfloat16"
+    assert finalize(cd).rollout.dtype == "bfloat16"  # derived: serve what the model computes in
+    cd.rollout.dtype = "float32"
+    assert finalize(cd).rollout.dtype == "float32"
+    cd.rollout.dtype = "int8"
+    with pytest.raises(ConfigError, match=r"rollout\.dtype"):
+        finalize(cd)
+    for variant in ("", "32b", "0.5b"):  # the GPU node serves bfloat16 and trains float32 masters
+        cfg = finalize(_load("configs/gpu_node.py").get_config(variant))
+        assert cfg.rollout.dtype == "bfloat16" and cfg.learner.master_weights
+
+
 def test_pack_length_follows_max_total_len_unless_set():
     cd = default_config()
     cd.rollout.max_prompt_len, cd.rollout.max_total_len, cd.rollout.num_pages = 256, 768, 1000

@@ -22,6 +22,7 @@ import time
 from typing import Any, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
@@ -57,6 +58,23 @@ def _leaf_paths(tree: Any) -> list[str]:
     return [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+def _leaf_dtypes(tree: Any) -> list[str]:
+    return [str(getattr(x, "dtype", type(x).__name__)) for x in jax.tree.leaves(tree)]
+
+
+def _check_dtypes(directory: str, step: int, saved: Optional[list], live: list[str], paths: list[str]) -> None:
+    """A tensor may restore into a dtype that holds its values exactly (a bfloat16 state trained
+    without master weights resumes as a float32 master); into any other (a float32 master into
+    bfloat16 parameters) is another layout: say which tensor and both dtypes. Checkpoints written
+    before dtypes were recorded are not checked (orbax casts them to the live dtype)."""
+    if saved is None:
+        return
+    for path, a, b in zip(paths, saved, live):
+        if a != b and str(jnp.promote_types(a, b)) != b:
+            raise LayoutMismatch(f"checkpoint {directory} step {step}: {path} is {a}, the live learner's is {b} "
+                                 f"(learner.master_weights and model.param_dtype set the state's dtypes)")
+
+
 class Checkpointer:
     """Thin wrapper over ocp.CheckpointManager (async saves; waits before restore and close)."""
 
@@ -69,7 +87,7 @@ class Checkpointer:
     def save(self, step: int, state: Any, meta: dict) -> None:
         leaves = jax.tree.leaves(state)
         items = {f"{i:05d}": x for i, x in enumerate(leaves)}
-        meta = dict(meta, leaf_paths=_leaf_paths(state))
+        meta = dict(meta, leaf_paths=_leaf_paths(state), leaf_dtypes=_leaf_dtypes(state))
         self._mgr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(items),
                                                      meta=ocp.args.JsonSave(meta)), force=True)
 
@@ -90,6 +108,7 @@ class Checkpointer:
                         "[out, in]: export it to HF with the version that wrote it, then start from that directory")
             raise LayoutMismatch(f"checkpoint {self.directory} step {step}: state layout differs from the live "
                                  f"learner ({len(meta.get('leaf_paths', []))} vs {len(paths)} leaves){hint}")
+        _check_dtypes(self.directory, step, meta.get("leaf_dtypes"), _leaf_dtypes(like), paths)
         leaves, treedef = jax.tree.flatten(like)
         abstract = {f"{i:05d}": jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
                     for i, x in enumerate(leaves)}

@@ -22,6 +22,7 @@ class LearnerSection:
 
     Attributes:
       lr: Peak learning rate of AdamW.
+      master_weights: Train float32 master parameters with float32 AdamW state, whatever model.param_dtype is; the forward and backward compute in model.dtype (a bfloat16 copy cast inside the step, whose gradient flows back to the float32 master), and each version is published in rollout.dtype. False trains the parameters in model.param_dtype directly: with bfloat16 parameters every update smaller than half a bfloat16 step of its weight (2^-9 relative: 2e-3 at 1.0) rounds to nothing and is lost.
       warmup_steps: Linear warm-up from 0 to `lr` over this many optimizer updates.
       lr_schedule: 'constant' (after warm-up) or 'cosine' (decay to lr*min_lr_ratio at total_steps).
       total_steps: Optimizer updates over which the cosine schedule decays; in a run, finalize derives it (runtime.total_steps x ppo_epochs x mini_batches).
@@ -77,6 +78,7 @@ class LearnerSection:
     """
 
     lr: float = 1e-6
+    master_weights: bool = True
     warmup_steps: int = 0
     lr_schedule: Literal["constant", "cosine"] = "constant"
     total_steps: int = 1000

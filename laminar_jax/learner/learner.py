@@ -26,6 +26,7 @@ from laminar_jax.learner.mesh import (
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step, make_updates)
+from laminar_jax.model.precision import as_dtype, cast_floating
 from laminar_jax.naming import host_arrays, pinned_host_sharding
 from laminar_jax.types import Trajectory
 
@@ -75,28 +76,41 @@ class _Models(NamedTuple):
 
 def _collect_models(section: LearnerSection, model: nnx.Module, critic_model: Optional[nnx.Module],
                     ref_model: Optional[nnx.Module]) -> _Models:
-    """Split the actor / critic / reference models into graphdefs and host param copies."""
+    """Split the actor / critic / reference models into graphdefs and host param copies. With
+    learner.master_weights the trainable params are float32 (the master copy, cast from the
+    model's param dtype); the reference keeps its model's dtype (it is never updated)."""
     actor_g, actor_p = _split_params(model, "model")
     if section.critic == "shared" and not getattr(model, "has_value_head", False):
         raise ValueError("learner.critic='shared' needs the actor built with value_head=True")
-    params = {"actor": _host(actor_p)}
+    master = (lambda p: cast_floating(p, np.float32)) if section.master_weights else (lambda p: p)
+    actor_host = _host(actor_p)
+    params = {"actor": master(actor_host)}
+    dtypes = {"actor": _compute_dtype(model)}
     critic_g = None
     if section.critic == "separate":
         if critic_model is None or not getattr(critic_model, "has_value_head", False):
             raise ValueError("learner.critic='separate' needs critic_model built with value_head=True")
         critic_g, critic_p = _split_params(critic_model, "critic_model")
-        params["critic"] = _host(critic_p)
+        params["critic"] = master(_host(critic_p))
+        dtypes["critic"] = _compute_dtype(critic_model)
     ref_g, ref = None, None
     if section.use_kl:
         if ref_model is None and section.ref_path:
             from laminar_jax.model import from_pretrained
             ref_model = from_pretrained(section.ref_path)
         if ref_model is None:  # frozen copy of the initial actor (its own buffers: the actor's get donated)
-            ref_g, ref = actor_g, params["actor"]
+            ref_g, ref = actor_g, actor_host
+            dtypes["ref"] = dtypes["actor"]
         else:
             ref_g, ref_p = _split_params(ref_model, "ref_model")
             ref = _host(ref_p)
-    return _Models(Graphs(actor_g, critic_g, ref_g), params, ref)
+            dtypes["ref"] = _compute_dtype(ref_model)
+    return _Models(Graphs(actor_g, critic_g, ref_g, dtypes), params, ref)
+
+
+def _compute_dtype(model: nnx.Module) -> Any:
+    """The model's compute dtype (None: it computes in its parameters' dtype)."""
+    return getattr(model, "dtype", None)
 
 
 class Learner:
@@ -111,11 +125,14 @@ class Learner:
     ref_model: reference policy for the KL term; default: a frozen copy of the initial actor params
       (or section.ref_path). On resume the reference is rebuilt the same way, so construct the
       Learner from the same initial model before calling restore_latest().
+    publish_dtype: the serving dtype (rollout.dtype) every published version is cast to, on the
+      learner's devices before the host copy; default: the model's compute dtype (`model.dtype`).
     """
 
     def __init__(self, section: LearnerSection, model: nnx.Module, mesh: Mesh | MeshSection | None = None, *,
                  critic_model: Optional[nnx.Module] = None, ref_model: Optional[nnx.Module] = None,
-                 rules: Optional[Sequence[str]] = None, publisher: Optional[Publisher] = None):
+                 rules: Optional[Sequence[str]] = None, publisher: Optional[Publisher] = None,
+                 publish_dtype: Any = None):
         section.validate("learner")
         self.section = section
         if mesh is None or isinstance(mesh, MeshSection):
@@ -168,7 +185,13 @@ class Learner:
         # Publishing from a snapshot: the host copy then reads buffers no train step donates.
         self.snapshot_publish = section.publish_snapshot if section.publish_snapshot is not None \
             else mesh.devices.flat[0].platform != "cpu"
-        self._snapshot = _snapshot_fn(flatten_params(self.state.params["actor"]))
+        flat = flatten_params(self.state.params["actor"])
+        self.publish_dtype = as_dtype(publish_dtype if publish_dtype is not None
+                                      else _compute_dtype(model) or next(iter(flat.values())).dtype)
+        # A cast writes new buffers, which no train step donates: the host copy reads those.
+        self._casts = any(np.dtype(x.dtype) != self.publish_dtype for x in flat.values())
+        self._snapshot = _snapshot_fn(flat, self.publish_dtype)
+        self._cast = jax.jit(lambda f: cast_floating(f, self.publish_dtype))
         self.publish_wait_s = 0.0  # the learner's total wait for host copies of its weights
 
     # ----------------------------------------------------------------------------------- step
@@ -228,7 +251,7 @@ class Learner:
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
         wait0 = self.publish_wait_s
-        if self._pending is not None and not self.snapshot_publish:
+        if self._pending is not None and not (self.snapshot_publish or self._casts):
             self._wait_copied()  # donation below would free buffers the host copy still reads
         row_tokens = (host.segment_ids > 0).sum(axis=1)
         perms = []
@@ -313,7 +336,7 @@ class Learner:
                 self._updates.lower(self.state, batch, order).compile()
             else:
                 self._train_step.lower(self.state, batch).compile()
-        if self.snapshot_publish:
+        if self.snapshot_publish or self._casts:
             jax.block_until_ready(self._snapshot(flatten_params(self.state.params["actor"])))
         return len(shapes)
 
@@ -338,15 +361,22 @@ class Learner:
         if not publish or (self.publisher is None and not across_processes):
             self._pending = None
             return
-        if self.snapshot_publish and not across_processes:
+        if (self.snapshot_publish or self._casts) and not across_processes:
             if self._pending is not None:
                 self._wait_copied()  # at most one snapshot in device memory (usually copied a step ago)
             flat = self._snapshot(flat)
+        elif self._casts:  # each process casts its shards before the gather: the serving dtype's bytes move
+            flat = self._cast(flat)
         # Across processes every process joins the gather; the one holding a publisher publishes.
         self._pending = HostCopy(self.version, flat, self.publisher, self._publish_worker)
 
     def policy_params(self) -> dict[str, np.ndarray]:
-        """Host copy of the current policy weights (blocking), flat as published."""
+        """Host copy of the current policy weights (blocking), flat as published: in the serving dtype."""
+        flat = flatten_params(self.state.params["actor"])
+        return host_arrays(self._cast(flat) if self._casts else flat)
+
+    def master_params(self) -> dict[str, np.ndarray]:
+        """Host copy of the trained policy weights (blocking), flat, in their own (master) dtype."""
         return host_arrays(flatten_params(self.state.params["actor"]))
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -385,14 +415,15 @@ class Learner:
             self._ckpt.close()
 
 
-def _snapshot_fn(flat: dict[str, jax.Array]):
-    """A program copying the flat policy weights out of the state's buffers: into pinned host memory
-    where the devices have it (the copy is then a DMA inside the program, and the publish only wraps
-    host memory as numpy), else into device memory, which the host copy then reads."""
+def _snapshot_fn(flat: dict[str, jax.Array], dtype: Any):
+    """A program copying the flat policy weights out of the state's buffers, cast to the serving
+    `dtype` on the devices (so only the serving dtype's bytes cross to the host): into pinned host
+    memory where the devices have it (the copy is then a DMA inside the program, and the publish
+    only wraps host memory as numpy), else into device memory, which the host copy then reads."""
     pinned = {k: pinned_host_sharding(v.sharding) for k, v in flat.items()}
     if all(s is not None for s in pinned.values()):
-        return jax.jit(lambda f: f, out_shardings=pinned)
-    return jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in f.items()})
+        return jax.jit(lambda f: cast_floating(f, dtype), out_shardings=pinned)
+    return jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in cast_floating(f, dtype).items()})
 
 
 def _values(x: Any) -> np.ndarray:

@@ -19,6 +19,7 @@ import optax
 from flax import nnx
 
 from laminar_jax.model import Transformer, token_logprobs
+from laminar_jax.model.precision import cast_floating
 
 
 def pack_examples(pairs: Sequence[tuple], seq_len: int):
@@ -49,7 +50,8 @@ def sft_schedule(lr: float, steps: int) -> optax.Schedule:
 
 def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float,
                batch_size: int = 32, seed: int = 0) -> list[float]:
-    """Train `model` in place with cross-entropy on the response tokens; returns the loss curve."""
+    """Train `model` in place with cross-entropy on the response tokens; returns the loss curve.
+    Trained as float32 master weights (as the learner's), written back in the model's own dtype."""
     if steps <= 0 or not pairs:
         return []
     seq_len = max(len(p) + len(r) for p, r, *_ in pairs)
@@ -57,7 +59,8 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
     tokens, mask = pack_examples(pairs, seq_len)
     seg = (tokens != 0).astype(np.int32)
     seg[:, 0] = 1
-    graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+    graphdef, stored, rest = nnx.split(model, nnx.Param, ...)
+    params = cast_floating(stored, jnp.float32)
     opt = optax.adamw(sft_schedule(lr, steps), weight_decay=0.0)
     opt_state = opt.init(params)
 
@@ -80,7 +83,7 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
         idx = rng.integers(0, len(pairs), size=min(batch_size, len(pairs)))
         params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], seg[idx])
         losses.append(float(loss))
-    nnx.update(model, params)
+    nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), params, stored))
     return losses
 
 

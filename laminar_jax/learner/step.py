@@ -27,6 +27,7 @@ from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tok
 from laminar_jax.learner.losses import (
     AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
 from laminar_jax.learner.mesh import BATCH_AXES
+from laminar_jax.model.precision import cast_floating
 
 
 class TrainState(NamedTuple):
@@ -39,11 +40,16 @@ class TrainState(NamedTuple):
 
 
 class Graphs(NamedTuple):
-    """Static halves of nnx.split for the models the step uses (None when absent)."""
+    """Static halves of nnx.split for the models the step uses (None when absent), and the
+    compute dtype of each (its model's `dtype`; None: compute in the parameters' own dtype)."""
 
     actor: Any
     critic: Any
     ref: Any
+    dtypes: Optional[dict] = None  # {'actor': dtype, 'critic': ..., 'ref': ...}
+
+    def dtype(self, role: str) -> Any:
+        return None if self.dtypes is None else self.dtypes.get(role)
 
 
 class ForwardOut(NamedTuple):
@@ -61,14 +67,20 @@ def batch_shards(mesh: Optional[Mesh]) -> int:
 
 
 def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
-            score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None) -> ForwardOut:
+            score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None,
+            dtype: Any = None) -> ForwardOut:
     """Merge the model inside the trace and score the batch's targets.
+
+    dtype: the compute dtype. The (float32 master) params are cast to it here, once, before the
+    model uses them: every weight product casts its weight to it anyway, and casting the sharded
+    params first lets an FSDP all-gather move the compute dtype's bytes. The cast's gradient is
+    the cotangent in the params' own dtype, so updates land on the master copy.
 
     Layers run under `remat` (default `section.remat`; passes without a gradient use 'none'); log-probs/entropy come from the final hidden states in chunks
     of `section.logits_chunk_tokens` tokens per device (`shards` row shards), never as full
     f32[B, T, V] logits when the chunk is smaller than the batch. score=False: values only.
     """
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params if dtype is None else cast_floating(params, dtype))
     remat = section.remat if remat is None else remat
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
                         attention=section.attention_impl, attention_chunk=section.attention_chunk)
@@ -101,7 +113,8 @@ def _values(section: LearnerSection, graphs: Graphs, params: dict, batch: TrainB
     if section.critic == "shared":
         return actor_out.values
     if section.critic == "separate":
-        return forward(graphs.critic, params["critic"], batch, section, shards, score=False).values
+        return forward(graphs.critic, params["critic"], batch, section, shards, score=False,
+                       dtype=graphs.dtype("critic")).values
     return None
 
 
@@ -119,14 +132,14 @@ def make_prepare_fn(section: LearnerSection, graphs: Graphs,
     def prepare(params: dict, ref_params: Any, batch: TrainBatch) -> TrainBatch:
         mask = batch.loss_mask
         need_actor = section.off_policy != "none" or section.critic == "shared"
-        actor_out = forward(graphs.actor, params["actor"], batch, section, shards,
-                            score=section.off_policy != "none", remat="none") if need_actor else None
+        actor_out = forward(graphs.actor, params["actor"], batch, section, shards, score=section.off_policy != "none",
+                            remat="none", dtype=graphs.dtype("actor")) if need_actor else None
         prox = actor_out.logp if section.off_policy != "none" else batch.behaviour_logprobs
         old = off_policy_correction(section.off_policy, prox, batch.behaviour_logprobs, section.tis_cap).logp_old
         values = _values(section, graphs, params, batch, actor_out, shards)
         ref = jnp.zeros_like(mask)
         if section.use_kl:
-            ref = forward(graphs.ref, ref_params, batch, section, shards, remat="none").logp
+            ref = forward(graphs.ref, ref_params, batch, section, shards, remat="none", dtype=graphs.dtype("ref")).logp
         token_rewards = terminal_token_rewards(batch.rewards, mask, batch.seq_ids)
         if section.kl_mode == "reward" and section.kl_coef != 0.0:
             token_rewards = token_rewards - section.kl_coef * kl_penalty(section.kl_estimator, old, ref) * mask
@@ -164,7 +177,8 @@ def make_loss_fn(section: LearnerSection, graphs: Graphs,
 
     def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm):
         mask = mb.loss_mask
-        out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode)
+        out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode,
+                      dtype=graphs.dtype("actor"))
         corr = off_policy_correction(section.off_policy, mb.prox_logprobs, mb.behaviour_logprobs, section.tis_cap)
         pg = ppo_clip_loss(out.logp, mb.old_logprobs, mb.advantages, section.clip_eps_low, section.clip_eps_high,
                            section.dual_clip_c)

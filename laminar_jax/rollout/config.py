@@ -38,6 +38,7 @@ class RolloutSection:
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
       seed: Base seed for requests that carry neither a seed nor a key.
       server_id: Name reported in stats and stamped into trajectories' extra.
+      dtype: Serving dtype: the dtype of the weights a server holds and of every published version (the learner casts its master weights to it on its devices before the host copy, so a bfloat16 version is half a float32 one's bytes in the store and on the relays). None (default): model.dtype, set at finalize. A server given a version in another dtype refuses it, naming both.
     """
 
     num_slots: int = 8
@@ -65,6 +66,7 @@ class RolloutSection:
     batching: Literal["continuous", "static"] = "continuous"
     seed: int = 0
     server_id: str = "rollout-0"
+    dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
 
     def validate(self, prefix: str = "rollout") -> None:
         from laminar_jax.rollout.attention import BACKENDS
@@ -74,6 +76,8 @@ class RolloutSection:
     def validate_with_backends(self, prefix: str, backends: tuple[str, ...]) -> None:
         """validate(), with ``backends`` the accepted attention_impl names (Engine adds caller-supplied ones)."""
         expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
+        expect(self.dtype in (None, "float32", "bfloat16", "float16"), f"{prefix}.dtype", self.dtype,
+               "None (= model.dtype) or one of ['float32', 'bfloat16', 'float16']")
         expect(self.page_size >= 1, f"{prefix}.page_size", self.page_size, ">= 1")
         expect(self.max_prompt_len >= 1, f"{prefix}.max_prompt_len", self.max_prompt_len, ">= 1")
         expect(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", self.max_new_tokens, ">= 1")

@@ -52,6 +52,7 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.precision import cast_floating
 from laminar_jax.native import ops as native_ops
 from laminar_jax.rollout.attention import (
     BACKENDS,
@@ -931,12 +932,15 @@ _attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(stat
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:
-    """(engine, params) for a Transformer; params is the pytree every engine call takes.
+    """(engine, params) for a Transformer; params is the pytree every engine call takes, in the
+    serving dtype ``section.dtype`` (None: the model's own).
 
     With ``mesh=`` (a Mesh with a 'tensor' axis, see rollout/tp.py) the params come back placed
     in the engine's tensor-parallel layout on that mesh's devices.
     """
     graphdef, params = nnx.split(model)
+    if section.dtype is not None:  # the serving dtype (the engine computes in the model's dtype either way)
+        params = cast_floating(params, section.dtype)
     engine = Engine(graphdef, model.cfg, section, kv_dtype=getattr(model, "dtype", jnp.float32), **kwargs)
     return engine, (params if engine.mesh is None else engine.place_params(params))
 

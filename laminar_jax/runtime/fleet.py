@@ -75,20 +75,34 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model, engine=None):
+def params_from_flat(model, engine=None, dtype=None):
     """flat published weights -> the engine's param pytree, for servers built on `model`.
 
     With an engine over a mesh (placement.rollout_tp, or a server off the default device) the
     weights land in that engine's layout, each device receiving only its shard of the host copy.
+    dtype: the serving dtype (rollout.dtype): a version in another dtype is refused, naming both,
+    and the leaves a version does not carry (a value head) are cast to it too, so every version
+    gives the engine's programs the same argument types.
     """
     from flax import nnx
 
     _, template = nnx.split(model)
-    if engine is None or engine.mesh is None:
+    if dtype is None and (engine is None or engine.mesh is None):
         return functools.partial(params_on_device, template=template)
     from laminar_jax.learner.publish import unflatten_params
+    from laminar_jax.model.precision import cast_floating, check_served_dtype
 
-    return lambda flat: engine.place_params(unflatten_params(flat, template))
+    def tree(flat):
+        if dtype is None:
+            return unflatten_params(flat, template)
+        check_served_dtype(flat, dtype)
+        return cast_floating(unflatten_params(flat, template), dtype)
+
+    if engine is None or engine.mesh is None:
+        import jax
+
+        return lambda flat: jax.device_put(tree(flat))
+    return lambda flat: engine.place_params(tree(flat))
 
 
 def server_mesh(devices):
@@ -111,7 +125,7 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
     from laminar_jax.rollout.server import RolloutServer
 
     policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
-    from_flat = params_from_flat(model)
+    from_flat = params_from_flat(model, dtype=cfg.rollout.dtype)
 
     def make(i: int, generation: int, version: int, params) -> RolloutWorker:
         section = server_section(cfg, i, generation)
@@ -119,8 +133,9 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
         params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
+        place = from_flat if engine.mesh is None else params_from_flat(model, engine, cfg.rollout.dtype)
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, from_flat if engine.mesh is None else params_from_flat(model, engine),
+                               buffer, policy, place,
                                pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker

@@ -72,7 +72,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     cfg, layout, learner_mesh, server_devices = place_roles(cfg, run_dir, model, monitor.phase)
 
     def make_learner() -> Learner:
-        return Learner(cfg.learner, model, learner_mesh)
+        return Learner(cfg.learner, model, learner_mesh, publish_dtype=cfg.rollout.dtype)
 
     learner = make_learner()
     extra = learner.restore_latest()

@@ -97,7 +97,7 @@ class LearnerProcess:
 
             load_model_params(model, init_params)
         section = dataclasses.replace(cfg.learner, checkpoint_dir=checkpoint_dir)
-        self.learner = Learner(section, model, cfg.mesh)
+        self.learner = Learner(section, model, cfg.mesh, publish_dtype=cfg.rollout.dtype)
         # Processes > 0 publish nothing: they only join the gather of each version's weights.
         self.publisher = LocalPublisher(keep=1) if self.index == 0 else None
         self.learner.publisher = self.publisher

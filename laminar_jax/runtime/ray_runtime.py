@@ -138,7 +138,7 @@ def _learner_factory(cfg: Config, model, init_params, gpus: float):
 
     def make():
         if rt.learner_processes == 1:
-            return Learner(cfg.learner, model, cfg.mesh)
+            return Learner(cfg.learner, model, cfg.mesh, publish_dtype=cfg.rollout.dtype)
         one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
         options = role_options("learner", gpus, rt.learner_gpus_per_process)
         if rt.learner_resource:

@@ -38,7 +38,7 @@ class RolloutHost:
         client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
         model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
         engine, _ = make_engine(model, section, mesh=mesh)
-        from_flat = params_from_flat(model, engine)
+        from_flat = params_from_flat(model, engine, cfg.rollout.dtype)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         # Multi-turn episodes (env.enabled): this host's own EnvPool and environments, in its process.
