@@ -27,6 +27,7 @@ from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tok
 from laminar_jax.learner.losses import (
     AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
 from laminar_jax.learner.mesh import BATCH_AXES
+from laminar_jax.model.attention import resolve_train_attention
 
 
 class TrainState(NamedTuple):
@@ -71,7 +72,8 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     model = nnx.merge(graphdef, params)
     remat = section.remat if remat is None else remat
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
-                        attention=section.attention_impl, attention_chunk=section.attention_chunk)
+                        attention=resolve_train_attention(section.attention_impl, jax.default_backend())[0],
+                        attention_chunk=section.attention_chunk)
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
         return ForwardOut(zeros, zeros, out.values)
