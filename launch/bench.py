@@ -10,6 +10,9 @@
   sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
+  accel     the accelerator check (one GPU/TPU, < 8 min): decode vs the HBM roofline at 64 rows
+            (0.5B, 1.5B), long-tail tok/s, learner MFU (1.5B) publishing and not, compile times,
+            peak memory against the plan; --dry-run (what it would run), --tiny (all of it on CPU)
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
@@ -24,7 +27,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "accel")
 
 
 def _host_malloc(argv):

@@ -289,8 +289,9 @@ def main(argv: list[str]) -> dict:
                          "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
                     help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
-    ap.add_argument("--attention", default="dense", choices=list(TRAIN_ATTENTION),
-                    help="learner.attention_impl (chunked/flash/pallas_gpu: no [T, T] scores kept; for long rows)")
+    ap.add_argument("--attention", default="dense", choices=["auto", *TRAIN_ATTENTION],
+                    help="learner.attention_impl (chunked/flash/pallas_gpu/tokamax/splash: no [T, T] scores kept; "
+                         "auto: the platform's kernel)")
     ap.add_argument("--attention-chunk", type=int, default=None,
                     help=f"learner.attention_chunk (default {LearnerSection().attention_chunk}; 512 with --attention-speed)")
     ap.add_argument("--memory-plan", action="store_true",

@@ -68,8 +68,8 @@ SHARDED = textwrap.dedent("""
     from tests.rollout.pallas_decode_cases import check, make_case
     assert jax.device_count() == 2
     mesh = jax.sharding.Mesh(jax.devices(), ("tp",))  # auto axes, as the engine's TP mesh
-    for name, kernel, kw in [("gpu", kernels_gpu.make_decode(interpret=True), dict(head_dim=32, page=8)),
-                             ("tpu", kernels_tpu.make_decode(interpret=True), dict(head_dim=128, page=16))]:
+    for name, kernel, kw in [("gpu", kernels_gpu.make_decode(interpret=True), dict(head_dim=16, page=8)),
+                             ("tpu", kernels_tpu.make_decode(interpret=True), dict(head_dim=32, page=8))]:
         for heads, dtype in [(4, jnp.float32), (14, jnp.bfloat16)]:  # GQA 2 and 7 per shard's KV head
             check(head_major.shard_over_kv_heads(kernel, mesh, "tp"),
                   make_case(heads=heads, kv_heads=2, dtype=dtype, seed=heads, **kw), tol_dtype=jnp.bfloat16 if name == "tpu" else None)
