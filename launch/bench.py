@@ -13,6 +13,8 @@
   accel     the accelerator check (one GPU/TPU, < 8 min): decode vs the HBM roofline at 64 rows
             (0.5B, 1.5B), long-tail tok/s, learner MFU (1.5B) publishing and not, compile times,
             peak memory against the plan; --dry-run (what it would run), --tiny (all of it on CPU)
+  aot       a decode step with the TPU Pallas kernel compiled ahead of time for a TPU topology on
+            this machine (needs libtpu: the tpu extra), its bytes accessed against weights + live KV
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
@@ -27,7 +29,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "accel")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "accel", "aot")
 
 
 def _host_malloc(argv):
