@@ -30,6 +30,7 @@ peak_mem_gb: the device's peak bytes in use (`memory_stats()`, GPU); null where 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -119,7 +120,13 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
 
 
 def _abstract_pass(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype):
-    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass."""
+    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass.
+
+    The library kernels ('tokamax', 'splash', and 'auto', which picks one on an accelerator) keep what
+    'flash' keeps (q, k, v, the output and its log-sum-exp; no [T, T] scores) and cannot be traced
+    off their platform, so the plan traces 'flash' for them."""
+    if section.attention_impl in ("auto", "tokamax", "splash"):
+        section = dataclasses.replace(section, attention_impl="flash")
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
     graphdef, params = nnx.split(model)
     i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)

@@ -27,7 +27,7 @@ from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tok
 from laminar_jax.learner.losses import (
     AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
 from laminar_jax.learner.mesh import BATCH_AXES
-from laminar_jax.model.attention import resolve_train_attention
+from laminar_jax.model.attention import AUTO, resolve_train_attention
 
 
 class TrainState(NamedTuple):
@@ -61,6 +61,11 @@ def batch_shards(mesh: Optional[Mesh]) -> int:
     return int(shape["data"] * shape["fsdp"])
 
 
+def _attention(name: str) -> str:
+    """'auto' resolved for the backend the step is traced for (the Learner checked explicit names)."""
+    return resolve_train_attention(name, jax.default_backend())[0] if name == AUTO else name
+
+
 def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
             score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None) -> ForwardOut:
     """Merge the model inside the trace and score the batch's targets.
@@ -72,7 +77,7 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     model = nnx.merge(graphdef, params)
     remat = section.remat if remat is None else remat
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
-                        attention=resolve_train_attention(section.attention_impl, jax.default_backend())[0],
+                        attention=_attention(section.attention_impl),
                         attention_chunk=section.attention_chunk)
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)

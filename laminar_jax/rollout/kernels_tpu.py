@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 
 from laminar_jax.rollout import head_major
@@ -71,7 +72,9 @@ def make_decode(*, interpret: bool = False, megacore_mode: Optional[str] = None)
         b, _, h, d = q.shape
         length = head_major.lengths(meta)
         mode = pltpu.force_tpu_interpret_mode() if interpret else contextlib.nullcontext()
-        with mode:
+        # The kernel's products take bf16 K/V; a process-wide 'highest' matmul precision (f32 runs set
+        # it) would ask Mosaic for f32 x f32 products it rejects ("Bad rhs type").
+        with mode, jax.default_matmul_precision("default"):
             out = paged_attention(head_major.scaled_query(q, kv.dtype), kv, vv, length,
                                   meta.page_table.astype(jnp.int32), megacore_mode=megacore_mode,
                                   pages_per_compute_block=pages_per_block(meta.page_table.shape[1], meta.page_size))
