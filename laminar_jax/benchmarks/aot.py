@@ -1,8 +1,10 @@
 """Ahead-of-time compile of a decode step for a real TPU (or the kernels for an H100), on a machine without one.
 
-    JAX_PLATFORMS=cpu python launch/bench.py aot [--preset qwen2.5-1.5b] [--layers N] [--rows 64]
+    python launch/bench.py aot [--preset qwen2.5-1.5b] [--layers N] [--rows 64]
         [--context 512] [--topology v5e:2x2]
-    JAX_PLATFORMS=cpu python launch/bench.py aot --gpu
+    python launch/bench.py aot --gpu
+
+It runs on the CPU platform (compile-only devices need no other): a TPU or GPU host works too.
 
 GPU (``--gpu``): with JAX's CUDA PJRT plugin installed at our jax version (``jax-cuda12-plugin`` and
 ``jax-cuda12-pjrt``; no CUDA libraries, no GPU), ``get_topology_desc(platform="cuda",
@@ -230,6 +232,9 @@ def main(argv: list[str]) -> dict:
                     help="compile for an H100 instead (the GPU decode kernel, tokamax training attention); needs "
                          "the CUDA PJRT plugin at this jax version, no GPU")
     a = ap.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: libtpu would look for a TPU
     if a.gpu:
         r = {"bench": "aot", "platform": "gpu", **gpu_compile(a.rows, a.context)}
         for k, v in r.items():
