@@ -46,6 +46,16 @@ class DecodeGeometry(NamedTuple):
         return self.num_heads // self.num_kv_heads
 
 
+def as_geometry(g: Any, platform: str) -> DecodeGeometry:
+    """A DecodeGeometry from ``g``: one already, or the kernel seam's geometry (global ``heads``,
+    ``kv_heads``, ``dtype``, ``tensor_parallel`` width: each shard gets heads / width), on ``platform``."""
+    if isinstance(g, DecodeGeometry):
+        return g
+    tp = max(int(getattr(g, "tensor_parallel", 1) or 1), 1)
+    return DecodeGeometry(platform, g.dtype, g.page_size, g.head_dim, g.heads // tp, g.kv_heads // tp,
+                          int(getattr(g, "pages_per_seq", 0) or 0))
+
+
 def pool_shape(num_pages: int, page: int, hkv: int, d: int, *, key: bool = True) -> tuple[int, ...]:
     del key  # K and V share the layout
     return (hkv, num_pages, page, d)

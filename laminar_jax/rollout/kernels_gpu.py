@@ -22,6 +22,8 @@ The pools are head-major (rollout/head_major.py). ``interpret=True`` runs the ke
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax.numpy as jnp
 
 from laminar_jax.rollout import head_major
@@ -49,9 +51,10 @@ def tiling(pages_per_seq: int, page_size: int) -> tuple[int, int]:
     return k_splits, pages
 
 
-def supports(geometry: head_major.DecodeGeometry) -> tuple[bool, str]:
-    """Whether the kernel can serve this engine, and why not."""
-    g = geometry
+def supports(geometry) -> tuple[bool, str]:
+    """Whether the kernel can serve this engine, and why not (a DecodeGeometry, or the kernel seam's
+    geometry, read as on GPU: head_major.as_geometry)."""
+    g = head_major.as_geometry(geometry, "gpu")
     if g.platform not in ("gpu", "cuda"):
         return False, f"runs on NVIDIA GPUs, not {g.platform}"
     if jnp.dtype(g.kv_dtype) not in [jnp.dtype(t) for t in FLOAT_KV]:
@@ -66,6 +69,12 @@ def supports(geometry: head_major.DecodeGeometry) -> tuple[bool, str]:
     if pages * g.page_size < 16:
         return False, f"page_size={g.page_size} x {g.pages_per_seq} pages per sequence: no 16-token block"
     return True, ""
+
+
+def refuses(geometry) -> Optional[str]:
+    """The kernel seam's check: why the kernel cannot serve ``geometry``, or None."""
+    ok, why = supports(geometry)
+    return None if ok else why
 
 
 def make_decode(*, interpret: bool = False, num_warps: int = 4, num_stages: int = 2):

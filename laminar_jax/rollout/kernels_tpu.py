@@ -40,9 +40,10 @@ def pages_per_block(pages_per_seq: int, page_size: int) -> int:
     return head_major.largest_pow2_divisor(pages_per_seq, max(1, 128 // page_size))
 
 
-def supports(geometry: head_major.DecodeGeometry) -> tuple[bool, str]:
-    """Whether the kernel can serve this engine, and why not."""
-    g = geometry
+def supports(geometry) -> tuple[bool, str]:
+    """Whether the kernel can serve this engine, and why not (a DecodeGeometry, or the kernel seam's
+    geometry, read as on TPU: head_major.as_geometry)."""
+    g = head_major.as_geometry(geometry, "tpu")
     if g.platform != "tpu":
         return False, f"runs on TPUs, not {g.platform}"
     dtype = jnp.dtype(g.kv_dtype)
@@ -56,6 +57,12 @@ def supports(geometry: head_major.DecodeGeometry) -> tuple[bool, str]:
     if g.page_size % sublanes:
         return False, f"page_size={g.page_size} must be a multiple of {sublanes} for {dtype} KV"
     return True, ""
+
+
+def refuses(geometry) -> Optional[str]:
+    """The kernel seam's check: why the kernel cannot serve ``geometry``, or None."""
+    ok, why = supports(geometry)
+    return None if ok else why
 
 
 def make_decode(*, interpret: bool = False, megacore_mode: Optional[str] = None):

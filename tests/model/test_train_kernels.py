@@ -66,3 +66,19 @@ def test_auto_and_explicit_choice():
         resolve_train_attention("tokamax", "tpu")
     assert train_attention("tokamax") is train_kernels.tokamax_attention
     assert train_attention("splash") is train_kernels.splash_attention
+
+
+def test_learner_refuses_an_explicit_kernel_off_its_platform():
+    from flax import nnx
+
+    from laminar_jax.learner import Learner, LearnerSection
+    from laminar_jax.model import PRESETS, Transformer
+
+    model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="learner.attention_impl='splash' runs on TPU, not cpu"):
+        Learner(LearnerSection(attention_impl="splash"), model)
+    learner = Learner(LearnerSection(attention_impl="auto"), model)
+    try:
+        assert learner.train_attention == "dense"
+    finally:
+        learner.close()

@@ -5,6 +5,7 @@ and kv heads split over 2 devices (shard_map, in a subprocess)."""
 import subprocess
 import sys
 import textwrap
+from typing import NamedTuple
 
 import jax.numpy as jnp
 import pytest
@@ -82,3 +83,23 @@ def test_kv_heads_split_over_two_devices():
     res = subprocess.run([sys.executable, "-c", SHARDED], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.count("ok") == 4
+
+
+class FakeSeamGeometry(NamedTuple):
+    """A stand-in with the kernel seam's geometry fields (global heads, TP width)."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    page_size: int
+    dtype: object = jnp.bfloat16
+    tensor_parallel: int = 1
+    pages_per_seq: int = 0
+
+
+def test_refuses_reads_the_seams_geometry_per_shard():
+    assert kernels_gpu.refuses(FakeSeamGeometry(12, 2, 128, 16, pages_per_seq=33)) is None
+    assert "head_dim=80" in kernels_gpu.refuses(FakeSeamGeometry(12, 2, 80, 16))
+    assert kernels_tpu.refuses(FakeSeamGeometry(14, 2, 64, 16)) == "head_dim=64 must be a multiple of 128 (a TPU lane tile)"
+    geo = head_major.as_geometry(FakeSeamGeometry(28, 4, 128, 16, tensor_parallel=2), "tpu")
+    assert (geo.num_heads, geo.num_kv_heads, geo.platform) == (14, 2, "tpu")  # one shard's heads
