@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
 import sys
 import time
 from typing import Any
@@ -235,6 +236,8 @@ def main(argv: list[str]) -> dict:
     import jax
 
     jax.config.update("jax_platforms", "cpu")  # before any backend starts: libtpu would look for a TPU
+    # libtpu takes a machine-wide lock file per process; compiling only, other libtpu processes may run.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     if a.gpu:
         r = {"bench": "aot", "platform": "gpu", **gpu_compile(a.rows, a.context)}
         for k, v in r.items():
