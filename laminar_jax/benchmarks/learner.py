@@ -205,7 +205,12 @@ def attention_speed(seq: int, heads: int = 8, kv_heads: int = 2, head_dim: int =
     q = jnp.asarray(rng.standard_normal((1, seq, heads, head_dim)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, seq, kv_heads, head_dim)), jnp.float32) for _ in range(2))
     seg = jnp.asarray(np.repeat(np.arange(1, 5), -(-seq // 4))[:seq][None], jnp.int32)
-    names = ["dense", "chunked", "flash"] + (["pallas_gpu"] if jax.devices()[0].platform == "gpu" else [])
+    from laminar_jax.model.train_kernels import auto_name
+
+    platform = jax.devices()[0].platform
+    names = ["dense", "chunked", "flash"] + (["pallas_gpu"] if platform == "gpu" else [])
+    if auto_name(platform)[0] in ("tokamax", "splash"):  # the library kernel 'auto' runs here
+        names.append(auto_name(platform)[0])
     out = {"bench": "attention", "device": jax.devices()[0].device_kind, "seq": seq, "block": block}
     for name in names:
         fn = train_attention(name, block)
