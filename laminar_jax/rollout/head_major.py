@@ -79,7 +79,7 @@ def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta) -> jax.Array
     page = meta.page_table[jnp.arange(b), meta.positions // meta.page_size]
     page = jnp.where(meta.active, page, 0)
     offset = meta.positions % meta.page_size
-    # pages[:, page[b], offset[b], :] = new[b]: advanced indices split by a slice put B first.
+    # pages[:, page[b], offset[b], :] = new[b]: the two adjacent index arrays leave B at axis 1 ([Hkv, B, D]).
     return pages.at[:, page, offset, :].set(jnp.swapaxes(as_stored(new, meta.kv_dtype), 0, 1))
 
 
