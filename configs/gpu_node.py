@@ -56,7 +56,7 @@ def get_config(variant: str = ""):
     c.learner.micro_batches = 64  # 512 trajectories per step: 2 packed rows per learner GPU per micro-batch
     c.learner.seq_len_buckets = (2048, 4096, 8192, 10240)
     c.learner.remat = "full"
-    c.learner.attention_impl = "flash"
+    c.learner.attention_impl = "auto"  # tokamax's flash attention on GPU (pip install tokamax), else Pallas
     c.learner.attention_chunk = 1024
 
     c.runtime.kind = "local"
@@ -90,7 +90,7 @@ def get_config(variant: str = ""):
         c.learner.micro_batches = 16  # as configs/gpu_single.py: the worst-case micro-batch fits an 80 GB GPU
         c.learner.seq_len_buckets = (512, 1024, 2048, 2560)
         c.learner.remat = "dots_with_no_batch_dims_saveable"
-        c.learner.attention_impl = "dense"
+        c.learner.attention_impl = "auto"
         c.runtime.prompts_per_step = 32
     elif variant:
         raise ValueError(f"configs/gpu_node.py: unknown variant {variant!r} (known: '', '32b', '0.5b')")

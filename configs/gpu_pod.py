@@ -47,10 +47,10 @@ def get_config(variant: str = ""):
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
     # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "full"  # 7B at 16K tokens per row: recompute each layer in the backward pass
-    # Dense attention would hold f32[28, 18432, 18432] scores (38 GB) per row and layer; flash works in
-    # 1024-token blocks and skips the masked future ones ('pallas_gpu' is the kernel alternative;
-    # neither has run on a GPU in this repo yet).
-    c.learner.attention_impl = "flash"
+    # Dense attention would hold f32[28, 18432, 18432] scores (38 GB) per row and layer; 'auto' runs
+    # tokamax's flash attention on GPU (Mosaic GPU on Hopper; pip install tokamax), which keeps no
+    # scores and skips masked blocks ('flash' is the portable fallback).
+    c.learner.attention_impl = "auto"
     c.learner.attention_chunk = 1024
 
     c.relay.chunk_bytes = 32 << 20

@@ -47,6 +47,7 @@ def get_config(variant: str = ""):
     c.learner.seq_len_buckets = (512, 1024, 2048, 2560)
     # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "dots_with_no_batch_dims_saveable"  # keep matmul outputs, recompute the rest
+    c.learner.attention_impl = "auto"  # tokamax flash attention on GPU (pip install tokamax), else Pallas
 
     c.runtime.mode = "laminar"
     c.runtime.num_servers = 1  # colocated on the one GPU

@@ -11,6 +11,11 @@
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
   env       a trivial python tool call, sandboxed (bubblewrap) against unsandboxed: calls/s, p50/p99 (--sandbox)
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
+  accel     the accelerator check (one GPU/TPU, < 8 min): decode vs the HBM roofline at 64 rows
+            (0.5B, 1.5B), long-tail tok/s, learner MFU (1.5B) publishing and not, compile times,
+            peak memory against the plan; --dry-run (what it would run), --tiny (all of it on CPU)
+  aot       a decode step with the TPU Pallas kernel compiled ahead of time for a TPU topology on
+            this machine (needs libtpu: the tpu extra), its bytes accessed against weights + live KV
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
@@ -25,7 +30,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "env")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "env", "accel", "aot")
 
 
 def _host_malloc(argv):

@@ -30,6 +30,7 @@ peak_mem_gb: the device's peak bytes in use (`memory_stats()`, GPU); null where 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -119,7 +120,13 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
 
 
 def _abstract_pass(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype):
-    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass."""
+    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass.
+
+    The library kernels ('tokamax', 'splash', and 'auto', which picks one on an accelerator) keep what
+    'flash' keeps (q, k, v, the output and its log-sum-exp; no [T, T] scores) and cannot be traced
+    off their platform, so the plan traces 'flash' for them."""
+    if section.attention_impl in ("auto", "tokamax", "splash"):
+        section = dataclasses.replace(section, attention_impl="flash")
     model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
     graphdef, params = nnx.split(model)
     i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
@@ -198,7 +205,12 @@ def attention_speed(seq: int, heads: int = 8, kv_heads: int = 2, head_dim: int =
     q = jnp.asarray(rng.standard_normal((1, seq, heads, head_dim)), jnp.float32)
     k, v = (jnp.asarray(rng.standard_normal((1, seq, kv_heads, head_dim)), jnp.float32) for _ in range(2))
     seg = jnp.asarray(np.repeat(np.arange(1, 5), -(-seq // 4))[:seq][None], jnp.int32)
-    names = ["dense", "chunked", "flash"] + (["pallas_gpu"] if jax.devices()[0].platform == "gpu" else [])
+    from laminar_jax.model.train_kernels import auto_name
+
+    platform = jax.devices()[0].platform
+    names = ["dense", "chunked", "flash"] + (["pallas_gpu"] if platform == "gpu" else [])
+    if auto_name(platform)[0] in ("tokamax", "splash"):  # the library kernel 'auto' runs here
+        names.append(auto_name(platform)[0])
     out = {"bench": "attention", "device": jax.devices()[0].device_kind, "seq": seq, "block": block}
     for name in names:
         fn = train_attention(name, block)
@@ -289,8 +301,9 @@ def main(argv: list[str]) -> dict:
                          "all 24 layers of qwen2.5-0.5b at 16 x 1024 tokens are kept for the backward: ~130 GB)")
     ap.add_argument("--logits-chunk-tokens", type=int, default=LearnerSection().logits_chunk_tokens,
                     help="tokens per device per logits chunk (learner.logits_chunk_tokens; 0 = full logits)")
-    ap.add_argument("--attention", default="dense", choices=list(TRAIN_ATTENTION),
-                    help="learner.attention_impl (chunked/flash/pallas_gpu: no [T, T] scores kept; for long rows)")
+    ap.add_argument("--attention", default="dense", choices=["auto", *TRAIN_ATTENTION],
+                    help="learner.attention_impl (chunked/flash/pallas_gpu/tokamax/splash: no [T, T] scores kept; "
+                         "auto: the platform's kernel)")
     ap.add_argument("--attention-chunk", type=int, default=None,
                     help=f"learner.attention_chunk (default {LearnerSection().attention_chunk}; 512 with --attention-speed)")
     ap.add_argument("--memory-plan", action="store_true",

@@ -54,7 +54,7 @@ class LearnerSection:
       micro_batches: Gradient-accumulation micro-batches per optimizer update (lax.scan).
       remat: Activation rematerialization per decoder layer in the training forward: 'none' (keep all activations), 'full' (keep each layer's input, recompute the layer in the backward pass), 'dots_saveable' (keep all matmul outputs, attention scores included) or 'dots_with_no_batch_dims_saveable' (keep the weight matmuls' outputs, recompute attention). Same values and gradients; less memory for more FLOPs.
       logits_chunk_tokens: Tokens per device whose logits exist at once when the learner scores targets: log-probs/entropy are computed from the final hidden states in chunks of positions (all rows of a micro-batch) with the lm_head recomputed in the backward pass, so peak logits memory is ~ logits_chunk_tokens x vocab x 4 bytes (x3 in the backward) instead of rows x seq_len x vocab x 4. 0 = one chunk (full f32[B, T, V] logits).
-      attention_impl: Training attention: 'dense' (f32[B, H, T, T] scores; fine up to a few K tokens per row), 'chunked' (portable: attention_chunk query rows at a time, each rematerialised, so f32[B, H, attention_chunk, T] at most; needed for 16K-token rows), 'flash' (portable blockwise attention with a hand-written backward: blocks of attention_chunk tokens, masked future blocks skipped, about half of chunked's attention FLOPs) or 'pallas_gpu' (JAX's Pallas flash-attention kernel with segment ids; GPU only). Same values to float rounding.
+      attention_impl: Training attention: 'dense' (f32[B, H, T, T] scores; fine up to a few K tokens per row), 'chunked' (portable: attention_chunk query rows at a time, each rematerialised, so f32[B, H, attention_chunk, T] at most; needed for 16K-token rows), 'flash' (portable blockwise attention with a hand-written backward: blocks of attention_chunk tokens, masked future blocks skipped, about half of chunked's attention FLOPs), 'pallas_gpu' (JAX's Pallas flash-attention kernel with segment ids; GPU only), 'tokamax' (tokamax's flash attention: Mosaic GPU on Hopper/Blackwell, Triton on other GPUs; pip install tokamax) or 'splash' (JAX's TPU splash attention; TPU only); 'auto' = 'splash' on TPU, 'tokamax' on GPU when installed (else 'pallas_gpu'), 'dense' on CPU. Same values to float rounding.
       attention_chunk: Query rows per chunk for attention_impl='chunked'; block size for 'flash'.
       mini_batches: Optimizer updates per epoch over one `Learner.step` batch.
       ppo_epochs: Passes over one `Learner.step` batch.
@@ -110,7 +110,7 @@ class LearnerSection:
     micro_batches: int = 1
     remat: Literal["none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable"] = "none"
     logits_chunk_tokens: int = 2048
-    attention_impl: Literal["dense", "chunked", "flash", "pallas_gpu"] = "dense"
+    attention_impl: Literal["auto", "dense", "chunked", "flash", "pallas_gpu", "tokamax", "splash"] = "dense"
     attention_chunk: int = 1024
     mini_batches: int = 1
     ppo_epochs: int = 1
@@ -163,7 +163,7 @@ class LearnerSection:
                ">= 0 (0 = unchunked)")
         remats = ("none", "full", "dots_saveable", "dots_with_no_batch_dims_saveable")
         expect(self.remat in remats, f"{prefix}.remat", self.remat, f"one of {list(remats)}")
-        impls = ("dense", "chunked", "flash", "pallas_gpu")
+        impls = ("auto", "dense", "chunked", "flash", "pallas_gpu", "tokamax", "splash")
         expect(self.attention_impl in impls, f"{prefix}.attention_impl", self.attention_impl, f"one of {list(impls)}")
         expect(self.attention_chunk >= 1, f"{prefix}.attention_chunk", self.attention_chunk, ">= 1")
         expect(self.pack_length is None or self.pack_length >= 0, f"{prefix}.pack_length", self.pack_length,

@@ -24,6 +24,7 @@ from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSectio
 from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
 from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
+from laminar_jax.model.attention import resolve_train_attention
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step, make_updates)
 from laminar_jax.model.precision import as_dtype, cast_floating
@@ -141,6 +142,9 @@ class Learner:
             rules = ms.rules if rules is None else rules
             mesh = build_mesh(ms)
         self.mesh = mesh
+        # An explicit kernel off its platform fails here, naming the field; 'auto' says what it chose.
+        self.train_attention, why = resolve_train_attention(section.attention_impl, mesh.devices.flat[0].platform)
+        log.info("learner.attention_impl=%r: %s (%s)", section.attention_impl, self.train_attention, why)
         self.rules = tuple(DEFAULT_RULES if rules is None else rules)
         self.publisher = publisher
         self.version = 0

@@ -27,6 +27,7 @@ from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tok
 from laminar_jax.learner.losses import (
     AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
 from laminar_jax.learner.mesh import BATCH_AXES
+from laminar_jax.model.attention import AUTO, resolve_train_attention
 from laminar_jax.model.precision import cast_floating
 
 
@@ -66,6 +67,11 @@ def batch_shards(mesh: Optional[Mesh]) -> int:
     return int(shape["data"] * shape["fsdp"])
 
 
+def _attention(name: str) -> str:
+    """'auto' resolved for the backend the step is traced for (the Learner checked explicit names)."""
+    return resolve_train_attention(name, jax.default_backend())[0] if name == AUTO else name
+
+
 def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
             score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None,
             dtype: Any = None) -> ForwardOut:
@@ -83,7 +89,8 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     model = nnx.merge(graphdef, params if dtype is None else cast_floating(params, dtype))
     remat = section.remat if remat is None else remat
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
-                        attention=section.attention_impl, attention_chunk=section.attention_chunk)
+                        attention=_attention(section.attention_impl),
+                        attention_chunk=section.attention_chunk)
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
         return ForwardOut(zeros, zeros, out.values)

@@ -3,7 +3,8 @@
 Training uses :func:`dense_attention` over padded or packed batches (segment ids), or for long
 rows :func:`chunked_attention` (portable, O(chunk x T) memory), ``flash.flash_attention`` (portable
 blockwise attention with a custom backward, skipping masked key blocks) or
-:func:`pallas_gpu_attention` (JAX's Pallas GPU kernel); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
+:func:`pallas_gpu_attention` (JAX's Pallas GPU kernel), or a kernel library's (``train_kernels``: tokamax
+on GPU, splash on TPU); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
 Decoding calls the model with a *cache backend*: a function
 
     backend(q, k, v, layer_cache) -> (out, new_layer_cache)
@@ -142,7 +143,8 @@ def pallas_gpu_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: 
 
 AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], jax.Array]
 
-TRAIN_ATTENTION = ("dense", "chunked", "flash", "pallas_gpu")
+TRAIN_ATTENTION = ("dense", "chunked", "flash", "pallas_gpu", "tokamax", "splash")
+AUTO = "auto"  # learner.attention_impl's default: resolve_train_attention picks per platform
 
 
 def train_attention(name: str, chunk: int = 1024) -> AttentionFn:
@@ -159,4 +161,25 @@ def train_attention(name: str, chunk: int = 1024) -> AttentionFn:
         return functools.partial(flash_attention, block=chunk)
     if name == "pallas_gpu":
         return pallas_gpu_attention
-    raise ValueError(f"attention_impl={name!r}: must be one of {list(TRAIN_ATTENTION)}")
+    if name in ("tokamax", "splash"):
+        from laminar_jax.model import train_kernels
+
+        return train_kernels.tokamax_attention if name == "tokamax" else train_kernels.splash_attention
+    raise ValueError(f"attention_impl={name!r}: must be one of {list(TRAIN_ATTENTION)} "
+                     "('auto' is resolved first: resolve_train_attention)")
+
+
+def resolve_train_attention(name: str, platform: str, field: str = "learner.attention_impl") -> tuple[str, str]:
+    """(the attention a learner on ``platform`` runs for config name ``name``, the reason).
+
+    'auto': 'splash' on TPU, 'tokamax' on GPU when installed (else 'pallas_gpu'), 'dense' on CPU.
+    An explicit kernel off its platform is an error naming the field."""
+    from laminar_jax.model import train_kernels
+
+    if name == AUTO:
+        return train_kernels.auto_name(platform)
+    needs = {"pallas_gpu": ("gpu", "cuda"), "tokamax": ("gpu", "cuda"), "splash": ("tpu",)}.get(name)
+    if needs and platform not in needs:
+        raise ValueError(f"{field}={name!r} runs on {needs[0].upper()}, not {platform}; use 'auto', 'dense', "
+                         "'chunked' or 'flash'")
+    return name, "set in the config"

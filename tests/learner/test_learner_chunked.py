@@ -150,7 +150,7 @@ def test_config_fields_validated():
     from laminar_jax.configlib import ConfigError
 
     assert typing.get_args(typing.get_type_hints(LearnerSection)["remat"]) == REMAT_POLICIES
-    assert typing.get_args(typing.get_type_hints(LearnerSection)["attention_impl"]) == TRAIN_ATTENTION
+    assert typing.get_args(typing.get_type_hints(LearnerSection)["attention_impl"]) == ("auto", *TRAIN_ATTENTION)
     with pytest.raises(ConfigError, match=r"learner\.logits_chunk_tokens"):
         LearnerSection(logits_chunk_tokens=-1).validate("learner")
     with pytest.raises(ConfigError, match=r"learner\.remat"):

@@ -1,0 +1,258 @@
+"""Ahead-of-time compile of a decode step for a real TPU (or the kernels for an H100), on a machine without one.
+
+    python launch/bench.py aot [--preset qwen2.5-1.5b] [--layers N] [--rows 64]
+        [--context 512] [--topology v5e:2x2]
+    python launch/bench.py aot --gpu
+
+It runs on the CPU platform (compile-only devices need no other): a TPU or GPU host works too.
+
+GPU (``--gpu``): with JAX's CUDA PJRT plugin installed at our jax version (``jax-cuda12-plugin`` and
+``jax-cuda12-pjrt``; no CUDA libraries, no GPU), ``get_topology_desc(platform="cuda",
+topology="1x1x1", target_config=<GpuTargetConfigProto>)`` gives a compile-only H100, and XLA:GPU
+compiles for it: the GPU decode kernel (Triton) and tokamax's training attention, forward and
+backward, in Triton and in Mosaic GPU. Without the plugin jax has no CUDA topology factory
+("topology not implemented for cuda"); without a target config the plugin wants a visible GPU.
+
+Needs libtpu (``pip install 'laminar_jax[tpu]'``, i.e. jax[tpu] at our jax version): it describes
+the topology (``jax.experimental.topologies.get_topology_desc``), and XLA:TPU plus Mosaic lower and
+compile for it here, which proves the Pallas kernel's lowering. The step is the engine's decode
+step: every layer through ``Transformer.forward_cached`` with the TPU paged attention kernel
+(rollout/kernels_tpu.py) over head-major bf16 pools, the token written, greedy argmax; the KV pools
+are donated (updated in place).
+
+Bytes: the step must read its weights and the live KV (rows x (context + 1) tokens, K and V, every
+layer). ``ratio`` = the compiled step's ``cost_analysis()["bytes accessed"]`` / those bytes (goal
+<= 1.25). XLA's cost model is an estimate, not a trace: it cannot see inside a Mosaic kernel and
+charges the custom call with its whole operands (every layer's entire KV pool, whatever the rows'
+lengths), and probes of single ops for the same v5e charge a 64-row bf16 product ~5x its weight's
+bytes (a prefetch copy of the weight and re-reads of it counted, in either weight layout) while the
+embedding gather is charged only its rows. The kernel's real KV reads are given by construction
+(``kernel_kv_bytes``: per row, its length rounded up to the kernel's block of pages, K and V, every
+layer: the pages it DMAs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+
+
+def decode_step_fn(model, kernel, page_size: int):
+    """step(params, pools, tokens, positions, page_table, active) -> (next tokens, new pools)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from laminar_jax.rollout.attention import DecodeMeta
+
+    graphdef, _ = nnx.split(model)
+
+    def step(params, pools, tokens, positions, page_table, active):
+        m = nnx.merge(graphdef, params)
+        meta = DecodeMeta(page_table=page_table, positions=positions, active=active, page_size=page_size,
+                          kv_dtype=pools[0][0].dtype)
+        logits, new = m.forward_cached(tokens[:, None], positions[:, None], pools, functools.partial(kernel, meta=meta))
+        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), new
+
+    return step
+
+
+def needed_bytes(cfg, weight_bytes: int, rows: int, context: int, itemsize: int) -> int:
+    """Weights + the live KV (rows x (context + 1) tokens: the cache and the new token), K and V, every layer."""
+    return weight_bytes + 2 * cfg.num_layers * rows * (context + 1) * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def kernel_bytes(cfg, rows: int, context: int, pages_per_seq: int, page: int, itemsize: int) -> int:
+    """KV bytes the TPU kernel DMAs: each row's length rounded up to its block of pages (kernels_tpu)."""
+    from laminar_jax.rollout.kernels_tpu import pages_per_block
+
+    block = pages_per_block(pages_per_seq, page) * page
+    tokens = -(-(context + 1) // block) * block
+    return 2 * cfg.num_layers * rows * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize
+
+
+def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
+                    topology: str = "v5e:2x2") -> dict[str, Any]:
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+    from jax.experimental import topologies
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from laminar_jax.model import PRESETS, Transformer
+    from laminar_jax.rollout import head_major, kernels_tpu
+
+    cfg = PRESETS[preset]
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    ok, why = kernels_tpu.supports(head_major.DecodeGeometry("tpu", jnp.bfloat16, page, cfg.head_dim, cfg.num_heads,
+                                                             cfg.num_kv_heads, 1))
+    if not ok:
+        raise ValueError(f"{preset}: the TPU decode kernel cannot serve it: {why}")
+    topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
+    mesh = Mesh(np.array(topo.devices[:1]), ("x",))  # one chip; Mosaic reads the chip from the mesh's device
+    rep = NamedSharding(mesh, P())
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    _, params = nnx.split(model)
+    pages_per_seq = -(-(context + 1) // page)
+    num_pages = rows * pages_per_seq + 1
+    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
+    pool = abstract(head_major.pool_shape(num_pages, page, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
+    args = (jax.tree.map(lambda x: abstract(x.shape, x.dtype), params), [(pool, pool)] * cfg.num_layers,
+            abstract((rows,), jnp.int32), abstract((rows,), jnp.int32), abstract((rows, pages_per_seq), jnp.int32),
+            abstract((rows,), jnp.bool_))
+    step = jax.jit(decode_step_fn(model, kernels_tpu.make_decode(), page), donate_argnums=(1,))
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh):
+        compiled = step.lower(*args).compile()
+    compile_s = time.perf_counter() - t0
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    xla_bytes, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
+    weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    kv = kernel_bytes(cfg, rows, context, pages_per_seq, page, 2)
+    writes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * 2  # the new token's K and V
+    need = needed_bytes(cfg, weight_bytes, rows, context, 2)
+    hlo = compiled.as_text()
+    return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": topo.devices[0].device_kind,
+            "preset": preset, "layers": cfg.num_layers, "rows": rows, "context": context, "page_size": page,
+            "compile_s": compile_s, "mosaic_kernels": hlo.count("tpu_custom_call"),
+            "weight_bytes": weight_bytes, "needed_bytes": need, "xla_bytes_accessed": xla_bytes,
+            "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops}
+
+
+# An H100 SXM as XLA:GPU's compiler sees it (xla::GpuTargetConfigProto, text format): what a
+# compile-only CUDA topology needs instead of a visible GPU.
+H100_TARGET_CONFIG = """
+gpu_device_info {
+  threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
+  shared_memory_per_core: 233472 threads_per_core_limit: 2048 core_count: 132 fpus_per_core: 128
+  block_dim_limit_x: 2147483647 block_dim_limit_y: 65535 block_dim_limit_z: 65535
+  memory_bandwidth: 3352320000000 l2_cache_size: 52428800 clock_rate_ghz: 1.98
+  device_memory_size: 84978434048 shared_memory_per_block_optin: 232448
+  cuda_compute_capability { major: 9 } registers_per_core_limit: 65536 registers_per_block_limit: 65536
+}
+platform_name: "CUDA"
+device_description_str: "NVIDIA H100 80GB HBM3"
+"""
+
+
+def gpu_topology_device():
+    """A compile-only H100 from JAX's CUDA PJRT plugin (jax-cuda12-plugin and jax-cuda12-pjrt at our
+    jax version): no GPU needed when the topology gets a target config. Raises where the plugin is absent."""
+    from jax.experimental import topologies
+
+    topo = topologies.get_topology_desc(topology_name="", platform="cuda", topology="1x1x1",
+                                        target_config=H100_TARGET_CONFIG)
+    return topo.devices[0]
+
+
+def gpu_compile(rows: int = 64, context: int = 512, seq: int = 2048) -> dict[str, Any]:
+    """Compile for an H100 on this machine: the GPU decode kernel (qwen2.5-1.5b attention geometry,
+    bf16) and tokamax's training attention forward + backward (Triton and Mosaic GPU) over packed rows."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import SingleDeviceSharding
+
+    from laminar_jax.model import train_kernels
+    from laminar_jax.rollout import head_major, kernels_gpu
+    from laminar_jax.rollout.attention import DecodeMeta
+
+    dev = gpu_topology_device()
+    at = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=SingleDeviceSharding(dev))  # noqa: E731
+    h, hkv, d, page = 12, 2, 128, 16
+    n = -(-(context + 1) // page)
+    pool = at(head_major.pool_shape(rows * n + 1, page, hkv, d), jnp.bfloat16)
+    kernel = kernels_gpu.make_decode()
+
+    def decode(q, k, v, kp, vp, table, pos, act):
+        meta = DecodeMeta(page_table=table, positions=pos, active=act, page_size=page, kv_dtype=jnp.bfloat16)
+        return kernel(q, k, v, (kp, vp), meta=meta)
+
+    out: dict[str, Any] = {"device_kind": dev.device_kind}
+    jobs = {"decode_pallas_gpu_paged": (decode, (at((rows, 1, h, d), jnp.bfloat16), at((rows, 1, hkv, d), jnp.bfloat16),
+                                                 at((rows, 1, hkv, d), jnp.bfloat16), pool, pool, at((rows, n), jnp.int32),
+                                                 at((rows,), jnp.int32), at((rows,), jnp.bool_)))}
+    train = (at((2, seq, h, d), jnp.bfloat16), at((2, seq, hkv, d), jnp.bfloat16), at((2, seq, hkv, d), jnp.bfloat16),
+             at((2, seq), jnp.int32))
+    for impl in ("triton", "mosaic"):
+        loss = lambda q, k, v, s, impl=impl: jnp.sum(  # noqa: E731
+            train_kernels.tokamax_attention(q, k, v, s, implementation=(impl,)).astype(jnp.float32))
+        jobs[f"train_tokamax_{impl}_fwd_bwd"] = (jax.grad(loss, argnums=(0, 1, 2)), train)
+    for name, (fn, args) in jobs.items():
+        t0 = time.perf_counter()
+        try:
+            with _tokamax_cross_compile(), jax.default_device(dev):
+                text = jax.jit(fn).lower(*args).compile().as_text()
+            out[name] = {"compiled": True, "compile_s": time.perf_counter() - t0,
+                         "triton_calls": text.count("__gpu$xla.gpu.triton"), "mosaic_gpu_calls": text.count("mosaic_gpu")}
+        except Exception as e:  # the failure is the finding
+            out[name] = {"compiled": False, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+    return out
+
+
+def _tokamax_cross_compile():
+    """tokamax checks for a GPU before it lowers; its own option turns that off for cross compiling."""
+    import contextlib
+
+    try:
+        import tokamax
+    except ImportError:
+        return contextlib.nullcontext()
+    return tokamax.config.cross_compile(True)
+
+
+def gpu_compile_without_device() -> dict[str, Any]:
+    """Whether XLA:GPU can compile here without a GPU, and why not."""
+    try:
+        return {"available": True, "device_kind": gpu_topology_device().device_kind}
+    except Exception as e:  # the reason is the finding
+        return {"available": False, "error": f"{type(e).__name__}: {str(e)[:200]}",
+                "needs": "the CUDA PJRT plugin at this jax version (jax-cuda12-plugin, jax-cuda12-pjrt)"}
+
+
+def main(argv: list[str]) -> dict:
+    from laminar_jax.benchmarks.machine import emit
+
+    ap = argparse.ArgumentParser(prog="bench aot")
+    ap.add_argument("--preset", default="qwen2.5-1.5b")
+    ap.add_argument("--layers", type=int, default=0, help="fewer layers than the preset's (0 = all)")
+    ap.add_argument("--rows", type=int, default=64)
+    ap.add_argument("--context", type=int, default=512)
+    ap.add_argument("--page-size", type=int, default=16)
+    ap.add_argument("--topology", default="v5e:2x2")
+    ap.add_argument("--gpu", action="store_true",
+                    help="compile for an H100 instead (the GPU decode kernel, tokamax training attention); needs "
+                         "the CUDA PJRT plugin at this jax version, no GPU")
+    a = ap.parse_args(argv)
+    import jax
+
+    jax.config.update("jax_platforms", "cpu")  # before any backend starts: libtpu would look for a TPU
+    # libtpu takes a machine-wide lock file per process; compiling only, other libtpu processes may run.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    if a.gpu:
+        r = {"bench": "aot", "platform": "gpu", **gpu_compile(a.rows, a.context)}
+        for k, v in r.items():
+            if isinstance(v, dict):
+                print(f"{k:<36} " + (f"compiled in {v['compile_s']:.1f} s" if v["compiled"] else v["error"]))
+        return emit(r)
+    r = tpu_decode_step(a.preset, a.rows, a.context, layers=a.layers, page=a.page_size, topology=a.topology)
+    r["gpu_without_device"] = gpu_compile_without_device()
+    print(f"TPU {r['device_kind']} decode step, {a.preset} ({r['layers']} layers) at {a.rows} rows x {a.context}: "
+          f"compiled in {r['compile_s']:.1f} s, {r['mosaic_kernels']} Mosaic kernels; bytes: XLA "
+          f"{r['xla_bytes_accessed'] / 1e6:.1f} MB accessed (cost model) vs {r['needed_bytes'] / 1e6:.1f} MB needed "
+          f"(weights {r['weight_bytes'] / 1e6:.1f}, live KV {(r['needed_bytes'] - r['weight_bytes']) / 1e6:.1f}; "
+          f"the kernel DMAs {r['kernel_kv_bytes'] / 1e6:.1f}) -> {r['ratio']:.3f}x")
+    return emit(r)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
