@@ -64,7 +64,9 @@ def _split_params(model: nnx.Module, what: str) -> tuple[Any, nnx.State]:
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.array(x), tree)
+    """Host copies of a model's leaves; a jax.Array stays where it is (a model loaded onto the mesh,
+    model.sharded.load_model, is placed already: `place` keeps it, no whole copy is made)."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x), tree)
 
 
 class _Models(NamedTuple):

@@ -19,7 +19,8 @@ import time
 from typing import Callable, Optional
 
 from laminar_jax.runtime.loops import Failure, mark_replaced
-from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, params_on_device, pull_timeout
+from laminar_jax.runtime.rollout_worker import (RolloutWorker, episode_feed, host_params, params_on_device,  # noqa: F401
+                                                pull_timeout)
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import Worker
 
@@ -75,20 +76,24 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model, engine=None):
-    """flat published weights -> the engine's param pytree, for servers built on `model`.
+def params_from_flat(model, engine=None, stream: bool = True):
+    """flat published weights -> what a server built on ``model`` (abstract or not) swaps to.
 
-    With an engine over a mesh (placement.rollout_tp, or a server off the default device) the
-    weights land in that engine's layout, each device receiving only its shard of the host copy.
+    stream: the server owns its weights; the result is HostWeights, streamed onto its devices at the
+    swap tensor by tensor, each old buffer deleted first (Engine.swap_params), so a swap never
+    holds two versions on a device. Otherwise (servers sharing one copy on the default device)
+    the weights are placed now, one device copy per version for all of them (Handoff.placed).
     """
     from flax import nnx
 
+    from laminar_jax.rollout.server import HostWeights
+
     _, template = nnx.split(model)
+    if stream:
+        return lambda flat: HostWeights(host_params(flat, template))
     if engine is None or engine.mesh is None:
         return functools.partial(params_on_device, template=template)
-    from laminar_jax.learner.publish import unflatten_params
-
-    return lambda flat: engine.place_params(unflatten_params(flat, template))
+    return lambda flat: engine.place_params(host_params(flat, template))
 
 
 def server_mesh(devices):
@@ -105,22 +110,31 @@ def server_mesh(devices):
 def server_factory(cfg, model, buffer, weights, timeline, devices=None):
     """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run.
 
-    devices: per server index, the jax devices its engine runs on (placement); None = the default device.
+    model: the policy's (abstract) model: its graph and shapes. devices: per server index, the jax
+    devices its engine runs on (placement); None = the default device. A server alone on its
+    devices owns its weights and streams each swap into place; servers sharing the default device
+    share one placed copy per version instead.
     """
     from laminar_jax.rollout import make_engine
-    from laminar_jax.rollout.server import RolloutServer
+    from laminar_jax.rollout.server import HostWeights, RolloutServer
 
     policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
-    from_flat = params_from_flat(model)
+    shared = params_from_flat(model, stream=False)  # one function: the hand-off places once for all
+    n = cfg.runtime.num_servers
+    on_default_device = n if devices is None else sum(server_mesh(d) is None for d in devices)
 
     def make(i: int, generation: int, version: int, params) -> RolloutWorker:
         section = server_section(cfg, i, generation)
         name = section.server_id
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
-        params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
+        on_default = engine.mesh is None and on_default_device > 1  # other servers run there too
+        if isinstance(params, HostWeights) and on_default:
+            params = params.tree
+        if not isinstance(params, HostWeights):
+            params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, from_flat if engine.mesh is None else params_from_flat(model, engine),
+                               buffer, policy, shared if on_default else params_from_flat(model, engine),
                                pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker

@@ -57,6 +57,35 @@ def sft_warmup(cfg: Config, model, tokenizer, phase: Callable[[str], None] = lam
     return losses
 
 
+def learner_models(cfg: Config, mesh, rules, phase: Callable[[str], None], sft: bool) -> tuple[Callable, list]:
+    """(next_model, SFT losses): next_model() is the policy for a learner being built, every
+    parameter loaded straight onto its shard of ``mesh`` (model.sharded.load_model; no whole copy
+    on any one device, none kept between learners). The first call returns the model the
+    supervised warm-start trained (``sft``); later ones (a learner rebuilt after a failure) load
+    again and take the warm-started weights from the one host copy kept for that."""
+    from laminar_jax.learner.mesh import sharding_of
+    from laminar_jax.learner.publish import load_model_params, model_params
+    from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.model.sharded import abstract_model
+
+    shardings = sharding_of(abstract_model(cfg.model), mesh, rules)
+    first = [build_model(cfg.model, shardings)]
+    losses, warm = [], None
+    if sft:
+        losses = sft_warmup(cfg, first[0], load_tokenizer(cfg.model.tokenizer), phase)
+        warm = model_params(first[0])
+
+    def next_model():
+        if first:
+            return first.pop()
+        model = build_model(cfg.model, shardings)
+        if warm is not None:
+            load_model_params(model, warm)
+        return model
+
+    return next_model, losses
+
+
 def check_resume(cfg: Config, run_dir: str) -> None:
     """A run directory that holds a run: refuse config changes that break its ledger's meaning,
     log the others, and say so when there is no checkpoint to resume from."""

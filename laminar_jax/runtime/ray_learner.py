@@ -82,8 +82,10 @@ class LearnerProcess:
 
         from laminar_jax.config import finalize
         from laminar_jax.learner.learner import Learner
+        from laminar_jax.learner.mesh import build_mesh, sharding_of
         from laminar_jax.learner.publish import LocalPublisher
         from laminar_jax.model import build_model
+        from laminar_jax.model.sharded import abstract_model
         from laminar_jax.process_settings import apply_process_settings
 
         _use_gloo_on_cpu(jax)
@@ -91,7 +93,9 @@ class LearnerProcess:
         apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
-        model = build_model(cfg.model)
+        # Every parameter straight onto its shard of the global mesh: each process reads only the
+        # slices its own devices hold (model.sharded.load_model).
+        model = build_model(cfg.model, sharding_of(abstract_model(cfg.model), build_mesh(cfg.mesh), cfg.mesh.rules))
         if init_params is not None:
             from laminar_jax.learner.publish import load_model_params
 
