@@ -8,6 +8,12 @@ from typing import Literal, Optional
 from laminar_jax.configlib import expect
 
 
+# relay.max_unverified_bytes = 0: a run derives it as this many versions' bytes (runtime/parts.py).
+UNVERIFIED_VERSIONS = 2.25
+# ... and a relay started outside a run (tests, tools) with 0 takes this.
+STANDALONE_UNVERIFIED_BYTES = 64 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class RelaySection:
     """How published weights are stored, relayed and pulled.
@@ -39,7 +45,7 @@ class RelaySection:
       gc_on_publish: Run the store's gc() after each version the publisher writes (after the version is relayed or handed off; the scan for orphaned data of killed writers on the first gc and every 32nd).
       store_check_s: With store_url set, a relay makes a pushed version pullable only once the weight store has committed that version with the same layout, waiting at most this many seconds for the commit; a version the store does not have by then (or has with another layout, or has already replaced) is dropped and counted. 0 disables the check.
       local_handoff: Local runtime only: rollout servers (all in the learner's process) take each version from the publisher's memory as soon as the weight store has committed it, and no relay runs; False runs the in-process relay and servers pull through it, as hosts of a Ray run do (what relay fault injection needs). The Ray runtime ignores it.
-      max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
+      max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold. 0 (default): derived when the run starts from the model, UNVERIFIED_VERSIONS x one version's bytes at the parameter dtype (a version in flight plus one a dead sender left unfinished until io_timeout_s, with a margin); a relay started outside a run with 0 takes STANDALONE_UNVERIFIED_BYTES.
     """
 
     store_url: Optional[str] = None
@@ -66,7 +72,7 @@ class RelaySection:
     base_port: int = 0
     local_transport: Literal["memfd", "tcp"] = "memfd"
     gc_on_publish: bool = True
-    max_unverified_bytes: int = 64 << 30
+    max_unverified_bytes: int = 0
     local_handoff: bool = True
     store_check_s: float = 120.0
 
@@ -94,7 +100,12 @@ class RelaySection:
                f"< io_timeout_s ({self.io_timeout_s})")
         expect(self.max_chunk_retries >= 1, f"{prefix}.max_chunk_retries", self.max_chunk_retries, ">= 1")
         expect(0 <= self.base_port < 65536, f"{prefix}.base_port", self.base_port, "in [0, 65535]")
-        expect(self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes", self.max_unverified_bytes,
-               ">= 4096 (and at least one weight version's size)")
+        expect(self.max_unverified_bytes == 0 or self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes",
+               self.max_unverified_bytes, "0 (derived from the model) or >= 4096 (and at least one weight version's size)")
         expect(self.store_check_s >= 0, f"{prefix}.store_check_s", self.store_check_s, ">= 0 seconds (0 = off)")
         expect(bool(self.host), f"{prefix}.host", self.host, "a non-empty interface address")
+
+    @property
+    def unverified_cap(self) -> int:
+        """max_unverified_bytes as a relay applies it (0, not derived by a run: the standalone cap)."""
+        return self.max_unverified_bytes or STANDALONE_UNVERIFIED_BYTES

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable
 
-from laminar_jax.config import Config, resolve_run_dir, save_config
+from laminar_jax.config import Config, ConfigError, resolve_run_dir, save_config
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +23,40 @@ log = logging.getLogger(__name__)
 def relays_checking_store(cfg: Config, run_dir: str) -> Config:
     """The config every relay of a run starts with, in-process or an actor: the run's weight store
     filled in (the weight plane's default, `<run_dir>/weights`, when relay.store_url is unset), so
-    a relay serves only versions that store has committed (relay.store_check_s)."""
+    a relay serves only versions that store has committed (relay.store_check_s), and the bytes a
+    relay accepts unverified derived from the model's size (unverified_cap)."""
     url = cfg.relay.store_url or os.path.join(run_dir, "weights")
-    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
+    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url,
+                                                              max_unverified_bytes=unverified_cap(cfg)))
+
+
+def version_bytes(cfg: Config) -> int:
+    """Bytes of one published weight version (the policy's parameters, no value head) at the
+    parameter dtype, from the model's shapes alone (an upper bound when a smaller serving dtype
+    is published)."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+    from laminar_jax.model.sharded import abstract_model
+
+    flat = flatten_params(nnx.state(abstract_model(cfg.model)))
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(flat))
+
+
+def unverified_cap(cfg: Config) -> int:
+    """relay.max_unverified_bytes for the run's relays: as set, or (0) UNVERIFIED_VERSIONS x one
+    version's bytes. A set value below one version is refused, naming the key."""
+    from laminar_jax.relay.config import UNVERIFIED_VERSIONS
+
+    one = version_bytes(cfg)
+    if cfg.relay.max_unverified_bytes == 0:
+        return max(4096, int(UNVERIFIED_VERSIONS * one))
+    if cfg.relay.max_unverified_bytes < one:
+        raise ConfigError(f"relay.max_unverified_bytes={cfg.relay.max_unverified_bytes} is below one weight "
+                          f"version ({one} bytes): every push would be refused; set 0 to derive it from the model")
+    return cfg.relay.max_unverified_bytes
 
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
