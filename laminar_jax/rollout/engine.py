@@ -205,6 +205,15 @@ class Engine:
                 on_leaf(i, new[-1])
         return jax.tree.unflatten(treedef, new)
 
+    def release_params(self, params) -> None:
+        """Delete every buffer of ``params`` (and any resharded copy _bind keeps) now; the caller
+        owns them and will not run on them again."""
+        cached = self._params_cache[1] if self._params_cache[0] is params else []
+        self._params_cache = (None, None, None, None)
+        for x in [*jax.tree.leaves(params), *cached]:
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+
     @property
     def devices(self) -> list:
         """The devices this engine's weights and KV pages live on."""

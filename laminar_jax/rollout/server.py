@@ -539,6 +539,14 @@ class RolloutServer:
                 params = self.engine.swap_params(self._params, params.tree, params.on_leaf)
             self._params, self._version, self._pending = params, version, None
 
+    def release_params(self) -> None:
+        """Free this server's weights now (a server that owns them and is being replaced: its
+        successor's version is placed only after). The server cannot generate afterwards."""
+        with self._lock:
+            if self._params is not None:
+                self.engine.release_params(self._params)
+            self._params = None
+
     # ---------------------------------------------------------------- moving live sequences
 
     def live_slots(self) -> dict[int, str]:

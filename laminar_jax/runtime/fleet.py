@@ -221,9 +221,16 @@ class ThreadFleet:
         return out
 
     def replace(self, i: int, record: dict, t_fail: float) -> None:
+        from laminar_jax.rollout.server import HostWeights
+
         old = self.workers[i]
         version, params = old.client.pull_placed(-1, old.pull_timeout_s, old.params_from_flat)
         old.client.close()  # its kept version-poll connections (the dead loop no longer polls)
+        thread = self._threads.get(i)
+        if isinstance(params, HostWeights) and (thread is None or not thread.alive):
+            # The dead server owned its weights: freed before its successor's are placed, so its
+            # devices never hold two versions (a hung thread may still run on them: kept).
+            old.server.release_params()
         self.generations[i] += 1
         fresh = self.make(i, self.generations[i], version, params)
         self.workers[i] = fresh
