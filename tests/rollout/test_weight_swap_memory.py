@@ -81,3 +81,33 @@ def test_generation_after_a_streamed_swap_uses_the_new_weights():
     before.submit(request(1))
     old = run_until(before, 1)["p1/0"]
     assert list(old.response_ids) != list(want.response_ids) or not np.allclose(old.behaviour_logprobs, want.behaviour_logprobs)
+
+
+def test_a_server_built_from_abstract_shapes_serves_the_pulled_version():
+    """No template model: the engine comes from nnx.eval_shape shapes, the weights from a published
+    (flat, value head dropped) version, streamed in; it generates what a concrete-model server does."""
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+    from laminar_jax.model.config import ModelSection
+    from laminar_jax.model.sharded import abstract_model, load_model
+    from laminar_jax.runtime.fleet import params_from_flat
+
+    section = ModelSection(preset="tiny", value_head=True, seed=1)
+    abstract = abstract_model(section)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(nnx.state(abstract)))
+    engine, params = make_engine(abstract, SECTION)
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params))  # nothing placed
+    concrete = load_model(section)
+    flat = {k: np.asarray(v) for k, v in flatten_params(nnx.state(concrete)).items()}  # as published
+    assert not any(k.startswith("value_head") for k in flat)
+    from_flat = params_from_flat(abstract, engine)
+    server = RolloutServer(engine, from_flat(flat), version=3)
+    server.submit(request(2))
+    got = run_until(server, 1)["p2/0"]
+    want_engine, want_params = make_engine(concrete, SECTION)
+    want_server = RolloutServer(want_engine, want_params, version=3)
+    want_server.submit(request(2))
+    want = run_until(want_server, 1)["p2/0"]
+    assert list(got.response_ids) == list(want.response_ids)
+    np.testing.assert_allclose(got.behaviour_logprobs, want.behaviour_logprobs, rtol=1e-6, atol=1e-6)
