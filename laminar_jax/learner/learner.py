@@ -66,7 +66,19 @@ def _split_params(model: nnx.Module, what: str) -> tuple[Any, nnx.State]:
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(lambda x: np.array(x), tree)
+    """Host copies of a model's leaves; a jax.Array stays where it is (a model loaded onto the mesh,
+    model.sharded.load_model, is placed already: `place` keeps it, no whole copy is made)."""
+    return jax.tree.map(lambda x: x if isinstance(x, jax.Array) else np.array(x), tree)
+
+
+def _load_onto(path: str, mesh: Mesh, rules: Sequence[str]) -> nnx.Module:
+    """An HF directory loaded tensor by tensor straight onto its shards of ``mesh`` (model/sharded.py)."""
+    from laminar_jax.learner.mesh import sharding_of
+    from laminar_jax.model.config import ModelSection
+    from laminar_jax.model.sharded import abstract_model, load_model
+
+    section = ModelSection(path=path)
+    return load_model(section, sharding_of(abstract_model(section), mesh, rules))
 
 
 class _Models(NamedTuple):
@@ -155,6 +167,8 @@ class Learner:
         self._ckpt = Checkpointer(section.checkpoint_dir, section.keep_checkpoints, section.async_checkpoint) \
             if section.checkpoint_dir else None
 
+        if ref_model is None and section.use_kl and section.ref_path:
+            ref_model = _load_onto(section.ref_path, mesh, self.rules)
         models = _collect_models(section, model, critic_model, ref_model)
         self.graphs = models.graphs
         p_shard = {k: param_shardings(v, mesh, self.rules) for k, v in models.params.items()}

@@ -74,6 +74,20 @@ def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[str]) -> Any:
     return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
 
 
+def sharding_of(model: nnx.Module, mesh: Mesh, rules: Sequence[str]):
+    """(state path, leaf) -> NamedSharding of that parameter on ``mesh`` (a model's loader takes it,
+    model.sharded.load_model: every tensor goes straight to its shards). ``model`` may be abstract."""
+    shardings = nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
+
+    def one(path: tuple, leaf) -> NamedSharding:
+        node = shardings
+        for k in path:
+            node = node[k]
+        return node
+
+    return one
+
+
 def state_shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) -> Any:
     """Shardings for a tree that embeds params-shaped subtrees (optimizer state: mu, nu, ...).
 
@@ -109,10 +123,13 @@ def place(tree: Any, shardings: Any) -> Any:
     """Host (numpy / jax) pytree -> global jax.Arrays with the given shardings.
 
     Every process passes the same full value; each takes the shards it owns
-    (make_array_from_callback), so this works single- and multi-process alike.
+    (make_array_from_callback), so this works single- and multi-process alike. A jax.Array
+    already on its sharding (a model loaded onto the mesh) is kept as it is, never gathered.
     """
 
     def one(x, s):
+        if isinstance(x, jax.Array) and x.sharding.is_equivalent_to(s, x.ndim):
+            return x
         x = np.asarray(x)
         return jax.make_array_from_callback(x.shape, s, lambda idx: x[idx])
 

@@ -89,9 +89,9 @@ class HostCopy:
         if all(x.is_fully_addressable for x in flat.values()):
             # The relay plane's own host copies are the same call.
             self._flat = dict(zip(flat, start_host_copies(list(flat.values()))))
-        else:  # multi-process: gather the global value (blocking)
-            from jax.experimental import multihost_utils
-            self._flat = {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
+        else:  # multi-process (blocking): gathered to process 0 only, one tensor at a time (learner/gather.py)
+            from laminar_jax.learner.gather import gather_to_root
+            self._flat = gather_to_root(flat) or {}
         if executor is not None:
             executor.submit(self._run, publisher)
         else:

@@ -4,22 +4,17 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-
 from laminar_jax.model.config import ModelSection
-from laminar_jax.model.hf import _as_dtype, from_pretrained
-from laminar_jax.model.presets import PRESETS
 from laminar_jax.model.transformer import Transformer
 
 
-def build_model(section: ModelSection) -> Transformer:
-    """Load ``section.path`` (HF dir) or initialise ``section.preset`` with ``section.seed``."""
-    dtype, param_dtype = _as_dtype(section.dtype), _as_dtype(section.param_dtype)
-    if section.path:
-        return from_pretrained(section.path, dtype=dtype, param_dtype=param_dtype,
-                               value_head=section.value_head, seed=section.seed)
-    return Transformer(PRESETS[section.preset], rngs=nnx.Rngs(section.seed), dtype=dtype,
-                       param_dtype=param_dtype, value_head=section.value_head)
+def build_model(section: ModelSection, shardings=None) -> Transformer:
+    """Load ``section.path`` (HF dir) or initialise ``section.preset`` with ``section.seed``, every
+    parameter straight onto ``shardings(path, abstract_leaf)`` (default: the default device);
+    see model/sharded.py."""
+    from laminar_jax.model.sharded import load_model
+
+    return load_model(section, shardings)
 
 
 def token_logprobs(logits: jax.Array, targets: jax.Array, temperature: float = 1.0) -> jax.Array:

@@ -1,7 +1,8 @@
 """Hugging Face checkpoint I/O: config.json + (sharded) *.safetensors <-> NNX Transformer.
 
-Tensors are read lazily one at a time (safetensors memory-maps), cast to the parameter dtype on
-the host, and never all materialised twice.
+Tensors are read lazily one at a time (safetensors memory-maps), each device reading only its own
+slice, cast to the parameter dtype on the host (model/sharded.py); saving writes one tensor's host
+copy at a time.
 """
 
 from __future__ import annotations
@@ -80,13 +81,20 @@ class _TensorIndex:
                         self.where[k] = os.path.join(path, fn)
         self._open: dict[str, Any] = {}
 
-    def get(self, name: str) -> np.ndarray:
+    def _file(self, name: str):
         file = self.where.get(name)
         if file is None:
             raise MissingTensorError(f"{self.path}: checkpoint has no tensor {name!r}")
         if file not in self._open:
             self._open[file] = safe_open(file, framework="numpy").__enter__()
-        return self._open[file].get_tensor(name)
+        return self._open[file]
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(name).get_tensor(name)
+
+    def get_slice(self, name: str):
+        """The tensor's lazy slice handle: shape and dtype from the header, ``[index]`` reads that slice."""
+        return self._file(name).get_slice(name)
 
     def close(self) -> None:
         for f in self._open.values():
@@ -103,40 +111,20 @@ def load_hf_config(path: str) -> TransformerConfig:
 
 
 def from_pretrained(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
-                    value_head: bool = False, seed: int = 0) -> Transformer:
+                    value_head: bool = False, seed: int = 0, shardings=None) -> Transformer:
     """Load a local HF directory (config.json + *.safetensors, sharded or not) as a Transformer.
 
     ``model(tokens_i32[B, T])`` returns f32[B, T, vocab] logits. A value head, when asked for and
-    absent from the checkpoint, is freshly initialised from ``seed``.
+    absent from the checkpoint, is freshly initialised from ``seed``. Tensors are read one at a
+    time onto ``shardings(path, abstract_leaf)`` (default: the default device); see model/sharded.py.
     """
+    from laminar_jax.model.config import ModelSection
+    from laminar_jax.model.sharded import load_model
+
     dtype = _as_dtype(dtype)
     param_dtype = dtype if param_dtype is None else _as_dtype(param_dtype)
-    cfg = load_hf_config(path)
-    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype,
-                                                  param_dtype=param_dtype, value_head=value_head))
-    graphdef, state = nnx.split(abstract)
-    pure = nnx.to_pure_dict(state)
-    index = _TensorIndex(path)
-    try:
-        for p, leaf in list(_flat_items(pure)):
-            name = hf_name(p)
-            if p[0] == "value_head" and name not in index.where:
-                continue  # filled from a fresh init below
-            arr = index.get(name)
-            if tuple(arr.shape) != tuple(leaf.shape):
-                raise ValueError(f"{path}: tensor {name!r} has shape {arr.shape}, expected {tuple(leaf.shape)}")
-            _set_path(pure, p, jnp.asarray(np.asarray(arr).astype(leaf.dtype)))
-        used = {hf_name(p) for p, _ in _flat_items(pure)}
-        extra = [k for k in index.where if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
-        if extra:
-            log.warning("%s: ignored %d tensors not used by the model, e.g. %s", path, len(extra), extra[:3])
-    finally:
-        index.close()
-    if value_head and "value_head" in pure and isinstance(pure["value_head"]["weight"], jax.ShapeDtypeStruct):
-        fresh = Transformer(cfg, rngs=nnx.Rngs(seed), dtype=dtype, param_dtype=param_dtype, value_head=True)
-        pure["value_head"] = nnx.to_pure_dict(nnx.state(fresh))["value_head"]
-    nnx.replace_by_pure_dict(state, pure)
-    return nnx.merge(graphdef, state)
+    section = ModelSection(path=path, dtype=dtype, param_dtype=param_dtype, value_head=value_head, seed=seed)
+    return load_model(section, shardings)
 
 
 def save_pretrained(model: Transformer, path: str, dtype: Optional[str] = None,

@@ -8,6 +8,12 @@ from typing import Literal, Optional
 from laminar_jax.configlib import expect
 
 
+# relay.max_unverified_bytes = 0: a run derives it as this many versions' bytes (runtime/parts.py).
+UNVERIFIED_VERSIONS = 2.25
+# ... and a relay started outside a run (tests, tools) with 0 takes this.
+STANDALONE_UNVERIFIED_BYTES = 64 << 30
+
+
 @dataclasses.dataclass(frozen=True)
 class RelaySection:
     """How published weights are stored, relayed and pulled.
@@ -43,7 +49,7 @@ class RelaySection:
       max_handshakes: Connections a relay holds in handshake (not yet authenticated) at once, from all addresses; a new one past it closes the connection longest in handshake (genuine handshakes take milliseconds). All handshakes run on one thread and hold at most 1 MiB (a first request's header) each.
       max_handshakes_per_source: Connections in handshake at once from one address (all unix-socket peers count as one); one past it is closed at once. Every rollout server of a host may connect at the same moment when a version lands: keep it above the servers per host.
       max_connections: Authenticated connections a relay serves at once, one thread each (rollout clients keep one per relay for version polls, and one per mapped version); one past it gets a 'busy' error and is closed.
-      max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold.
+      max_unverified_bytes: Most bytes a relay accepts as announced by unfinished pushes (all senders together) and not yet verified; a push above it is refused, so must be at least one version's size. Bounds what senders can make a relay hold. 0 (default): derived when the run starts from the model, UNVERIFIED_VERSIONS x one version's bytes in the serving dtype (a version in flight plus one a dead sender left unfinished until io_timeout_s, with a margin); a relay started outside a run with 0 takes STANDALONE_UNVERIFIED_BYTES.
     """
 
     store_url: Optional[str] = None
@@ -70,7 +76,7 @@ class RelaySection:
     base_port: int = 0
     local_transport: Literal["memfd", "tcp"] = "memfd"
     gc_on_publish: bool = True
-    max_unverified_bytes: int = 64 << 30
+    max_unverified_bytes: int = 0
     handshake_timeout_s: float = 10.0
     max_handshakes: int = 128
     max_handshakes_per_source: int = 32
@@ -105,7 +111,12 @@ class RelaySection:
                f"< io_timeout_s ({self.io_timeout_s})")
         expect(self.max_chunk_retries >= 1, f"{prefix}.max_chunk_retries", self.max_chunk_retries, ">= 1")
         expect(0 <= self.base_port < 65536, f"{prefix}.base_port", self.base_port, "in [0, 65535]")
-        expect(self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes", self.max_unverified_bytes,
-               ">= 4096 (and at least one weight version's size)")
+        expect(self.max_unverified_bytes == 0 or self.max_unverified_bytes >= 4096, f"{prefix}.max_unverified_bytes",
+               self.max_unverified_bytes, "0 (derived from the model) or >= 4096 (and at least one weight version's size)")
         expect(self.store_check_s >= 0, f"{prefix}.store_check_s", self.store_check_s, ">= 0 seconds (0 = off)")
         expect(bool(self.host), f"{prefix}.host", self.host, "a non-empty interface address")
+
+    @property
+    def unverified_cap(self) -> int:
+        """max_unverified_bytes as a relay applies it (0, not derived by a run: the standalone cap)."""
+        return self.max_unverified_bytes or STANDALONE_UNVERIFIED_BYTES

@@ -524,11 +524,11 @@ class RelayServer:
             obsolete = buf is None and len(complete) >= self.cfg.keep_in_memory and v < complete[-1]
             if buf is None and not obsolete:
                 pending = sum(b.unverified for b in self._versions.values())
-                if pending + m.total_bytes > self.cfg.max_unverified_bytes:
+                if pending + m.total_bytes > self.cfg.unverified_cap:
                     self.counters["pushes_refused"] += 1
                     peer.send(error_frame("busy", f"push of version {v}: {m.total_bytes} bytes announced while "
                                                   f"{pending} are not yet verified; relay.max_unverified_bytes="
-                                                  f"{self.cfg.max_unverified_bytes}"))
+                                                  f"{self.cfg.unverified_cap}"))
                     return
                 buf = self._versions[v] = self._new_buf(m, chunk_bytes)
                 buf.signature, buf.publish = h.get("signature"), h.get("publish")
@@ -635,10 +635,10 @@ class RelayServer:
             return "bad_request", f"push of version {v} carries the manifest of version {m.version}"
         if chunk_bytes < 1:
             return "bad_request", f"push of version {v}: chunk_bytes={chunk_bytes}: must be >= 1"
-        if m.total_bytes > self.cfg.max_unverified_bytes:
+        if m.total_bytes > self.cfg.unverified_cap:
             self.counters["pushes_refused"] += 1
             return "too_large", (f"push of version {v}: {m.total_bytes} bytes announced, above "
-                                 f"relay.max_unverified_bytes={self.cfg.max_unverified_bytes}")
+                                 f"relay.max_unverified_bytes={self.cfg.unverified_cap}")
         if self._key is not None and not auth.verify_version(self._verifier, v, m.digest(), signature):
             self.counters["pushes_refused"] += 1
             return "forged", f"push of version {v}: no valid learner signature over the version and manifest"

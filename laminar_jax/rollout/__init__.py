@@ -5,6 +5,7 @@ Public API:
   Engine, make_engine                    -- prefill / insert / generate / free_resource over a paged KV cache
   SamplingParams, sample_tokens          -- greedy / temperature / top-k / top-p, keyed fold_in(key_s, t)
   RolloutServer, Request, ServerStats    -- step-driven continuous batching, weight swaps, stats
+  HostWeights                            -- a version on the host, streamed into place at a swap
   SequenceState                          -- a live sequence as plain data (export / import, to_bytes)
   generate, Completion                   -- offline generation through the real engine
   LLM, RequestOutput                     -- offline front door: HF directory + KV memory budget -> sized engine
@@ -18,11 +19,11 @@ from laminar_jax.rollout.paged import DecodeState, OutOfPages, PageAllocator, Pr
 from laminar_jax.rollout.records import (NoFreeSlotError, OverlongPromptError, QueueFullError, Request,
                                          SequenceState, ServerStats, VersionMismatchError)
 from laminar_jax.rollout.sampling import SamplingParams, sample_tokens
-from laminar_jax.rollout.server import RolloutServer
+from laminar_jax.rollout.server import HostWeights, RolloutServer
 
 __all__ = [
     "RolloutSection", "Engine", "make_engine", "Completion", "generate", "LLM", "RequestOutput", "DecodeState", "OutOfPages",
     "PageAllocator", "Prefix", "SlotInit", "StepOutput", "NoFreeSlotError", "OverlongPromptError",
     "QueueFullError", "Request", "SequenceState", "ServerStats", "VersionMismatchError", "SamplingParams",
-    "sample_tokens", "RolloutServer",
+    "sample_tokens", "RolloutServer", "HostWeights",
 ]

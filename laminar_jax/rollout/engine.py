@@ -183,6 +183,38 @@ class Engine:
         leaves, treedef = jax.tree.flatten(params)
         return jax.tree.unflatten(treedef, tpl.place_leaves(leaves, self.param_shardings(params)))
 
+    def swap_params(self, old, host, on_leaf: Optional[Callable[[int, jax.Array], None]] = None):
+        """The weights ``old`` replaced by the host tree ``host`` (same structure) one tensor at a
+        time: each old buffer is deleted before its replacement is placed, so the devices hold one
+        version plus one tensor at any moment, never two versions. The caller owns ``old`` (no other
+        server runs on those buffers) and has no program in flight on them. on_leaf(i, placed) is
+        called after each placement (tests measure the devices' live bytes there)."""
+        old_leaves = jax.tree.leaves(old)
+        host_leaves, treedef = jax.tree.flatten(host)
+        if len(old_leaves) != len(host_leaves):
+            raise ValueError(f"swap_params: {len(host_leaves)} new tensors for {len(old_leaves)} old ones")
+        cached = self._params_cache[1] if self._params_cache[0] is old else None  # _bind's resharded copies
+        self._params_cache = (None, None, None, None)
+        shardings = self.param_shardings(host) if self.mesh is not None else None
+        new = []
+        for i, (o, h) in enumerate(zip(old_leaves, host_leaves)):
+            for x in (o, None if cached is None else cached[i]):
+                if isinstance(x, jax.Array) and not x.is_deleted():
+                    x.delete()
+            new.append(jax.device_put(h, self.devices[0]) if shardings is None else tpl.place_leaf(h, shardings[i]))
+            if on_leaf is not None:
+                on_leaf(i, new[-1])
+        return jax.tree.unflatten(treedef, new)
+
+    def release_params(self, params) -> None:
+        """Delete every buffer of ``params`` (and any resharded copy _bind keeps) now; the caller
+        owns them and will not run on them again."""
+        cached = self._params_cache[1] if self._params_cache[0] is params else []
+        self._params_cache = (None, None, None, None)
+        for x in [*jax.tree.leaves(params), *cached]:
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+
     @property
     def devices(self) -> list:
         """The devices this engine's weights and KV pages live on."""
@@ -936,12 +968,16 @@ def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[E
     serving dtype ``section.dtype`` (None: the model's own).
 
     With ``mesh=`` (a Mesh with a 'tensor' axis, see rollout/tp.py) the params come back placed
-    in the engine's tensor-parallel layout on that mesh's devices.
+    in the engine's tensor-parallel layout on that mesh's devices. An abstract model (leaves
+    jax.ShapeDtypeStruct, model.sharded.abstract_model) gives its abstract params back: servers
+    build engines from shapes and place only the version they pull.
     """
     graphdef, params = nnx.split(model)
     if section.dtype is not None:  # the serving dtype (the engine computes in the model's dtype either way)
         params = cast_floating(params, section.dtype)
     engine = Engine(graphdef, model.cfg, section, kv_dtype=getattr(model, "dtype", jnp.float32), **kwargs)
+    if any(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(params)):
+        return engine, params  # an abstract model (nnx.eval_shape): the caller places the weights it pulls
     return engine, (params if engine.mesh is None else engine.place_params(params))
 
 

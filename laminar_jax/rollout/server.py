@@ -13,7 +13,9 @@ queue (FIFO) until finished sequences return pages; any request that fits in an 
 accepted by submit(), so running out of pages means waiting, never a crash or deadlock.
 
 Weight versions: ``set_params(v, params)`` records a pending version; admission stops; when no
-live sequence of the old version remains the swap happens and admission resumes. ``force=True``
+live sequence of the old version remains the swap happens and admission resumes. Params given as
+``HostWeights`` (host arrays) are streamed into place at the swap, tensor by tensor, each old
+buffer deleted before its replacement is placed: the devices never hold two versions. ``force=True``
 swaps at the next step, aborting live old-version sequences (finish_reason='aborted', tokens so
 far, stamped with the old version) so no trajectory ever mixes versions.
 
@@ -35,7 +37,7 @@ import queue
 import threading
 import time
 import zlib
-from typing import Any, Optional
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -87,14 +89,25 @@ class _Admission:
     prompt_key: Optional[bytes] = None  # the prompt's bytes, when its KV may be shared (share_prompt_kv)
 
 
+class HostWeights(NamedTuple):
+    """A version's weights as a host tree shaped like the engine's params, to be streamed onto a
+    server's devices at its swap (Engine.swap_params: each old tensor deleted before its
+    replacement is placed). on_leaf(i, placed) observes each placement (tests)."""
+
+    tree: Any
+    on_leaf: Optional[Callable[[int, Any], None]] = None
+
+
 class RolloutServer:
     """Continuous-batching server over one Engine. Its owner calls step() (the runtime's
     RolloutWorker, in a supervised thread; the offline front door, in the caller's)."""
 
     def __init__(self, engine: Engine, params: Any, version: int = 0):
+        """params: the engine's params on its devices, or HostWeights (placed now; such a server
+        owns its weights and streams every later HostWeights version into place)."""
         self.engine = engine
         self.section = engine.section
-        self._params = params
+        self._params = engine.place_params(params.tree) if isinstance(params, HostWeights) else params
         self._version = int(version)
         self._state = engine.init_decode_state()
         self._slots: list[Optional[_Live]] = [None] * engine.num_slots
@@ -520,7 +533,19 @@ class RolloutServer:
                 self._end_released(uid, "aborted")
         if self.num_live == 0:
             self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
+            if isinstance(params, HostWeights):
+                # Streamed in place: no program may still read the old buffers once they are deleted.
+                jax.block_until_ready(self._state)
+                params = self.engine.swap_params(self._params, params.tree, params.on_leaf)
             self._params, self._version, self._pending = params, version, None
+
+    def release_params(self) -> None:
+        """Free this server's weights now (a server that owns them and is being replaced: its
+        successor's version is placed only after). The server cannot generate afterwards."""
+        with self._lock:
+            if self._params is not None:
+                self.engine.release_params(self._params)
+            self._params = None
 
     # ---------------------------------------------------------------- moving live sequences
 

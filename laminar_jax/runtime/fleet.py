@@ -19,7 +19,8 @@ import time
 from typing import Callable, Optional
 
 from laminar_jax.runtime.loops import Failure, mark_replaced
-from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, params_on_device, pull_timeout
+from laminar_jax.runtime.rollout_worker import (RolloutWorker, episode_feed, host_params, params_on_device,  # noqa: F401
+                                                pull_timeout)
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import Worker
 
@@ -75,34 +76,39 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model, engine=None, dtype=None):
-    """flat published weights -> the engine's param pytree, for servers built on `model`.
+def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
+    """flat published weights -> what a server built on ``model`` (abstract or not) swaps to.
 
-    With an engine over a mesh (placement.rollout_tp, or a server off the default device) the
-    weights land in that engine's layout, each device receiving only its shard of the host copy.
     dtype: the serving dtype (rollout.dtype): a version in another dtype is refused, naming both,
     and the leaves a version does not carry (a value head) are cast to it too, so every version
     gives the engine's programs the same argument types.
+    stream: the server owns its weights; the result is HostWeights, streamed onto its devices at the
+    swap tensor by tensor, each old buffer deleted first (Engine.swap_params), so a swap never
+    holds two versions on a device. Otherwise (servers sharing one copy on the default device)
+    the weights are placed now, one device copy per version for all of them (Handoff.placed).
     """
     from flax import nnx
 
-    _, template = nnx.split(model)
-    if dtype is None and (engine is None or engine.mesh is None):
-        return functools.partial(params_on_device, template=template)
-    from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model.precision import cast_floating, check_served_dtype
+    from laminar_jax.rollout.server import HostWeights
 
-    def tree(flat):
+    _, template = nnx.split(model)
+
+    def host(flat):
         if dtype is None:
-            return unflatten_params(flat, template)
+            return host_params(flat, template)
         check_served_dtype(flat, dtype)
-        return cast_floating(unflatten_params(flat, template), dtype)
+        return cast_floating(host_params(flat, template), dtype)
 
+    if stream:
+        return lambda flat: HostWeights(host(flat))
     if engine is None or engine.mesh is None:
+        if dtype is None:
+            return functools.partial(params_on_device, template=template)
         import jax
 
-        return lambda flat: jax.device_put(tree(flat))
-    return lambda flat: engine.place_params(tree(flat))
+        return lambda flat: jax.device_put(host(flat))
+    return lambda flat: engine.place_params(host(flat))
 
 
 def server_mesh(devices):
@@ -119,23 +125,33 @@ def server_mesh(devices):
 def server_factory(cfg, model, buffer, weights, timeline, devices=None):
     """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run.
 
-    devices: per server index, the jax devices its engine runs on (placement); None = the default device.
+    model: the policy's (abstract) model: its graph and shapes. devices: per server index, the jax
+    devices its engine runs on (placement); None = the default device. A server alone on its
+    devices owns its weights and streams each swap into place; servers sharing the default device
+    share one placed copy per version instead.
     """
     from laminar_jax.rollout import make_engine
-    from laminar_jax.rollout.server import RolloutServer
+    from laminar_jax.rollout.server import HostWeights, RolloutServer
 
     policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
-    from_flat = params_from_flat(model, dtype=cfg.rollout.dtype)
+    # one function: the hand-off places once for all servers sharing the default device
+    shared = params_from_flat(model, dtype=cfg.rollout.dtype, stream=False)
+    n = cfg.runtime.num_servers
+    on_default_device = n if devices is None else sum(server_mesh(d) is None for d in devices)
 
     def make(i: int, generation: int, version: int, params) -> RolloutWorker:
         section = server_section(cfg, i, generation)
         name = section.server_id
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
-        params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
+        on_default = engine.mesh is None and on_default_device > 1  # other servers run there too
+        if isinstance(params, HostWeights) and on_default:
+            params = params.tree
+        if not isinstance(params, HostWeights):
+            params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
-        place = from_flat if engine.mesh is None else params_from_flat(model, engine, cfg.rollout.dtype)
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
-                               buffer, policy, place,
+                               buffer, policy,
+                               shared if on_default else params_from_flat(model, engine, cfg.rollout.dtype),
                                pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker
@@ -222,9 +238,16 @@ class ThreadFleet:
         return out
 
     def replace(self, i: int, record: dict, t_fail: float) -> None:
+        from laminar_jax.rollout.server import HostWeights
+
         old = self.workers[i]
         version, params = old.client.pull_placed(-1, old.pull_timeout_s, old.params_from_flat)
         old.client.close()  # its kept version-poll connections (the dead loop no longer polls)
+        thread = self._threads.get(i)
+        if isinstance(params, HostWeights) and (thread is None or not thread.alive):
+            # The dead server owned its weights: freed before its successor's are placed, so its
+            # devices never hold two versions (a hung thread may still run on them: kept).
+            old.server.release_params()
         self.generations[i] += 1
         fresh = self.make(i, self.generations[i], version, params)
         self.workers[i] = fresh

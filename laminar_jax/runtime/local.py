@@ -20,7 +20,7 @@ from laminar_jax.runtime.buffer_service import BufferService
 from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet
 from laminar_jax.runtime.monitor import Monitor
-from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
+from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with
 from laminar_jax.runtime.weights import WeightsPlane
 
 
@@ -57,22 +57,25 @@ def _weights_plane(cfg: Config, run_dir: str, keys) -> WeightsPlane:
 
 def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) -> Driver:
     """Build every plane of a local run from the config; `.run()` trains and returns the summary."""
+    from laminar_jax.learner.config import DEFAULT_RULES
     from laminar_jax.learner.learner import Learner
-    from laminar_jax.learner.publish import unflatten_params
-    from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.model.precision import cast_floating
+    from laminar_jax.model.sharded import abstract_model
     from laminar_jax.relay.auth import run_keys
+    from laminar_jax.runtime.fleet import host_params
 
     cfg, resuming = resolve(cfg, run_dir)
     monitor = Monitor(cfg, run_dir, time.time())
-    monitor.phase(f"building the model ({cfg.model.path or cfg.model.preset})")
-    model = build_model(cfg.model)
-    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase) \
-        if cfg.runtime.sft_warmup_steps and not resuming else []
-
-    cfg, layout, learner_mesh, server_devices = place_roles(cfg, run_dir, model, monitor.phase)
+    # Shapes only: the placement check, the servers' engines and the weight naming need no weights.
+    abstract = abstract_model(cfg.model)
+    cfg, layout, learner_mesh, server_devices = place_roles(cfg, run_dir, abstract, monitor.phase)
+    monitor.phase(f"loading the model ({cfg.model.path or cfg.model.preset}) onto the learner's devices")
+    # The Learner is handed a Mesh, so it maps parameters with DEFAULT_RULES: the model is loaded the same way.
+    next_model, sft_losses = learner_models(cfg, learner_mesh, DEFAULT_RULES, monitor.phase,
+                                            bool(cfg.runtime.sft_warmup_steps and not resuming))
 
     def make_learner() -> Learner:
-        return Learner(cfg.learner, model, learner_mesh, publish_dtype=cfg.rollout.dtype)
+        return Learner(cfg.learner, next_model(), learner_mesh, publish_dtype=cfg.rollout.dtype)
 
     learner = make_learner()
     extra = learner.restore_latest()
@@ -83,13 +86,15 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     weights = _weights_plane(cfg, run_dir, keys)
     weights.attach(learner, initial=True)
     monitor.phase(f"starting {cfg.runtime.num_servers} rollout servers")
-    # Servers start from the learner's (possibly restored) weights, exactly as published.
-    # Host copies: each server places them on its own devices (no full replica on the default device first).
+    # Servers start from the learner's (possibly restored) weights, exactly as published: a host
+    # copy, which each server places on its own devices, each device receiving only its shard.
     if cfg.runtime.server_processes:
         fleet = _process_fleet(cfg, buffer, weights, keys.for_hosts(), monitor)
     else:
-        host = unflatten_params(learner.policy_params(), nnx_params(model))
-        fleet = ThreadFleet.build(cfg, model, buffer, weights, monitor.timeline, learner.version, host, server_devices)
+        # in the serving dtype throughout, the value head (not published) included: no recompile at a swap
+        host = cast_floating(host_params(learner.policy_params(), nnx_params(abstract)), cfg.rollout.dtype)
+        fleet = ThreadFleet.build(cfg, abstract, buffer, weights, monitor.timeline, learner.version, host,
+                                  server_devices)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
                   weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
                   summary_extra=lambda d: {"placement": layout, "weights": d.weights.path()})
@@ -116,8 +121,8 @@ def _process_fleet(cfg: Config, buffer, weights: WeightsPlane, keys, monitor):
 
 def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:
     """(cfg with the derived server count, the layout as JSON, the learner's mesh, each server's
-    devices) from the placement section and this process's devices; fails at start when a device
-    cannot hold its share. The layout is recorded in config.json and shown once."""
+    devices) from the placement section and this process's devices (``model`` may be abstract);
+    fails at start when a device cannot hold its share. The layout is recorded in config.json and shown once."""
     import jax
     import numpy as np
 
@@ -125,11 +130,11 @@ def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:
     from laminar_jax.learner.mesh import build_mesh
     from laminar_jax.placement import check_fit, realise
 
+    from laminar_jax.model.sharded import param_bytes
+
     devices = jax.devices()
     cfg, layout = realise(cfg, devices)
-    leaves = jax.tree.leaves(nnx_params(model))
-    check_fit(cfg, layout, devices, model.cfg, sum(int(np.asarray(x).nbytes) for x in leaves),
-              np.dtype(getattr(model, "dtype", np.float32)).itemsize)
+    check_fit(cfg, layout, devices, model.cfg, param_bytes(model), np.dtype(getattr(model, "dtype", np.float32)).itemsize)
     record = {**layout.to_json(), "rollout_tp": cfg.placement.rollout_tp, "colocate": cfg.placement.colocate}
     save_config(cfg, run_dir, record)
     phase(f"placement: learner on devices {record['learner']}, rollout servers on {record['servers']}"

@@ -15,7 +15,7 @@ import sys
 import threading
 from typing import Callable
 
-from laminar_jax.config import Config, resolve_run_dir, save_config
+from laminar_jax.config import Config, ConfigError, resolve_run_dir, save_config
 
 log = logging.getLogger(__name__)
 
@@ -23,9 +23,45 @@ log = logging.getLogger(__name__)
 def relays_checking_store(cfg: Config, run_dir: str) -> Config:
     """The config every relay of a run starts with, in-process or an actor: the run's weight store
     filled in (the weight plane's default, `<run_dir>/weights`, when relay.store_url is unset), so
-    a relay serves only versions that store has committed (relay.store_check_s)."""
+    a relay serves only versions that store has committed (relay.store_check_s), and the bytes a
+    relay accepts unverified derived from the model's size (unverified_cap)."""
     url = cfg.relay.store_url or os.path.join(run_dir, "weights")
-    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url))
+    return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url,
+                                                              max_unverified_bytes=unverified_cap(cfg)))
+
+
+def version_bytes(cfg: Config) -> int:
+    """Bytes of one published weight version (the policy's parameters, no value head) in the
+    serving dtype (rollout.dtype; the model's dtype when unset), from the model's shapes alone."""
+    import jax
+    import numpy as np
+    from flax import nnx
+
+    from laminar_jax.learner.publish import flatten_params
+    from laminar_jax.model.precision import as_dtype, is_floating
+    from laminar_jax.model.sharded import abstract_model
+
+    flat = flatten_params(nnx.state(abstract_model(cfg.model)))
+    served = as_dtype(cfg.rollout.dtype or cfg.model.dtype)
+
+    def nbytes(x) -> int:
+        return int(np.prod(x.shape)) * (served.itemsize if is_floating(x) else np.dtype(x.dtype).itemsize)
+
+    return sum(nbytes(x) for x in jax.tree.leaves(flat))
+
+
+def unverified_cap(cfg: Config) -> int:
+    """relay.max_unverified_bytes for the run's relays: as set, or (0) UNVERIFIED_VERSIONS x one
+    version's bytes. A set value below one version is refused, naming the key."""
+    from laminar_jax.relay.config import UNVERIFIED_VERSIONS
+
+    one = version_bytes(cfg)
+    if cfg.relay.max_unverified_bytes == 0:
+        return max(4096, int(UNVERIFIED_VERSIONS * one))
+    if cfg.relay.max_unverified_bytes < one:
+        raise ConfigError(f"relay.max_unverified_bytes={cfg.relay.max_unverified_bytes} is below one weight "
+                          f"version ({one} bytes): every push would be refused; set 0 to derive it from the model")
+    return cfg.relay.max_unverified_bytes
 
 
 def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
@@ -60,6 +96,35 @@ def sft_warmup(cfg: Config, model, tokenizer, phase: Callable[[str], None] = lam
     losses = train(model, pairs, cfg.runtime.sft_warmup_steps, cfg.runtime.sft_lr, seed=cfg.seed)
     phase(f"warm-start done: loss {losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "warm-start done")
     return losses
+
+
+def learner_models(cfg: Config, mesh, rules, phase: Callable[[str], None], sft: bool) -> tuple[Callable, list]:
+    """(next_model, SFT losses): next_model() is the policy for a learner being built, every
+    parameter loaded straight onto its shard of ``mesh`` (model.sharded.load_model; no whole copy
+    on any one device, none kept between learners). The first call returns the model the
+    supervised warm-start trained (``sft``); later ones (a learner rebuilt after a failure) load
+    again and take the warm-started weights from the one host copy kept for that."""
+    from laminar_jax.learner.mesh import sharding_of
+    from laminar_jax.learner.publish import load_model_params, model_params
+    from laminar_jax.model import build_model, load_tokenizer
+    from laminar_jax.model.sharded import abstract_model
+
+    shardings = sharding_of(abstract_model(cfg.model), mesh, rules)
+    first = [build_model(cfg.model, shardings)]
+    losses, warm = [], None
+    if sft:
+        losses = sft_warmup(cfg, first[0], load_tokenizer(cfg.model.tokenizer), phase)
+        warm = model_params(first[0])
+
+    def next_model():
+        if first:
+            return first.pop()
+        model = build_model(cfg.model, shardings)
+        if warm is not None:
+            load_model_params(model, warm)
+        return model
+
+    return next_model, losses
 
 
 def check_resume(cfg: Config, run_dir: str) -> None:

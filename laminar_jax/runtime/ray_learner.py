@@ -9,9 +9,10 @@ Every call that runs a collective (step, save, restore, gathering the weights) g
 processes at once, with the same arguments: each process collates the same trajectories and
 `place` keeps the shards it owns. Metrics come from process 0.
 
-Weights: parameters sharded across processes are not fully addressable, so the learner's host copy
-gathers them (`multihost_utils.process_allgather`, a collective every process joins); process 0
-alone hands the full copy to its relay `Publisher` (weight store + relay chain). Weights never
+Weights: every process loads only its own shards of the model (model.sharded.load_model). Each
+version is gathered to process 0 alone, tensor by tensor (learner/gather.py: every process sends
+its shards, once; no other process builds a host copy, no device holds a whole tensor), and
+process 0 hands the full copy to its relay `Publisher` (weight store + relay chain). Weights never
 travel through Ray, except the initial (SFT warm-started) parameters the driver hands the group.
 
 Checkpoints: orbax multi-process save/restore, every process taking part; the directory must be
@@ -82,8 +83,10 @@ class LearnerProcess:
 
         from laminar_jax.config import finalize
         from laminar_jax.learner.learner import Learner
+        from laminar_jax.learner.mesh import build_mesh, sharding_of
         from laminar_jax.learner.publish import LocalPublisher
         from laminar_jax.model import build_model
+        from laminar_jax.model.sharded import abstract_model
         from laminar_jax.process_settings import apply_process_settings
 
         _use_gloo_on_cpu(jax)
@@ -91,7 +94,9 @@ class LearnerProcess:
         apply_process_settings(cfg)  # before this actor's JAX starts; it inherits none of the driver's
         jax.distributed.initialize(coordinator_address=coordinator, num_processes=self.n, process_id=self.index,
                                    initialization_timeout=max(1, int(timeout_s)))
-        model = build_model(cfg.model)
+        # Every parameter straight onto its shard of the global mesh: each process reads only the
+        # slices its own devices hold (model.sharded.load_model).
+        model = build_model(cfg.model, sharding_of(abstract_model(cfg.model), build_mesh(cfg.mesh), cfg.mesh.rules))
         if init_params is not None:
             from laminar_jax.learner.publish import load_model_params
 
@@ -119,14 +124,20 @@ class LearnerProcess:
         self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, keys=keys)
         self.learner.publisher = self.publisher
 
-    def _gather_policy(self) -> dict[str, np.ndarray]:
-        """Collective: the full host copy of the policy weights, flat as published."""
-        from jax.experimental import multihost_utils
-
+    def _gather_policy(self) -> Optional[dict[str, np.ndarray]]:
+        """Collective: the full host copy of the policy weights, flat as published, on process 0
+        (None on the others: they only send their shards, learner/gather.py)."""
+        from laminar_jax.learner.gather import gather_to_root
         from laminar_jax.learner.publish import flatten_params
 
-        flat = flatten_params(self.learner.state.params["actor"])
-        return {k: np.asarray(v) for k, v in multihost_utils.process_allgather(flat, tiled=True).items()}
+        return gather_to_root(flatten_params(self.learner.state.params["actor"]))
+
+    def host_copy_bytes(self) -> int:
+        """Bytes of the host copy this process built for its last published version (0 on
+        processes > 0: only process 0 receives the gather)."""
+        pending = self.learner._pending
+        host = getattr(pending, "host", None) or {}
+        return int(sum(v.nbytes for v in host.values()))
 
     def step(self, trajectories: list[Trajectory], publish: bool) -> dict:
         """Collective: one Learner.step on the batch; publishing (process 0) unless `publish` is False."""
@@ -328,6 +339,10 @@ class LearnerGroup:
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (gathered across processes)."""
         return self._all("policy_params", "the learner processes to gather the policy weights")[0]
+
+    def host_copy_bytes(self) -> list[int]:
+        """Per process, the bytes of its host copy of the last published version."""
+        return self._all("host_copy_bytes", "the learner processes' host copy sizes", timeout=self.rpc_timeout_s)
 
     def published(self) -> Optional[tuple]:
         return self._wait([self.actors[0].published.remote()], "learner process 0's last published weights",

@@ -23,7 +23,7 @@ from typing import Optional
 from laminar_jax.config import Config
 from laminar_jax.runtime.driver import Driver, close_all
 from laminar_jax.runtime.monitor import Monitor
-from laminar_jax.runtime.parts import relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
+from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.ray_actors import RelayActor
 from laminar_jax.runtime.ray_fleet import RayFleet
 from laminar_jax.learner.publish import model_params
@@ -127,8 +127,9 @@ def _kill_relay(actor, address: str) -> str:
     return address
 
 
-def _learner_factory(cfg: Config, model, init_params, gpus: float):
-    """make_learner(): the in-driver Learner, or (runtime.learner_processes > 1) a LearnerGroup."""
+def _learner_factory(cfg: Config, next_model, init_params, gpus: float):
+    """make_learner(): the in-driver Learner on ``next_model()``, or (runtime.learner_processes > 1)
+    a LearnerGroup."""
     import ray
 
     from laminar_jax.configlib import to_json
@@ -138,7 +139,7 @@ def _learner_factory(cfg: Config, model, init_params, gpus: float):
 
     def make():
         if rt.learner_processes == 1:
-            return Learner(cfg.learner, model, cfg.mesh, publish_dtype=cfg.rollout.dtype)
+            return Learner(cfg.learner, next_model(), cfg.mesh, publish_dtype=cfg.rollout.dtype)
         one_node = len([n for n in ray.nodes() if n.get("Alive")]) == 1
         options = role_options("learner", gpus, rt.learner_gpus_per_process)
         if rt.learner_resource:
@@ -156,6 +157,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
     """Build the actors and the learner from the config; `.run()` trains and returns the summary."""
     import ray
 
+    from laminar_jax.learner.mesh import build_mesh
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.relay.auth import run_keys
     from laminar_jax.runtime.ray_buffer import RestartingBuffer
@@ -164,17 +166,23 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
     rt, rpc = cfg.runtime, rpc_timeout(cfg)
     monitor = Monitor(cfg, run_dir, time.time())
     sft = bool(rt.sft_warmup_steps and not resuming)
-    # A learner group's processes build their own model; the driver needs one only to train
-    # in-process or to warm it up (the group then starts from these weights).
-    model = build_model(cfg.model) if rt.learner_processes == 1 or sft else None
-    sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase) if sft else []
-    init_params = model_params(model) if sft and rt.learner_processes > 1 else None
+    # A learner group's processes load their own model onto their shards; the driver loads one
+    # only to train in-process (onto the learner mesh's shards, learner_models) or to warm a group
+    # up (the group then starts from those weights, handed over as one host copy).
+    next_model, sft_losses, init_params = None, [], None
+    if rt.learner_processes == 1:
+        next_model, sft_losses = learner_models(cfg, build_mesh(cfg.mesh), cfg.mesh.rules, monitor.phase, sft)
+    elif sft:
+        model = build_model(cfg.model)
+        sft_losses = sft_warmup(cfg, model, load_tokenizer(cfg.model.tokenizer), monitor.phase)
+        init_params = model_params(model)
+        del model
     monitor.phase("connecting to Ray" if rt.address else "starting a local Ray cluster")
     started = connect(rt)
     built: list = []  # what to tear down if the build fails
     try:
         gpus = float(ray.cluster_resources().get("GPU", 0))
-        make_learner = _learner_factory(cfg, model, init_params, gpus)
+        make_learner = _learner_factory(cfg, next_model, init_params, gpus)
         learner = make_learner()
         built.append(learner.close)
         extra = learner.restore_latest()

@@ -24,7 +24,8 @@ class RolloutHost:
     def __init__(self, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
                  buffer, keys, mesh=None, board_sync_s: float = 0.05):
         """addresses: the relays to pull from, nearest first; mesh: the engine's (None: the default device)."""
-        from laminar_jax.model import build_model, load_tokenizer
+        from laminar_jax.model import load_tokenizer
+        from laminar_jax.model.sharded import abstract_model
         from laminar_jax.relay import RelayClient, WeightStore
         from laminar_jax.rollout import make_engine
         from laminar_jax.rollout.server import RolloutServer
@@ -36,7 +37,9 @@ class RolloutHost:
         self.name = name = section.server_id
         store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
         client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
-        model = build_model(cfg.model)  # a template: every weight is replaced by the pulled version
+        # Shapes only (nnx.eval_shape): the engine is built from them and holds just the pulled
+        # version, which it owns and streams each later one into (params_from_flat).
+        model = abstract_model(cfg.model)
         engine, _ = make_engine(model, section, mesh=mesh)
         from_flat = params_from_flat(model, engine, cfg.rollout.dtype)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))

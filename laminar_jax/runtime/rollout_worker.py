@@ -106,13 +106,23 @@ class BoardView:
         return [n for _, n in [self._mine, *self._others]]
 
 
+def host_params(flat: dict, template) -> Any:
+    """Published flat weights -> a host tree shaped like ``template`` (the engine's params, possibly
+    abstract). A leaf the version does not carry (a value head: publishing drops it; the engine
+    never reads it) is zeros of the template's shape."""
+    from laminar_jax.learner.publish import flatten_params, unflatten_params
+
+    names = flatten_params(template, drop=())
+    absent = {n: np.zeros(x.shape, x.dtype) for n, x in names.items()
+              if n not in flat and isinstance(x, jax.ShapeDtypeStruct)}
+    return unflatten_params({**flat, **absent} if absent else flat, template, drop=())
+
+
 def params_on_device(flat: dict[str, Any], template: Any) -> Any:
     """Published flat weights -> the server's param pytree, on its device. One host->device copy
     now, instead of one per generate() call (and the relay's zero-copy views may be recycled once
     released)."""
-    from laminar_jax.learner.publish import unflatten_params
-
-    return jax.device_put(unflatten_params(flat, template))
+    return jax.device_put(host_params(flat, template))
 
 
 def make_request(item: WorkItem):

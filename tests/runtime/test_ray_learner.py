@@ -114,6 +114,9 @@ def test_learner_group_of_two_processes_matches_in_process_learner(tmp_path):
             assert m["version"] == r["version"] and m["updates"] == r["updates"] == 2
             np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-4, atol=1e-6)
             np.testing.assert_allclose(m["grad_norm"], r["grad_norm"], rtol=1e-4)
+        # Each version is gathered to process 0 alone: process 1 builds no host copy of it.
+        model_bytes = sum(v.nbytes for v in ref_params.values())
+        assert group.host_copy_bytes() == [model_bytes, 0]
         got = group.policy_params()
         version, published = group.published()  # what process 0 handed its publisher: the full copy
         assert version == 3 and set(got) == set(published) == set(ref_params)
