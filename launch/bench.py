@@ -10,6 +10,8 @@
   sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
+  memory    every shipped accelerator config, scaled down, on fake CPU devices: each device's
+            measured peak bytes against the memory plan (--quick, --config, --tpu)
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
@@ -24,7 +26,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "memory")
 
 
 def _host_malloc(argv):
