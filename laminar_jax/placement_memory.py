@@ -42,6 +42,9 @@ GB = 1e9
 ACCELERATORS = {"h100": (80 * GB, "gpu"), "h200": (141 * GB, "gpu"), "tpu-v5e": (16 * GB, "tpu"),
                 "tpu-v5p": (95 * GB, "tpu")}
 MARGIN = 0.1
+# The shipped accelerator configs: (configs/<name>.py, variant, the accelerator it is sized for, devices of one host).
+SHIPPED = (("gpu_single", "", "h100", 1), ("gpu_node", "", "h100", 8), ("gpu_pod", "", "h100", 8),
+           ("gpu_node", "32b", "h200", 8), ("tpu_pod", "", "tpu-v5e", 8))
 # Which config key shrinks an item (a plan that does not fit names the largest item's).
 ITEM_KEYS = {
     "master_params": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
@@ -314,6 +317,21 @@ def fit_errors(per: dict[int, dict[str, int]], limits: dict[int, Optional[int]],
                    f"runtime.gpu_memory_fraction of the device); largest: "
                    + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in big) + f"; change {ITEM_KEYS[big[0][0]]}")
     return out
+
+
+def shipped_table() -> str:
+    """The markdown table of every shipped accelerator config's verdict (docs/DEPLOY.md holds its output)."""
+    from laminar_jax.config import finalize, repo_config
+
+    lines = ["| config | accelerator | budget per device | worst device | planned | headroom | largest items | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, variant, acc, devices in SHIPPED:
+        r = report(finalize(repo_config(name, variant)), acc, devices)
+        big = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["largest"])
+        lines.append(f"| `{name}{':' + variant if variant else ''}` | {devices} x {acc} | {r['budget_gb']:.1f} GB | "
+                     f"{r['worst_device']} ({r['rows'][r['worst_device']]['role']}) | {r['worst_gb']:.1f} GB | "
+                     f"{r['headroom']:.0%} | {big} | {'FITS' if r['fits'] else 'DOES NOT FIT'} |")
+    return "\n".join(lines)
 
 
 def check_devices(cfg, layout: Layout, devices: Sequence[Any], arch) -> None:

@@ -2,7 +2,6 @@
 per device against the memory plan (laminar_jax/placement_memory.py) for that same scaled config.
 
   python launch/bench.py memory [--quick] [--config gpu_node[:32b]]...
-  python launch/bench.py memory --tpu     (TPU compiler figures; laminar_jax/benchmarks/memory_tpu.py)
 
 Each config runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=N (N: the
 devices of its host layout: the learner's and, under Ray, one rollout actor's), with the config's
@@ -35,9 +34,8 @@ import subprocess
 import sys
 from typing import Any
 
-# (config, variant, the accelerator the plan names for it, devices of one host)
-SHIPPED = (("gpu_single", "", "h100", 1), ("gpu_node", "", "h100", 8), ("gpu_pod", "", "h100", 8),
-           ("gpu_node", "32b", "h200", 8), ("tpu_pod", "", "tpu-v5p", 4))
+from laminar_jax.placement_memory import SHIPPED
+
 HOST_DEVICES = {(n, v): d for n, v, _, d in SHIPPED}
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -261,7 +259,6 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench memory")
     ap.add_argument("--quick", action="store_true", help="gpu_single and gpu_node only")
     ap.add_argument("--config", action="append", help="name[:variant] (repeatable); default: every shipped one")
-    ap.add_argument("--tpu", action="store_true", help="compile for a TPU topology instead (needs libtpu)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
     args = ap.parse_args(argv)
@@ -270,10 +267,6 @@ def main(argv: list[str]) -> dict:
         rows = child(name, variant)
         print(json.dumps(rows), flush=True)
         return {"rows": rows}
-    if args.tpu:
-        from laminar_jax.benchmarks import memory_tpu
-
-        return memory_tpu.main(argv)
     wanted = [tuple(c.partition(":")[::2]) for c in args.config] if args.config else \
         [(n, v) for n, v, _, _ in SHIPPED][:2 if args.quick else None]
     rows = []
