@@ -5,7 +5,8 @@ Learner device (its shard of each parameter on the learner mesh, by ``mesh.rules
 places it): the master parameters, AdamW's two moments and the gradients in ``model.param_dtype``
 (a second gradient copy while micro-batches accumulate), a frozen reference copy under a KL term;
 inside the step: the parameters' cast to ``model.dtype`` where it differs plus two layers gathered
-whole over the FSDP axis where it is > 1 (the one computing and the next, and the LM head), the activations autodiff keeps for the
+whole over the FSDP axis where it is > 1 (the one computing and the next, and the LM head; every
+layer without remat), the activations autodiff keeps for the
 device's worst-case micro-batch rows under ``learner.remat`` (every trajectory at
 ``rollout.max_total_len``, one per packed row; ``learner.memory``), one log-prob chunk's float32
 logits (three arrays of them: logits, softmax, gradient) and the collated batch twice (as placed and
@@ -158,10 +159,12 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
     shard = sum(shard_elements(table, cfg.mesh.rules, axes))
     p, c = itemsize(cfg.model.param_dtype), itemsize(cfg.model.dtype)
     ranks, tensor = axes["data"] * axes["fsdp"], axes["tensor"]
-    # Two layers' weights gathered whole over the data axes (split over the tensor axis only).
+    # Layers' weights gathered whole over FSDP (split over the tensor axis only): the one computing
+    # and the next; without remat every layer's, which its backward pass keeps as residuals.
     per_layer = sum(math.prod(s) for s, _ in table if arch.vocab_size not in s) // max(1, arch.num_layers)
     head = arch.vocab_size * arch.hidden_size
-    gathered = (2 * per_layer + head) * c // tensor if axes["fsdp"] > 1 else 0  # nothing to gather unsharded
+    layers = arch.num_layers if cfg.learner.remat == "none" else min(2, arch.num_layers)
+    gathered = (layers * per_layer + head) * c // tensor if axes["fsdp"] > 1 else 0  # nothing to gather unsharded
     rows = learner_rows_per_device(cfg, ranks)
     seq = pack_length(cfg)
     chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)

@@ -11,7 +11,7 @@
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
   memory    every shipped accelerator config, scaled down, on fake CPU devices: each device's
-            measured peak bytes against the memory plan (--quick, --config)
+            measured peak bytes against the memory plan (--quick, --config; --tpu: TPU compiler figures)
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".

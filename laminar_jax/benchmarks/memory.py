@@ -2,6 +2,7 @@
 per device against the memory plan (laminar_jax/placement_memory.py) for that same scaled config.
 
   python launch/bench.py memory [--quick] [--config gpu_node[:32b]]...
+  python launch/bench.py memory --tpu [--quick]   (configs/tpu_pod.py compiled for its TPU topology; memory_tpu.py)
 
 Each config runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=N (N: the
 devices of its host layout: the learner's and, under Ray, one rollout actor's), with the config's
@@ -10,7 +11,8 @@ layers, the config's architecture flags, KV heads enough for its TP) and tiny le
 (the CPU computes bfloat16 products in float32 anyway). It runs the real code paths: a `Learner` on
 the learner devices takes two GRPO steps; each rollout server (an `Engine` and `RolloutServer` on its
 devices, built from abstract shapes) generates, takes a new version the way the runtime's swap does
-(`fleet.params_from_flat`, `set_params`, the next `step`), generates again, and exports and
+(`fleet.params_from_flat`, `set_params`, the next `step`; where the version is streamed into place
+tensor by tensor, sampled after each tensor), generates again, and exports and
 re-imports a live sequence (a repack move's two halves).
 
 Measured per device (XLA:CPU has no memory_stats()): the bytes of every live jax array's shards on
@@ -76,14 +78,19 @@ def scaled_config(name: str, variant: str):
 
 
 def live_bytes(devices) -> dict[int, int]:
-    """Bytes of every live jax array's shards, per device index."""
+    """Bytes of every live jax array's shards, per device index, each buffer once (a shard's
+    ``data`` is itself a live array over the same buffer, so arrays are told apart by address)."""
     import jax
 
     index = {d: i for i, d in enumerate(devices)}
     out = {i: 0 for i in index.values()}
+    seen = set()
     for a in jax.live_arrays():
         for s in a.addressable_shards:
-            out[index[s.device]] += s.data.nbytes
+            key = (index[s.device], s.data.unsafe_buffer_pointer())
+            if key not in seen:
+                seen.add(key)
+                out[key[0]] += s.data.nbytes
     return out
 
 
@@ -94,17 +101,22 @@ def program_extra(compiled) -> int:
 
 
 def unsharded(devices, arch, sharded_on: set[int]) -> int:
-    """Live single-device or replicated arrays holding a whole largest weight on a device that shards it."""
+    """Buffers holding a whole weight matrix of the model (its full shape) on a device whose role
+    keeps that matrix sharded (learner devices under FSDP > 1, servers at TP > 1)."""
     import jax
 
+    from laminar_jax.placement_memory import param_table
+
     index = {d: i for i, d in enumerate(devices)}
-    whole = {arch.vocab_size * arch.hidden_size, arch.intermediate_size * arch.hidden_size}
-    n = 0
+    whole = {shape for shape, _ in param_table(arch) if len(shape) == 2}
+    seen = set()
     for a in jax.live_arrays():
+        if a.shape not in whole:
+            continue
         for s in a.addressable_shards:
-            if index[s.device] in sharded_on and s.data.size == a.size and a.size in whole:
-                n += 1
-    return n
+            if index[s.device] in sharded_on and s.data.shape == a.shape:
+                seen.add((index[s.device], s.data.unsafe_buffer_pointer()))
+    return len(seen)
 
 
 def child(name: str, variant: str) -> list[dict]:
@@ -192,8 +204,11 @@ def serve_and_swap(cfg, arch, server_devices, flat, sample, sharded_on, devices)
     for _ in range(3):
         server.step()
         sample(on(generate_extra(engine, server)), "generate")
-    new = {k: v * np.float32(1.001) for k, v in flat.items()}
-    server.set_params(1, from_flat(new), force=True)  # as RolloutWorker._maybe_swap, forced: no waiting for drains
+    new = from_flat({k: v * np.float32(1.001) for k, v in flat.items()})
+    if hasattr(new, "on_leaf"):  # a version streamed into place at the swap: sample after every tensor placed
+        new = new._replace(on_leaf=lambda i, placed: sample(label="swap"))
+    server.set_params(1, new, force=True)  # as RolloutWorker._maybe_swap, forced: no waiting for drains
+    del new
     sample(label="swap")
     server.step()
     sample()
@@ -259,9 +274,14 @@ def main(argv: list[str]) -> dict:
     ap = argparse.ArgumentParser(prog="bench memory")
     ap.add_argument("--quick", action="store_true", help="gpu_single and gpu_node only")
     ap.add_argument("--config", action="append", help="name[:variant] (repeatable); default: every shipped one")
+    ap.add_argument("--tpu", action="store_true", help="TPU compiler figures for configs/tpu_pod.py (needs libtpu)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
-    args = ap.parse_args(argv)
+    args, _ = ap.parse_known_args(argv)
+    if args.tpu:
+        from laminar_jax.benchmarks import memory_tpu
+
+        return memory_tpu.main(argv)
     if args.child is not None:
         name, _, variant = args.child.partition(":")
         rows = child(name, variant)

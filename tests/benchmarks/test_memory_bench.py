@@ -39,3 +39,16 @@ def test_bench_memory_gpu_single():
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["bench"] == "memory" and [r["device"] for r in out["rows"]] == [0]
     assert 0.7 <= out["min_measured_over_planned"] <= out["max_measured_over_planned"] <= 1.0
+
+
+@pytest.mark.slow
+def test_bench_memory_tpu_compiles_for_the_topology():
+    """The TPU compiler's per-chip bytes of tpu_pod's learner update and decode step (4-layer copy)."""
+    pytest.importorskip("libtpu", reason="libtpu is not installed (pip install -e '.[tpu]')")
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench.py"), "memory", "--tpu", "--quick"],
+                       capture_output=True, text=True, timeout=1500, env=child_env(JAX_PLATFORMS="cpu"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    out = json.loads(p.stdout.strip().splitlines()[-1])
+    assert out["bench"] == "memory_tpu" and "v5" in out["device_kind"].lower()
+    assert [r["role"] for r in out["rows"]] == ["learner", "server0"]
+    assert all(r["measured_bytes"] > 0 for r in out["rows"])
