@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 
 TOPOLOGY = "v5e:2x4"  # configs/tpu_pod.py: a v5e-8 host, 8 chips
 
@@ -112,8 +113,12 @@ def main(argv: list[str]) -> dict:
         arch = dataclasses.replace(arch, num_layers=4)
     layout = host_layout(cfg, len(chips))
     planned = device_items(cfg, layout, arch, pinned_host=True)
-    learner = compiled_bytes(learner_program(cfg, arch, [chips[i] for i in layout.learner]).compile())
+    t0 = time.perf_counter()
     server = compiled_bytes(decode_program(cfg, arch, [chips[i] for i in layout.servers[0]]).compile())
+    print(f"decode step compiled for {args.topology} in {time.perf_counter() - t0:.0f} s", flush=True)
+    t0 = time.perf_counter()
+    learner = compiled_bytes(learner_program(cfg, arch, [chips[i] for i in layout.learner]).compile())
+    print(f"learner update compiled for {args.topology} in {time.perf_counter() - t0:.0f} s", flush=True)
     rows = []
     for d in (layout.learner[0], layout.servers[0][0]):
         items = dict(planned[d])
