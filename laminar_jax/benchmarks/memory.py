@@ -297,6 +297,7 @@ def main(argv: list[str]) -> dict:
         for r in got:
             print(f"{r['config']:<14} {r['role']:<16} {r['device']:>6} {r['planned_bytes'] / 1e6:>11.2f} "
                   f"{r['measured_bytes'] / 1e6:>12.2f} {r['measured_bytes'] / r['planned_bytes']:>6.2f}", flush=True)
+        print(f"{name}{':' + variant if variant else ''}: {got[0]['unsharded_copies']} unsharded weight buffers", flush=True)
     return emit(summarise(rows))
 
 
