@@ -22,6 +22,9 @@ program's own peak beyond its arguments as its compiled `memory_analysis()` give
 the server's generate program. A device's figure is the largest over phases. unsharded_copies: live
 arrays holding a whole weight matrix of the model on a device whose role keeps it sharded.
 
+LAMINAR_BENCH_PHASES=1 prints each sample (phase, device, live bytes, program bytes) and each
+unsharded buffer to stderr.
+
 Last line: {"bench": "memory", "rows": [{"config", "role", "device", "planned_bytes",
 "measured_bytes"}...], "max_measured_over_planned", "min_measured_over_planned", "unsharded_copies"}.
 """
@@ -57,11 +60,12 @@ def scaled_config(name: str, variant: str):
     c.model.path, c.model.dtype, c.model.param_dtype = None, "float32", "float32"
     if "dtype" in c.rollout:
         c.rollout.dtype = "float32"
-    c.rollout.num_slots, c.rollout.page_size, c.rollout.num_pages = 4, 16, 4 * 8 + 1
-    c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.max_total_len = 32, 96, 128
+    # 160-token rows: no [T, T] mask shares a weight matrix's shape (unsharded() looks for those)
+    c.rollout.num_slots, c.rollout.page_size, c.rollout.num_pages = 4, 16, 4 * 10 + 1
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.rollout.max_total_len = 32, 128, 160
     c.rollout.decode_steps_per_call, c.rollout.decode_row_buckets = 1, ()
     c.data.max_prompt_tokens = 32
-    c.learner.seq_len_buckets, c.learner.logits_chunk_tokens = (128,), 64
+    c.learner.seq_len_buckets, c.learner.logits_chunk_tokens = (160,), 64
     c.learner.micro_batches, c.learner.mini_batches, c.learner.ppo_epochs = 2, 1, 1
     c.learner.attention_chunk = 32
     c.learner.remat = "none"  # XLA:CPU's buffer assignment keeps what remat would free (see the module doc)
@@ -116,6 +120,8 @@ def unsharded(devices, arch, sharded_on: set[int]) -> int:
         for s in a.addressable_shards:
             if index[s.device] in sharded_on and s.data.shape == a.shape:
                 seen.add((index[s.device], s.data.unsafe_buffer_pointer()))
+                if os.environ.get("LAMINAR_BENCH_PHASES"):
+                    print(f"unsharded: {a.shape} {a.dtype} {a.sharding} on device {index[s.device]}", file=sys.stderr)
     return len(seen)
 
 
