@@ -10,9 +10,14 @@ python launch/run.py --config=configs/gpu_node.py \
     --config.data.path=/data/dapo_math_17k.parquet
 
 Variants:
-  :32b   Qwen2.5-32B on an 8 x H200 node: learner over 4, two rollout servers at TP 2 (GPUs 4-5, 6-7).
-         Weights loaded in bfloat16; the learner trains float32 master weights with float32 AdamW
-         state (learner.master_weights: in bfloat16 lr 1e-6 updates round to nothing).
+  :32b   Qwen2.5-32B on an 8 x H200 node: the learner over all 8 GPUs (FSDP 8) and one rollout
+         server at TP 8 colocated with it. The learner keeps float32 master weights, AdamW moments
+         and gradients (20 bytes per parameter with the micro-batch gradient: 82 GB per GPU over 8;
+         in bfloat16, updates of lr 1e-6 round to nothing), so it cannot leave GPUs to the server:
+         over 4 GPUs that state alone is 164 GB per GPU. The server's bfloat16 weights (8.2 GB per
+         GPU) and a smaller page pool (2048 pages, 4.3 GB per GPU) fit beside it when XLA's pool
+         takes 95% of each GPU (runtime.gpu_memory_fraction): launch/plan.py memory gives 116 GB
+         of 134 GB.
   :0.5b  Qwen2.5-0.5B shapes, learner and one server colocated on whatever devices the host has
          (one GPU: the benchmark set-up).
 Without model.path it builds the shapes with random weights (a systems test).
@@ -69,12 +74,15 @@ def get_config(variant: str = ""):
     c.scheduler.repack_interval_s = 2.0
     if variant == "32b":
         c.model.preset = "qwen2.5-32b"
-        c.model.param_dtype = "bfloat16"  # the weights as loaded; training keeps float32 masters:
-        c.learner.master_weights = True  # 16 bytes/param of training state: the memory plan must be rechecked
-        c.placement.rollout_tp = 2  # 8 KV heads: 4 per GPU
-        # Per rollout GPU: 32.8 GB of weights (half) + 85.9 GB of KV (half of 10240 pages x 64 tokens, 64 layers).
-        c.rollout.num_slots = 96
-        c.learner.micro_batches = 128  # one packed 10K-token row per learner GPU per micro-batch
+        c.placement.learner_devices = None
+        c.placement.colocate = True
+        c.placement.rollout_tp = 8  # 8 KV heads: 1 per GPU
+        c.runtime.num_servers = 1
+        c.runtime.gpu_memory_fraction = 0.95
+        c.rollout.num_slots = 32
+        c.rollout.num_pages = 2048 + 1
+        c.learner.micro_batches = 64  # one packed 10K-token row per learner GPU per micro-batch
+        c.learner.logits_chunk_tokens = 1024
     elif variant == "0.5b":
         c.model.preset = "qwen2.5-0.5b"
         c.placement.learner_devices = None

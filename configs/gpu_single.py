@@ -41,9 +41,10 @@ def get_config(variant: str = ""):
     c.learner.clip_eps_high = 0.28
     c.learner.off_policy = "tis"
     c.learner.loss_agg = "seq-mean-token-mean"
-    # 16 packed rows of 2560 tokens per micro-batch at worst (every response at max length): ~49 GB of
-    # activations; with 8 micro-batches the worst case needs ~97 GB (launch/plan.py memory says so).
-    c.learner.micro_batches = 16
+    # 8 packed rows of 2560 tokens per micro-batch at worst (every response at max length): ~24 GB of
+    # activations; 16 rows (micro_batches=16) leave 7% of the GPU's 72 GB budget free beside the
+    # server's weights and KV, under the 10% launch/plan.py memory asks for.
+    c.learner.micro_batches = 32
     c.learner.seq_len_buckets = (512, 1024, 2048, 2560)
     # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "dots_with_no_batch_dims_saveable"  # keep matmul outputs, recompute the rest

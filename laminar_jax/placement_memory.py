@@ -1,40 +1,80 @@
-"""Per-device memory of a run's placement against a named accelerator (``launch/plan.py memory``).
+"""What each device of a run holds, item by item, against its budget (``launch/plan.py memory``, and
+the start-time check of a run).
 
-Learner device: its share of the training state (params + grads + AdamW's two moments in
-model.param_dtype: 16 bytes per parameter in float32, 8 in bfloat16, sharded over the learner's
-devices by FSDP) plus the activations autodiff keeps for one micro-batch's rows on that device
-(the learner memory plan's residuals on abstract shapes, reflecting learner.remat and
-attention_impl; worst case: every trajectory at rollout.max_total_len, one per packed row).
-Rollout device: its weight shard (model.param_dtype / rollout_tp) plus its KV-head share of the
-page pool (rollout.num_pages pages of page_size tokens, in model.dtype). Colocated roles add up on
-a shared device. Not counted: XLA's scratch buffers and the allocator's fragmentation, hence the
-margin the verdict keeps free (10% by default).
+Learner device (its shard of each parameter on the learner mesh, by ``mesh.rules``, as the learner
+places it): the master parameters, AdamW's two moments and the gradients in ``model.param_dtype``
+(a second gradient copy while micro-batches accumulate), a frozen reference copy under a KL term;
+inside the step: the parameters' cast to ``model.dtype`` where it differs plus two layers gathered
+whole over the FSDP axis where it is > 1 (the one computing and the next, and the LM head; every
+layer without remat), the activations autodiff keeps for the
+device's worst-case micro-batch rows under ``learner.remat`` (every trajectory at
+``rollout.max_total_len``, one per packed row; ``learner.memory``), one log-prob chunk's float32
+logits (three arrays of them: logits, softmax, gradient) and the collated batch twice (as placed and
+as prepared). A publish snapshot sits in pinned host memory where the device has it (GPU, TPU),
+else on the device.
+
+Rollout device (its TP shard, by the engine's TP rules): one version in the serving dtype
+(``rollout.dtype``, else ``model.dtype``), its KV-head share of the page pool, the swap's staging
+buffer (the largest single tensor: a swap streams the new version in one tensor at a time) and the
+decode program's temporaries (float32 logits of every slot, three arrays; one layer's gathered live
+pages under the live-page attention).
+
+Host: the pinned publish snapshot (one version in the serving dtype) and each relay's
+``relay.keep_in_memory`` versions.
+
+Budget: a GPU's memory times ``runtime.gpu_memory_fraction``, the pool the runtime gives XLA's
+allocator (gpu_allocator.py); the rest is the allocator's reserve for the CUDA context and
+libraries. A TPU's whole HBM. A device FITS when the plan leaves ``margin`` (10%) of its budget free
+for fragmentation and what the plan does not model.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, Optional
+import types
+from typing import Any, Optional, Sequence
 
 from laminar_jax.placement import Layout, plan_layout
 
 GB = 1e9
-# Usable memory of one device, in bytes (the vendor's figure).
-ACCELERATORS = {"h100": 80 * GB, "h200": 141 * GB, "tpu-v5e": 16 * GB}
-TRAIN_STATE_COPIES = 4  # params + grads + AdamW mu and nu, each in model.param_dtype
+# Memory of one device, in bytes (the vendor's figure), and its kind.
+ACCELERATORS = {"h100": (80 * GB, "gpu"), "h200": (141 * GB, "gpu"), "tpu-v5e": (16 * GB, "tpu"),
+                "tpu-v5p": (95 * GB, "tpu")}
+MARGIN = 0.1
+# The shipped accelerator configs: (configs/<name>.py, variant, the accelerator it is sized for, devices of one host).
+SHIPPED = (("gpu_single", "", "h100", 1), ("gpu_node", "", "h100", 8), ("gpu_pod", "", "h100", 8),
+           ("gpu_node", "32b", "h200", 8), ("tpu_pod", "", "tpu-v5e", 8))
+# Which config key shrinks an item (a plan that does not fit names the largest item's).
+ITEM_KEYS = {
+    "master_params": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
+    "adam_moments": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
+    "gradients": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
+    "ref_params": "learner.kl_coef (a reference copy is kept only for a KL term)",
+    "compute_copy": "mesh.tensor (gathered layers are split over the tensor axis)",
+    "activations": "learner.micro_batches (fewer rows per pass) or learner.remat",
+    "logprob_chunks": "learner.logits_chunk_tokens",
+    "batch": "runtime.prompts_per_step",
+    "publish_snapshot": "learner.publish_snapshot",
+    "serving_weights": "placement.rollout_tp (or rollout.dtype)",
+    "kv_pool": "rollout.num_pages",
+    "swap_staging": "placement.rollout_tp",
+    "decode_temporaries": "rollout.num_slots",
+}
+LEARNER_ITEMS = ("master_params", "adam_moments", "gradients", "ref_params", "compute_copy", "activations",
+                 "logprob_chunks", "batch", "publish_snapshot")
+ROLLOUT_ITEMS = ("serving_weights", "kv_pool", "swap_staging", "decode_temporaries")
+BATCH_FIELDS_2D = 14  # TrainBatch fields of shape [rows, seq] (4 bytes each)
 
 
-@dataclasses.dataclass(frozen=True)
-class DeviceBytes:
-    learner_state: int = 0
-    learner_activations: int = 0
-    rollout_weights: int = 0
-    rollout_kv: int = 0
+def itemsize(name: str) -> int:
+    return 4 if name == "float32" else 2
 
-    @property
-    def total(self) -> int:
-        return self.learner_state + self.learner_activations + self.rollout_weights + self.rollout_kv
+
+def serving_dtype(cfg) -> str:
+    """The dtype rollout servers hold a version in: rollout.dtype where the config has it, else model.dtype."""
+    return getattr(cfg.rollout, "dtype", None) or cfg.model.dtype
 
 
 def arch_of(cfg: Any):
@@ -47,54 +87,127 @@ def arch_of(cfg: Any):
     raise ConfigError(f"model.preset={cfg.model.preset!r}: the memory planner needs one of {sorted(PRESETS)}")
 
 
-def _itemsize(name: str) -> int:
-    return 4 if name == "float32" else 2
+@functools.lru_cache(maxsize=16)
+def param_table(arch) -> tuple[tuple[tuple[int, ...], tuple], ...]:
+    """(shape, logical axes) of every parameter, from abstract shapes (nothing allocated)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from laminar_jax.model.transformer import Transformer
+
+    model = nnx.eval_shape(lambda: Transformer(arch, rngs=nnx.Rngs(0), param_dtype=jnp.float32))
+    out = []
+    for var in jax.tree.leaves(nnx.state(model, nnx.Param), is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        shape = tuple(var.get_value().shape)
+        out.append((shape, tuple(getattr(var, "out_sharding", None) or (None,) * len(shape))))
+    return tuple(out)
+
+
+def shard_elements(table, rules: Sequence[str], axes: dict[str, int]) -> list[int]:
+    """Elements of each parameter's shard on one device of a mesh of ``axes`` sizes, by ``rules``."""
+    from laminar_jax.learner.mesh import logical_to_spec, parse_rules
+
+    mesh = types.SimpleNamespace(shape=axes)
+    rule_table = parse_rules(rules)
+    out = []
+    for shape, logical in table:
+        spec = logical_to_spec(logical, shape, rule_table, mesh)
+        split = math.prod(axes[a] for a in spec if a is not None)
+        out.append(math.prod(shape) // split)
+    return out
+
+
+def learner_axes(cfg, n_devices: int) -> dict[str, int]:
+    from laminar_jax.learner.mesh import resolve_mesh_shape
+
+    return dict(zip(("data", "fsdp", "tensor"), resolve_mesh_shape(cfg.mesh, n_devices)))
 
 
 def kv_bytes(arch, rollout, dtype: str) -> int:
     """The whole page pool of one server: K and V of every layer."""
     return 2 * arch.num_layers * rollout.num_pages * rollout.page_size * arch.num_kv_heads * arch.head_dim * \
-        _itemsize(dtype)
+        itemsize(dtype)
 
 
-def learner_rows_per_device(cfg, learner_devices: int) -> int:
-    """Packed rows of one micro-batch on one learner device (at least 1)."""
+def learner_rows_per_device(cfg, ranks: int) -> int:
+    """Packed rows of one micro-batch on one data rank (at least 1)."""
     rt, ln = cfg.runtime, cfg.learner
     trajectories = rt.prompts_per_step * rt.samples_per_prompt
     per_micro = trajectories / max(1, ln.mini_batches * ln.micro_batches)
-    return max(1, math.ceil(per_micro / learner_devices))
+    return max(1, math.ceil(per_micro / ranks))
+
+
+def pack_length(cfg) -> int:
+    return cfg.learner.pack_length or cfg.rollout.max_total_len
 
 
 def activation_bytes(cfg, arch, rows: int) -> int:
-    """Residuals one gradient pass keeps over [rows, pack_length] (abstract shapes; see benchmarks.learner)."""
+    """Residuals one gradient pass keeps over [rows, pack_length] (abstract shapes; learner/memory.py)."""
     import jax.numpy as jnp
 
-    from laminar_jax.benchmarks.learner import memory_plan_residuals
+    from laminar_jax.learner.memory import activation_bytes_per_row
 
-    seq = cfg.learner.pack_length or cfg.rollout.max_total_len
-    dtype = jnp.dtype(cfg.model.dtype)
-    # The residuals also hold the weights (and their compute-dtype casts), which do not grow with the
-    # rows and are counted as learner state: the activations are the part that does.
-    one, two = (memory_plan_residuals(arch, cfg.learner, r, seq, dtype) for r in (1, 2))
-    return rows * (two - one)
+    return rows * activation_bytes_per_row(arch, cfg.learner, pack_length(cfg), jnp.dtype(cfg.model.dtype))
 
 
-def device_bytes(cfg, layout: Layout, arch, activations: int) -> dict[int, DeviceBytes]:
-    """Bytes per device index of the layout."""
-    n_params = arch.num_params()
-    tp = cfg.placement.rollout_tp
-    state = TRAIN_STATE_COPIES * _itemsize(cfg.model.param_dtype) * n_params // len(layout.learner)
-    weights = n_params * _itemsize(cfg.model.param_dtype) // tp
-    kv = kv_bytes(arch, cfg.rollout, cfg.model.dtype) // tp
-    out: dict[int, DeviceBytes] = {}
-    for d in layout.learner:
-        out[d] = DeviceBytes(learner_state=state, learner_activations=activations)
-    for s in layout.servers:
-        for d in s:
-            had = out.get(d, DeviceBytes())
-            out[d] = dataclasses.replace(had, rollout_weights=had.rollout_weights + weights,
-                                         rollout_kv=had.rollout_kv + kv)
-    return out
+def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host: bool) -> dict[str, int]:
+    """Bytes of each learner item on one device of the learner mesh of ``axes``."""
+    from laminar_jax.learner.logprobs import chunk_positions
+
+    table = param_table(arch)
+    shard = sum(shard_elements(table, cfg.mesh.rules, axes))
+    p, c = itemsize(cfg.model.param_dtype), itemsize(cfg.model.dtype)
+    ranks, tensor = axes["data"] * axes["fsdp"], axes["tensor"]
+    # Layers' weights gathered whole over FSDP (split over the tensor axis only): the one computing
+    # and the next; without remat every layer's, which its backward pass keeps as residuals.
+    per_layer = sum(math.prod(s) for s, _ in table if arch.vocab_size not in s) // max(1, arch.num_layers)
+    head = arch.vocab_size * arch.hidden_size
+    layers = arch.num_layers if cfg.learner.remat == "none" else min(2, arch.num_layers)
+    gathered = (layers * per_layer + head) * c // tensor if axes["fsdp"] > 1 else 0  # nothing to gather unsharded
+    rows = learner_rows_per_device(cfg, ranks)
+    seq = pack_length(cfg)
+    chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)
+    trajectories = cfg.runtime.prompts_per_step * cfg.runtime.samples_per_prompt
+    snapshot = cfg.learner.publish_snapshot if cfg.learner.publish_snapshot is not None else pinned_host
+    return {
+        "master_params": shard * p,
+        "adam_moments": 2 * shard * p,
+        "gradients": (2 if cfg.learner.micro_batches > 1 else 1) * shard * p,
+        "ref_params": shard * p if cfg.learner.use_kl else 0,
+        "compute_copy": (shard * c if c != p else 0) + gathered,
+        "activations": activations,
+        "logprob_chunks": 3 * rows * chunk * (arch.vocab_size // tensor) * 4,
+        "batch": 2 * math.ceil(trajectories / ranks) * seq * BATCH_FIELDS_2D * 4,
+        "publish_snapshot": shard * itemsize(serving_dtype(cfg)) if snapshot and not pinned_host else 0,
+    }
+
+
+def rollout_items(cfg, arch, tp: int) -> dict[str, int]:
+    """Bytes of each rollout item on one device of a server of TP width ``tp``."""
+    from laminar_jax.rollout.tp import TP_RULES
+
+    table = param_table(arch)
+    shards = shard_elements(table, TP_RULES, {"tensor": tp})
+    s = itemsize(serving_dtype(cfg))
+    ro = cfg.rollout
+    rows = ro.num_slots
+    live = 0
+    if ro.attention_impl in ("live_pages", "auto"):  # one layer's live pages gathered into a copy
+        live = 2 * rows * ro.pages_per_seq * ro.page_size * (arch.num_kv_heads // tp) * arch.head_dim * \
+            itemsize(cfg.model.dtype)
+    return {
+        "serving_weights": sum(shards) * s,
+        "kv_pool": kv_bytes(arch, ro, cfg.model.dtype) // tp,
+        "swap_staging": max(shards) * s,
+        "decode_temporaries": 3 * rows * arch.vocab_size * 4 + live,
+    }
+
+
+def host_items(cfg, arch) -> dict[str, int]:
+    """Host memory of the learner's host (pinned snapshot) and of each relay (kept versions)."""
+    version = sum(math.prod(s) for s, _ in param_table(arch)) * itemsize(serving_dtype(cfg))
+    return {"pinned_snapshot": version, "relay_versions": cfg.relay.keep_in_memory * version}
 
 
 def host_layout(cfg, devices: int) -> Layout:
@@ -107,35 +220,81 @@ def host_layout(cfg, devices: int) -> Layout:
     return Layout(tuple(range(n)), (tuple(range(n, n + cfg.placement.rollout_tp)),))
 
 
-def report(cfg, accelerator: str, devices: int = 8, activations: Optional[int] = None, margin: float = 0.1) -> dict:
-    """Per-device bytes of ``cfg`` on a host of ``devices`` x ``accelerator`` and the verdict."""
+def device_items(cfg, layout: Layout, arch, activations: Optional[int] = None,
+                 pinned_host: bool = True) -> dict[int, dict[str, int]]:
+    """Items per device index of the layout; colocated roles add up on a shared device."""
+    axes = learner_axes(cfg, len(layout.learner))
+    if activations is None:
+        activations = activation_bytes(cfg, arch, learner_rows_per_device(cfg, axes["data"] * axes["fsdp"]))
+    learner = learner_items(cfg, arch, axes, activations, pinned_host)
+    server = rollout_items(cfg, arch, cfg.placement.rollout_tp)
+    out: dict[int, dict[str, int]] = {}
+    for d in layout.learner:
+        out[d] = dict(learner)
+    for s in layout.servers:
+        for d in s:
+            had = out.setdefault(d, {})
+            for k, v in server.items():
+                had[k] = had.get(k, 0) + v
+    return out
+
+
+def budget_of(accelerator: str, fraction: float) -> tuple[float, float]:
+    """(device bytes, the budget XLA's allocator gets of them)."""
+    total, kind = ACCELERATORS[accelerator]
+    return total, total * (fraction if kind == "gpu" else 1.0)
+
+
+def largest(items: dict[str, int], n: int = 3) -> list[tuple[str, int]]:
+    return sorted(((k, v) for k, v in items.items() if v), key=lambda kv: -kv[1])[:n]
+
+
+def report(cfg, accelerator: str, devices: int = 8, activations: Optional[int] = None, margin: float = MARGIN,
+           arch=None) -> dict:
+    """Per-device items of ``cfg`` on a host of ``devices`` x ``accelerator`` and the verdict."""
     if accelerator not in ACCELERATORS:
         raise ValueError(f"accelerator {accelerator!r}: one of {sorted(ACCELERATORS)}")
-    limit = ACCELERATORS[accelerator]
-    arch = arch_of(cfg)
+    total, budget = budget_of(accelerator, cfg.runtime.gpu_memory_fraction)
+    arch = arch or arch_of(cfg)
     layout = host_layout(cfg, devices)
-    if activations is None:
-        activations = activation_bytes(cfg, arch, learner_rows_per_device(cfg, len(layout.learner)))
-    per = device_bytes(cfg, layout, arch, activations)
-    worst = max(per, key=lambda d: per[d].total)
-    rows = [{"device": d, **{k: v / GB for k, v in dataclasses.asdict(b).items()}, "total_gb": b.total / GB}
-            for d, b in sorted(per.items())]
-    return {"accelerator": accelerator, "device_gb": limit / GB, "devices": devices, "layout": layout.to_json(),
-            "params": arch.num_params(), "rows": rows, "worst_device": worst, "worst_gb": per[worst].total / GB,
-            "fits": per[worst].total <= (1 - margin) * limit, "margin": margin}
+    per = device_items(cfg, layout, arch, activations)
+    need = {d: sum(v.values()) for d, v in per.items()}
+    worst = max(need, key=need.get)
+    rows = [{"device": d, "role": role_of(layout, d), "items": per[d], "total_gb": need[d] / GB,
+             "headroom": 1 - need[d] / budget} for d in sorted(per)]
+    return {"accelerator": accelerator, "device_gb": total / GB, "budget_gb": budget / GB,
+            "reserve_gb": (total - budget) / GB, "devices": devices, "layout": layout.to_json(),
+            "params": arch.num_params(), "rows": rows, "worst_device": worst, "worst_gb": need[worst] / GB,
+            "headroom": 1 - need[worst] / budget, "fits": need[worst] <= (1 - margin) * budget, "margin": margin,
+            "largest": largest(per[worst]), "host_gb": {k: v / GB for k, v in host_items(cfg, arch).items()}}
+
+
+def role_of(layout: Layout, d: int) -> str:
+    roles = (["learner"] if d in layout.learner else []) + \
+        [f"server{i}" for i, s in enumerate(layout.servers) if d in s]
+    return "+".join(roles)
 
 
 def format_report(r: dict) -> str:
-    head = (f"{r['devices']} x {r['accelerator']} ({r['device_gb']:.0f} GB each), {r['params'] / 1e9:.2f}B params, "
-            f"layout {r['layout']}")
-    lines = [head, f"{'device':>6} {'learner state':>14} {'activations':>12} {'rollout weights':>16} "
-                   f"{'KV pages':>9} {'total GB':>9}"]
+    head = (f"{r['devices']} x {r['accelerator']} ({r['device_gb']:.0f} GB each; budget {r['budget_gb']:.1f} GB, "
+            f"allocator reserve {r['reserve_gb']:.1f} GB), {r['params'] / 1e9:.2f}B params, layout {r['layout']}")
+    cols = ("master_params", "adam_moments", "gradients", "compute_copy", "activations", "serving_weights",
+            "kv_pool")
+    lines = [head, f"{'device':>6} {'role':<10} " + " ".join(f"{c[:12]:>12}" for c in cols) +
+             f" {'other':>8} {'total GB':>9} {'headroom':>9}"]
     for row in r["rows"]:
-        lines.append(f"{row['device']:>6} {row['learner_state']:>14.1f} {row['learner_activations']:>12.1f} "
-                     f"{row['rollout_weights']:>16.1f} {row['rollout_kv']:>9.1f} {row['total_gb']:>9.1f}")
-    verdict = "fits" if r["fits"] else "DOES NOT FIT"
-    lines.append(f"{verdict}: device {r['worst_device']} needs {r['worst_gb']:.1f} GB of {r['device_gb']:.0f} GB "
-                 f"(verdict keeps {r['margin']:.0%} free for XLA scratch and fragmentation)")
+        it = row["items"]
+        other = sum(v for k, v in it.items() if k not in cols)
+        lines.append(f"{row['device']:>6} {row['role']:<10} " +
+                     " ".join(f"{it.get(c, 0) / GB:>12.1f}" for c in cols) +
+                     f" {other / GB:>8.1f} {row['total_gb']:>9.1f} {row['headroom']:>9.0%}")
+    host = r["host_gb"]
+    lines.append(f"host: pinned publish snapshot {host['pinned_snapshot']:.1f} GB, relay versions "
+                 f"{host['relay_versions']:.1f} GB per relay")
+    big = ", ".join(f"{k} {v / GB:.1f} GB" for k, v in r["largest"])
+    verdict = "FITS" if r["fits"] else "DOES NOT FIT"
+    lines.append(f"{verdict}: device {r['worst_device']} needs {r['worst_gb']:.1f} GB of its {r['budget_gb']:.1f} GB "
+                 f"budget ({r['headroom']:.0%} headroom, {r['margin']:.0%} required; largest: {big})")
     return "\n".join(lines)
 
 
@@ -143,8 +302,57 @@ def fits_summary(cfg, devices: int = 8) -> dict[str, bool]:
     """Verdict per accelerator (one activation estimate shared)."""
     arch = arch_of(cfg)
     layout = host_layout(cfg, devices)
-    act = activation_bytes(cfg, arch, learner_rows_per_device(cfg, len(layout.learner)))
+    axes = learner_axes(cfg, len(layout.learner))
+    act = activation_bytes(cfg, arch, learner_rows_per_device(cfg, axes["data"] * axes["fsdp"]))
     return {a: report(cfg, a, devices, activations=act)["fits"] for a in ACCELERATORS}
 
 
-__all__ = ["ACCELERATORS", "DeviceBytes", "report", "format_report", "fits_summary", "device_bytes", "kv_bytes"]
+def fit_errors(per: dict[int, dict[str, int]], limits: dict[int, Optional[int]], margin: float = 0.0) -> list[str]:
+    """One message per device whose plan exceeds its reported budget (None: not reported, skipped),
+    naming the device, the budget, the largest items and the config key of the largest."""
+    out = []
+    for d, items in sorted(per.items()):
+        lim, need = limits.get(d), sum(items.values())
+        if lim is None or need <= (1 - margin) * lim:
+            continue
+        big = largest(items)
+        out.append(f"device {d}: needs {need / 2**30:.2f} GiB of its {lim / 2**30:.2f} GiB budget (bytes_limit: "
+                   f"runtime.gpu_memory_fraction of the device); largest: "
+                   + ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in big) + f"; change {ITEM_KEYS[big[0][0]]}")
+    return out
+
+
+def shipped_table() -> str:
+    """The markdown table of every shipped accelerator config's verdict (docs/DEPLOY.md holds its output)."""
+    from laminar_jax.config import finalize, repo_config
+
+    lines = ["| config | accelerator | budget per device | worst device | planned | headroom | largest items | verdict |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, variant, acc, devices in SHIPPED:
+        r = report(finalize(repo_config(name, variant)), acc, devices)
+        big = ", ".join(f"{k} {v / GB:.1f}" for k, v in r["largest"])
+        lines.append(f"| `{name}{':' + variant if variant else ''}` | {devices} x {acc} | {r['budget_gb']:.1f} GB | "
+                     f"{r['worst_device']} ({r['rows'][r['worst_device']]['role']}) | {r['worst_gb']:.1f} GB | "
+                     f"{r['headroom']:.0%} | {big} | {'FITS' if r['fits'] else 'DOES NOT FIT'} |")
+    return "\n".join(lines)
+
+
+def check_devices(cfg, layout: Layout, devices: Sequence[Any], arch) -> None:
+    """Fail at start, before anything compiles, when a device's plan exceeds its budget
+    (``memory_stats()['bytes_limit']``; backends that report none, such as CPU, are not checked)."""
+    from laminar_jax.configlib import ConfigError
+    from laminar_jax.placement import bytes_limits
+
+    limits = bytes_limits(devices)
+    if all(v is None for v in limits.values()):
+        return
+    platform = devices[0].platform
+    per = device_items(cfg, layout, arch, pinned_host=platform != "cpu")
+    errors = fit_errors(per, limits)
+    if errors:
+        raise ConfigError("placement: the run does not fit its devices (launch/plan.py memory shows every item):\n  "
+                          + "\n  ".join(errors))
+
+
+__all__ = ["ACCELERATORS", "ITEM_KEYS", "report", "format_report", "fits_summary", "device_items", "kv_bytes",
+           "check_devices", "fit_errors", "learner_items", "rollout_items", "host_items", "serving_dtype"]

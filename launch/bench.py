@@ -16,6 +16,8 @@
             peak memory against the plan; --dry-run (what it would run), --tiny (all of it on CPU)
   aot       a decode step with the TPU Pallas kernel compiled ahead of time for a TPU topology on
             this machine (needs libtpu: the tpu extra), its bytes accessed against weights + live KV
+  memory    every shipped accelerator config, scaled down, on fake CPU devices: each device's
+            measured peak bytes against the memory plan (--quick, --config; --tpu: TPU compiler figures)
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".
@@ -30,7 +32,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "env", "accel", "aot")
+NAMES = ("learner", "engine", "relay", "e2e", "faults", "sim", "startup", "peers", "env", "accel", "aot", "memory")
 
 
 def _host_malloc(argv):

@@ -9,6 +9,7 @@ Per-device memory of a run config's placement against an accelerator (h100, h200
 
   python launch/plan.py memory --config=configs/gpu_node.py --gpu h100
   python launch/plan.py memory --config=configs/gpu_node.py:32b --gpu h200 --devices 8 --json
+  python launch/plan.py memory --table      (every shipped accelerator config: the table in docs/DEPLOY.md)
       (exit status 0 when it fits, 1 when a device does not; see laminar_jax/placement_memory.py)
 """
 
@@ -68,11 +69,22 @@ def memory_main(argv):
     from laminar_jax.placement_memory import ACCELERATORS, format_report, report
 
     ap = argparse.ArgumentParser(prog="plan.py memory", description=memory_main.__doc__)
-    ap.add_argument("--config", required=True, help="run config file[:variant], e.g. configs/gpu_node.py:32b")
+    ap.add_argument("--config", help="run config file[:variant], e.g. configs/gpu_node.py:32b")
+    ap.add_argument("--table", action="store_true",
+                    help="every shipped accelerator config on the accelerator it is sized for, as the markdown "
+                         "table in docs/DEPLOY.md (exit 1 when one does not fit)")
     ap.add_argument("--gpu", default="h100", choices=sorted(ACCELERATORS), help="accelerator (default h100)")
     ap.add_argument("--devices", type=int, default=8, help="accelerators on the host (default 8)")
     ap.add_argument("--json", action="store_true", help="print the report as one JSON line")
     args = ap.parse_args(argv)
+    if args.table:
+        from laminar_jax.placement_memory import shipped_table
+
+        table = shipped_table()
+        print(table)
+        return 0 if "DOES NOT FIT" not in table else 1
+    if not args.config:
+        ap.error("--config is required (or --table)")
     mod = load_config_module(args.config)
     r = report(finalize(mod.get_config(args.config.partition(":")[2])), args.gpu, args.devices)
     print(json.dumps(r) if args.json else format_report(r))

@@ -30,7 +30,6 @@ peak_mem_gb: the device's peak bytes in use (`memory_stats()`, GPU); null where 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 import time
 from typing import NamedTuple, Optional
@@ -43,10 +42,9 @@ from flax import nnx
 from laminar_jax.benchmarks import optrace
 from laminar_jax.benchmarks.machine import emit
 from laminar_jax.learner import Learner, LearnerSection, LocalPublisher
-from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.logprobs import chunk_positions
-from laminar_jax.learner.losses import agg_norm
-from laminar_jax.learner.step import Graphs, make_grad_fn, make_loss_fn
+from laminar_jax.learner.memory import abstract_pass, residual_bytes
+from laminar_jax.learner.step import make_grad_fn
 from laminar_jax.matmul_precision import apply_matmul_precision
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.model.arch import TransformerConfig
@@ -119,37 +117,9 @@ def synthetic_trajectories(n: int, seq: int, vocab: int, group: int, seed: int) 
     return out
 
 
-def _abstract_pass(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype):
-    """(abstract params, abstract batch, graphs, bytes of the residuals autodiff keeps) of one gradient pass.
-
-    The library kernels ('tokamax', 'splash', and 'auto', which picks one on an accelerator) keep what
-    'flash' keeps (q, k, v, the output and its log-sum-exp; no [T, T] scores) and cannot be traced
-    off their platform, so the plan traces 'flash' for them."""
-    if section.attention_impl in ("auto", "tokamax", "splash"):
-        section = dataclasses.replace(section, attention_impl="flash")
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=dtype, param_dtype=jnp.float32))
-    graphdef, params = nnx.split(model)
-    i32 = jax.ShapeDtypeStruct((rows, seq), jnp.int32)
-    f32 = jax.ShapeDtypeStruct((rows, seq), jnp.float32)
-    per_row = jax.ShapeDtypeStruct((rows,), jnp.int32)
-    batch = TrainBatch(tokens=i32, targets=i32, positions=i32, segment_ids=i32, loss_mask=f32,
-                       behaviour_logprobs=f32, rewards=jax.ShapeDtypeStruct((rows,), jnp.float32),
-                       group_ids=per_row, versions=per_row, seq_ids=i32, old_logprobs=f32, prox_logprobs=f32,
-                       ref_logprobs=f32, old_values=f32, advantages=f32, returns=f32, seq_tokens=f32)
-    graphs = Graphs(graphdef, None, None)
-    loss_fn = make_loss_fn(section, graphs)
-
-    def residuals(p, b):
-        norm = agg_norm(b.loss_mask, b.seq_tokens)
-        return jax.vjp(lambda q: loss_fn(q, b, norm)[0], p)[1]  # a Partial whose leaves are the residuals
-
-    saved = jax.eval_shape(residuals, {"actor": params}, batch)
-    return params, batch, graphs, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(saved))
-
-
 def memory_plan_residuals(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> int:
     """Bytes of the activations one gradient pass over [rows, seq] keeps for its backward pass (no compile)."""
-    return _abstract_pass(cfg, section, rows, seq, dtype)[3]
+    return residual_bytes(cfg, section, rows, seq, dtype)
 
 
 def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq: int, dtype) -> dict:
@@ -160,8 +130,8 @@ def memory_plan(cfg: TransformerConfig, section: LearnerSection, rows: int, seq:
     XLA:CPU it ignores remat (none/full give the same figure) and computes bf16 matmuls in f32, so
     there it only compares attention settings.
     """
-    params, batch, graphs, residual_bytes = _abstract_pass(cfg, section, rows, seq, dtype)
-    residual_gb = residual_bytes / 1e9
+    params, batch, graphs, kept = abstract_pass(cfg, section, rows, seq, dtype)
+    residual_gb = kept / 1e9
     t0 = time.perf_counter()
     grads = jax.jit(make_grad_fn(section, graphs))
     mem = grads.lower({"actor": params}, batch).compile().memory_analysis()

@@ -124,17 +124,15 @@ def place_roles(cfg: Config, run_dir: str, model, phase) -> tuple:
     devices) from the placement section and this process's devices (``model`` may be abstract);
     fails at start when a device cannot hold its share. The layout is recorded in config.json and shown once."""
     import jax
-    import numpy as np
 
     from laminar_jax.config import save_config
     from laminar_jax.learner.mesh import build_mesh
-    from laminar_jax.placement import check_fit, realise
-
-    from laminar_jax.model.sharded import param_bytes
+    from laminar_jax.placement import realise
+    from laminar_jax.placement_memory import check_devices
 
     devices = jax.devices()
     cfg, layout = realise(cfg, devices)
-    check_fit(cfg, layout, devices, model.cfg, param_bytes(model), np.dtype(getattr(model, "dtype", np.float32)).itemsize)
+    check_devices(cfg, layout, devices, model.cfg)  # the memory plan against each device's budget
     record = {**layout.to_json(), "rollout_tp": cfg.placement.rollout_tp, "colocate": cfg.placement.colocate}
     save_config(cfg, run_dir, record)
     phase(f"placement: learner on devices {record['learner']}, rollout servers on {record['servers']}"

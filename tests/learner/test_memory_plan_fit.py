@@ -1,6 +1,12 @@
-"""bench learner --memory-plan's verdict: state (16 B/param) sharded over devices + one row's residuals."""
+"""bench learner --memory-plan's verdict: state (16 B/param) sharded over devices + one row's residuals;
+the residuals come from laminar_jax.learner.memory (production code, no benchmark import)."""
+
+import jax.numpy as jnp
 
 from laminar_jax.benchmarks.learner import fit_line, plan_fit
+from laminar_jax.learner import LearnerSection
+from laminar_jax.learner.memory import activation_bytes_per_row, residual_bytes
+from laminar_jax.model import PRESETS
 
 
 def _plan(params, residual_gb, device_gb, devices):
@@ -18,3 +24,11 @@ def test_fit_verdicts_and_fewest_devices():
     assert fit_line(eight).startswith("FITS")
     huge_row = _plan(1e9, 90.0, 80.0, 64)
     assert not huge_row["fits"] and huge_row["min_devices"] is None and "residuals alone" in fit_line(huge_row)
+
+
+def test_remat_shrinks_the_activations_per_row():
+    cfg = PRESETS["small"]
+    none = activation_bytes_per_row(cfg, LearnerSection(remat="none"), 128, jnp.float32)
+    full = activation_bytes_per_row(cfg, LearnerSection(remat="full"), 128, jnp.float32)
+    assert 0 < full < none
+    assert residual_bytes(cfg, LearnerSection(), 2, 128, jnp.float32) > none  # weights are in the residuals too
