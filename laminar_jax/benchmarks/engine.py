@@ -13,6 +13,7 @@ bandwidth, compares it with the roofline (bytes of weights + live KV read per st
 
     python -m laminar_jax.benchmarks.engine --quick
     python -m laminar_jax.benchmarks.engine --preset qwen2.5-0.5b --dtype bfloat16   # GPU
+    python -m laminar_jax.benchmarks.engine --host-overhead   # host cost per decode call / token (host_overhead.py)
 
 ``--group G`` gives every prompt G requests (a GRPO group: same prompt, own response lengths) and
 adds, alternating with the continuous run, the same run with ``rollout.share_prompt_kv=False``
@@ -423,7 +424,16 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="--profile: also trace each profiled step with jax.profiler into DIR/<dtype>_<rows> "
                          "and print its time per XLA op (optrace.py)")
+    ap.add_argument("--host-overhead", action="store_true",
+                    help="only the host's cost per decode call and per generated token, and device calls per "
+                         "token, with a model so small compute is negligible, at 1 step per call and at the "
+                         "accelerators' default (host_overhead.py)")
     args = ap.parse_args(argv)
+    if args.host_overhead:
+        from laminar_jax.benchmarks import host_overhead
+
+        return emit(host_overhead.run(slots=args.slots or 8, max_new=args.max_new or 64,
+                                      repeats=args.repeats if "--repeats" in " ".join(argv) else 3))
     if args.profile:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]

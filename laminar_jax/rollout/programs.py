@@ -279,12 +279,12 @@ def programs(spec: Spec, params_treedef) -> Programs:
             _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
 
 
-_insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
-_deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
-_read_pages_jit = jax.jit(_read_pages_impl)
-_write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
-_share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
-_attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
-                      donate_argnums=(0,))
+insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
+deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
+read_pages_jit = jax.jit(_read_pages_impl)
+write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
+share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
+attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
+                     donate_argnums=(0,))
 
 
