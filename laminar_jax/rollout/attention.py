@@ -109,6 +109,8 @@ def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
 # 39 ms bf16), and 42 ms (27 ms) in these layouts. ([Hkv, page, D] for both, tried before: no gain.)
 
 
+POOL_LAYOUT = "split"  # this layout's name (K [P, Hkv, D, page], V [P, Hkv, page, D]): what the engine allocates
+
 # Where each axis of a pool's page comes from in the token layout (page, Hkv, D) = (0, 1, 2).
 _PAGE_AXES = {True: (1, 2, 0), False: (1, 0, 2)}  # key: K [Hkv, D, page]; value: V [Hkv, page, D]
 

@@ -55,7 +55,7 @@ from flax import nnx
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.rollout import programs as prg
 from laminar_jax.rollout import tp as tpl
-from laminar_jax.rollout.attention import pool_shape, storage_dtype
+from laminar_jax.rollout.attention import POOL_LAYOUT, pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
 from laminar_jax.rollout.paged import (
@@ -105,8 +105,11 @@ class Engine:
         self.kernels = kernels or choose_decode_kernels(
             section.attention_impl, section.weight_products, platform=platform,
             geometry=Geometry(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, self.page_size,
-                              jnp.dtype(kv_dtype), self.tp),
+                              jnp.dtype(kv_dtype), self.tp, self.pages_per_seq),
             largest_weight=model_cfg.largest_weight(), extra_attention=attention_backends)
+        if self.kernels.pool_layout != POOL_LAYOUT:
+            raise ValueError(f"rollout.attention_impl={self.kernels.attention!r} reads KV pools laid out "
+                             f"{self.kernels.pool_layout!r}; this engine allocates {POOL_LAYOUT!r} pools")
         self.schedule = DecodeSchedule.of(section, platform, self.kernels.needs_live_pages)
         _log.info("engine %s on %s: decode kernels %s, %d steps per call%s", section.server_id, platform,
                   self.kernels.summary(), self.schedule.steps_per_call,

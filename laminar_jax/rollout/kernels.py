@@ -19,6 +19,19 @@ them before the plugin is loaded.
 An explicit name that cannot serve the platform or geometry is an error naming the config field
 and the reason; 'auto' takes the highest-ranked kernel that serves and records why it passed over
 the others (``DecodeKernels.reason``; the engine logs it and the run summary reports it).
+
+Registering an accelerator kernel (a module listed in ``laminar_jax.kernels.PLUGINS[platform]``)::
+
+    from laminar_jax.rollout import kernels as seam
+
+    def refuses(g: seam.Geometry) -> str | None:  # why it cannot serve g, or None
+        return None if g.head_dim % 16 == 0 else f"head_dim={g.head_dim} (multiples of 16)"
+
+    seam.register_attention(seam.AttentionKernel("pallas_gpu_paged", decode_fn, refuses, auto_rank=10), "gpu")
+    seam.PLUGIN_ATTENTION["pallas_gpu_paged"] = "gpu"  # (in this module, so configs may name it unloaded)
+
+A kernel that reads another pool layout than the engine's (``attention.POOL_LAYOUT``) declares it
+in ``pool_layout``; the engine refuses a layout it does not allocate.
 """
 
 from __future__ import annotations
@@ -30,7 +43,7 @@ import jax.numpy as jnp
 
 from laminar_jax.kernels import load_plugin, train_products
 from laminar_jax.model.products import Products
-from laminar_jax.rollout.attention import DecodeBackend, gather_dense, gather_gqa, live_pages, pool_scan
+from laminar_jax.rollout.attention import POOL_LAYOUT, DecodeBackend, gather_dense, gather_gqa, live_pages, pool_scan
 from laminar_jax.rollout.sampling import first_argmax
 
 AUTO = "auto"
@@ -45,6 +58,7 @@ class Geometry(NamedTuple):
     page_size: int
     dtype: Any = jnp.float32  # the KV values' (and the weights') dtype
     tensor_parallel: int = 1  # TP width of the engine's mesh (1: one device)
+    pages_per_seq: int = 0  # the page table's width (kernels that tile the table need it)
 
     @property
     def group(self) -> int:
@@ -59,6 +73,7 @@ class AttentionKernel(NamedTuple):
     refuses: Optional[Callable[[Geometry], Optional[str]]] = None  # why it cannot serve a geometry, or None
     auto_rank: int = 0  # 'auto' takes the highest-ranked kernel that serves; < 0: only when named
     needs_live_pages: bool = False  # the engine computes DecodeMeta.live (and its buckets) for it
+    pool_layout: str = POOL_LAYOUT  # the KV pools' layout it reads
 
 
 # Attention kernels that plugins register, with their platform: config validation and error
@@ -117,6 +132,7 @@ class DecodeKernels:
     platform: str
     needs_live_pages: bool = False
     reason: str = ""  # why 'auto' passed over a faster kernel ('' when nothing was passed over)
+    pool_layout: str = POOL_LAYOUT  # the KV pools' layout the attention reads
 
     @property
     def products_name(self) -> str:
@@ -140,7 +156,8 @@ def choose_attention(name: str, platform: str, geometry: Geometry, extra: Option
     load_plugin(platform)
     offered = _offered(platform)
     for key, fn in (extra or {}).items():
-        offered[key] = AttentionKernel(key, fn, auto_rank=-1, needs_live_pages=getattr(fn, "needs_live_pages", False))
+        offered[key] = AttentionKernel(key, fn, auto_rank=-1, needs_live_pages=getattr(fn, "needs_live_pages", False),
+                                       pool_layout=getattr(fn, "pool_layout", POOL_LAYOUT))
     if name != AUTO:
         kernel = offered.get(name)
         home = PLUGIN_ATTENTION.get(name)
@@ -197,7 +214,7 @@ def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform
     argmax, argmax_name = choose_argmax(platform, geometry)
     reason = "; ".join(r for r in (why_attention, why_products) if r)
     return DecodeKernels(kernel.name, kernel.fn, products, argmax, argmax_name, platform, kernel.needs_live_pages,
-                         reason)
+                         reason, kernel.pool_layout)
 
 
 def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_size: int, head_dim: int,

@@ -195,3 +195,19 @@ print('OK')
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_an_engine_refuses_a_kernel_that_reads_another_pool_layout():
+    from flax import nnx
+
+    from laminar_jax.model import PRESETS, Transformer
+    from laminar_jax.rollout import RolloutSection, make_engine
+
+    def head_major(q, k, v, layer_cache, *, meta):
+        raise AssertionError("never traced here")
+
+    head_major.pool_layout = "head_major"
+    section = RolloutSection(num_slots=2, page_size=16, num_pages=40, max_prompt_len=8, max_total_len=32,
+                             attention_impl="hm")
+    with pytest.raises(ValueError, match=r"rollout\.attention_impl='hm' reads KV pools laid out 'head_major'"):
+        make_engine(Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), section, attention_backends={"hm": head_major})
