@@ -68,10 +68,10 @@ from laminar_jax.rollout.paged import (
     pages_needed,
 )
 from laminar_jax.rollout.schedule import DecodeSchedule
+from laminar_jax.rollout.slot_inputs import MAX_STOP_IDS, init_arrays, init_columns, pack_prompts, page_row
 
 _log = logging.getLogger(__name__)
 
-MAX_STOP_IDS = 8
 
 
 class Engine:
@@ -259,8 +259,8 @@ class Engine:
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = prompt_len - 1
         return self._settle(prg.insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
-                                        prefix.last_token, np.int32(slot), self._page_row(pages),
-                                        *self._init_arrays(init)))
+                                        prefix.last_token, np.int32(slot), page_row(self.pages_per_seq, pages),
+                                        *init_arrays(self._key_shape, init)))
 
     def prefill_insert(self, params: Any, decode_state: DecodeState, slot: int, prompt_ids,
                        init: SlotInit) -> DecodeState:
@@ -277,8 +277,9 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(n, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = n - 1
-        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot), self._page_row(pages),
-                                    *self._init_arrays(init))
+        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot),
+                                    page_row(self.pages_per_seq, pages),
+                                    *init_arrays(self._key_shape, init))
 
     def prefill_insert_rows(self, params: Any, decode_state: DecodeState, slots: list[int], prompts: list,
                             inits: list[SlotInit]) -> DecodeState:
@@ -309,24 +310,9 @@ class Engine:
         for i, x in enumerate(ids):
             last[i], cached[i] = x[-1], len(x) - 1
         leaves, progs = self._bind(params)
-        return progs.prefill_insert_rows(leaves, decode_state, *self._pack(ids, taken, width), slot_ids, rows, last,
-                                         cached, *self._init_columns(inits, b))
-
-    def _pack(self, ids: list, taken: list[list[int]], width: int) -> tuple[np.ndarray, ...]:
-        """Packed prefill inputs, i32[width] each: every prompt's tokens but its last, end to end, as
-        (token, position in its prompt, prompt index, KV page, offset in the page). Padding tokens form
-        a prompt of their own (index len(ids)) whose KV goes to the null page."""
-        tokens, positions, page = (np.zeros((width,), np.int32) for _ in range(3))
-        segment = np.full((width,), len(ids), np.int32)
-        offset = np.arange(width, dtype=np.int32) % self.page_size
-        at = 0
-        for i, (x, pages) in enumerate(zip(ids, taken)):
-            p = np.arange(len(x) - 1, dtype=np.int32)
-            span = slice(at, at + len(p))
-            tokens[span], positions[span], segment[span] = x[:-1], p, i
-            page[span], offset[span] = np.asarray(pages, np.int32)[p // self.page_size], p % self.page_size
-            at += len(p)
-        return tokens, positions, segment, page, offset
+        return progs.prefill_insert_rows(leaves, decode_state, *pack_prompts(self.page_size, ids, taken, width),
+                                         slot_ids, rows, last,
+                                         cached, *init_columns(self._key_shape, inits, b))
 
     def share_prompt(self, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
                      inits: list[SlotInit]) -> DecodeState:
@@ -364,7 +350,7 @@ class Engine:
             cached[i], last[i] = len(x) - 1, x[-1]
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
         return self._settle(prg.share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
-                                              cached, last, *self._init_columns(inits, b)))
+                                              cached, last, *init_columns(self._key_shape, inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``steps_per_call`` tokens (one jitted call, state donated):
@@ -408,7 +394,7 @@ class Engine:
     def read_slot(self, decode_state: DecodeState, slot: int, num_cached: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
-        row = self._page_row(self.slot_pages[slot])
+        row = page_row(self.pages_per_seq, self.slot_pages[slot])
         k, v = jax.device_get(prg.read_pages_jit(decode_state, row))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
@@ -425,7 +411,7 @@ class Engine:
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = int(num_cached)
         pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
-        row = self._page_row(pages)
+        row = page_row(self.pages_per_seq, pages)
         dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
         if self.mesh is None:
             kd, vd = (jnp.asarray(np.pad(x, pad)).astype(self.kv_dtype) for x in (k, v))
@@ -433,7 +419,7 @@ class Engine:
             kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
                       for x in (k, v))
         return self._settle(prg.write_slot_jit(decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
-                                            np.int32(last_token), *self._init_arrays(init)))
+                                            np.int32(last_token), *init_arrays(self._key_shape, init)))
 
     # ---------------------------------------------------------------- multi-turn (rollout/extend.py)
 
@@ -458,8 +444,8 @@ class Engine:
         if slot in self.slot_pages:
             raise ValueError(f"slot {slot} is occupied")
         self.slot_pages[slot] = list(pages)
-        return prg.attach_jit(decode_state, np.int32(slot), self._page_row(pages), np.int32(num_cached),
-                           np.int32(last_token), *self._init_arrays(init))
+        return prg.attach_jit(decode_state, np.int32(slot), page_row(self.pages_per_seq, pages), np.int32(num_cached),
+                           np.int32(last_token), *init_arrays(self._key_shape, init))
 
     def extend(self, params: Any, decode_state: DecodeState, slot: int, observation_ids, num_cached: int,
                last_token: int, num_generated: int, max_new: int) -> DecodeState:
@@ -490,7 +476,8 @@ class Engine:
         treedef = jax.tree.structure(params)
         # One row attends at most its own pages_per_seq pages.
         program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.schedule.uses_live_pages else 0)
-        return self._settle(program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
+        return self._settle(program(leaves, decode_state, np.int32(slot), page_row(self.pages_per_seq, have), ids,
+                                    np.int32(m),
                                     np.int32(num_cached), np.int32(last_token), np.int32(num_generated),
                                     np.int32(max_new)))
 
@@ -513,32 +500,10 @@ class Engine:
         i32[b, pages_per_seq] and slot ids i32[b], padding rows naming no slot (num_slots) and the null page."""
         rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
         for i, (slot, pages, x) in enumerate(zip(slots, taken, ids)):
-            rows[i], slot_ids[i] = self._page_row(pages), slot
+            rows[i], slot_ids[i] = page_row(self.pages_per_seq, pages), slot
             self.slot_pages[slot] = pages
             self._cached_hi[slot] = len(x) - 1
         return rows, slot_ids
-
-    def _init_columns(self, inits: list[SlotInit], b: int) -> list[np.ndarray]:
-        """The inits' arrays stacked per field over b rows (padding rows repeat the first: their slot is dropped)."""
-        per_row = [self._init_arrays(init) for init in inits]
-        per_row += [per_row[0]] * (b - len(per_row))
-        return [np.stack(col) for col in zip(*per_row)]
-
-    def _page_row(self, pages: list[int]) -> np.ndarray:
-        row = np.zeros((self.pages_per_seq,), np.int32)
-        row[:len(pages)] = pages
-        return row
-
-    def _init_arrays(self, init: SlotInit) -> tuple:
-        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-        ids = np.asarray(init.stop_ids, np.int32).reshape(-1)
-        if len(ids) > MAX_STOP_IDS:
-            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_IDS} supported")
-        stop[:len(ids)] = ids
-        key = np.asarray(init.key_data, np.uint32).reshape(self._key_shape)
-        # numpy, not jnp: jit takes host values without a dispatch each.
-        return (key, np.float32(init.temperature), np.int32(init.top_k), np.float32(init.top_p),
-                np.int32(init.max_new), stop, np.int32(init.num_generated))
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:

@@ -113,7 +113,7 @@ def _prefill_rows_impl(spec: Spec, params, tokens, lengths):
 
 def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, page, offset, slots, page_rows,
                         last_token, num_cached, *init):
-    """_insert_impl for B prompts packed in one row (Engine._pack: i32[N] each): one forward, each
+    """_insert_impl for B prompts packed in one row (slot_inputs.pack_prompts: i32[N] each): one forward, each
     token's KV into the pools at (page, offset), then each slot set (padding rows: slot >= num_slots,
     page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
     model = engine_model(spec, params)
@@ -258,7 +258,7 @@ class Programs(NamedTuple):
     prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
     prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
     generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
-    prefill_insert_rows: Callable  # (leaves, state, Engine._pack's 5 i32[N], slots, page rows, last, cached, *init) -> state
+    prefill_insert_rows: Callable  # (leaves, state, pack_prompts's 5 i32[N], slots, page rows, last, cached, *init) -> state
 
 
 @functools.lru_cache(maxsize=32)

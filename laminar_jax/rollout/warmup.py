@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from laminar_jax.rollout.paged import DecodeState, SlotInit
+from laminar_jax.rollout.slot_inputs import init_columns, pack_prompts
 
 
 def warmup(engine, params: Any) -> None:
@@ -82,7 +83,7 @@ def _prefill_rows(engine, params: Any, state: DecodeState, init: SlotInit) -> De
     leaves, progs = engine._bind(params)
     none, rows = np.full((b,), engine.num_slots, np.int32), np.zeros((b, engine.pages_per_seq), np.int32)
     for width in engine.schedule.packed_widths:
-        state = progs.prefill_insert_rows(leaves, state, *engine._pack([], [], width), none, rows,
+        state = progs.prefill_insert_rows(leaves, state, *pack_prompts(engine.page_size, [], [], width), none, rows,
                                           np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                                          *engine._init_columns([init], b))
+                                          *init_columns(engine._key_shape, [init], b))
     return state
