@@ -179,7 +179,8 @@ def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     reserved = sum(len(p) for p in engine.slot_pages.values())
     assert live <= engine.live_pages_bound() <= reserved and engine.live_bucket() >= live
     # Simulate broken bookkeeping with exact-size buckets: the device must refuse silently wrong output.
-    engine.live_buckets = tuple(range(1, engine.num_slots * engine.pages_per_seq + 1))
+    engine.schedule = dataclasses.replace(engine.schedule,
+                                          live_buckets=tuple(range(1, engine.num_slots * engine.pages_per_seq + 1)))
     for slot in engine._cached_hi:
         engine._cached_hi[slot] = 0
     with pytest.raises(RuntimeError, match="live-page bucket"):
