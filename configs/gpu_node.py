@@ -51,6 +51,10 @@ def get_config(variant: str = ""):
     c.rollout.max_prompt_len = 2048
     c.rollout.max_new_tokens = 8192
     c.rollout.max_total_len = 10240
+    # 16 tokens per generate() call: one host round trip (dispatch, then the host reads the tokens)
+    # per 16 decode steps, with sampling and stop checks on the device; a retiring sequence idles
+    # its slot at most 15 steps of responses thousands of tokens long.
+    c.rollout.decode_steps_per_call = 16
 
     c.learner.adv_estimator = "grpo"
     c.learner.lr = 1e-6

@@ -29,7 +29,6 @@ def get_config(variant: str = ""):
     c.rollout.max_prompt_len = 1024
     c.rollout.max_new_tokens = 1536
     c.rollout.max_total_len = 2560
-    c.rollout.attention_impl = "live_pages"
     # A decode step of this model is launch- and dispatch-bound on one GPU (3-4 ms at 64 rows on an
     # H200 against 0.2 ms of HBM time); 8 tokens per generate() call gave 1.42x the engine's tokens/s
     # there (docs/BENCHMARKS.md, GPU figures).

@@ -60,7 +60,7 @@ def main(argv):
         print(f"\nerror: expected one of {', '.join(NAMES)}, got {argv[0] if argv else 'nothing'}", file=sys.stderr)
         return 2
     from laminar_jax.benchmarks.machine import describe, summary_line
-    from laminar_jax.host_malloc import apply_host_malloc
+    from laminar_jax.cpu.host_malloc import apply_host_malloc
 
     try:
         held = apply_host_malloc(policy)  # before anything allocates XLA buffers (host_malloc.py)

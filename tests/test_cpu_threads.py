@@ -15,7 +15,7 @@ from tests.subprocess_env import child_env
 _PROG = r"""
 import logging, sys
 logging.basicConfig(level="WARNING")
-from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
+from laminar_jax.cpu.threads import apply_cpu_threads, xla_cpu_pool_threads
 import time
 before, late, async_dispatch = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] == "async"
 held = apply_cpu_threads(before, async_dispatch)

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from laminar_jax import host_malloc
+from laminar_jax.cpu import host_malloc
 from laminar_jax.config import ConfigError, default_config, finalize
 from tests.subprocess_env import child_env
 

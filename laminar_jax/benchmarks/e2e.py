@@ -250,7 +250,7 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--cpu-inline", action="store_true",
                     help="runtime.cpu_async_dispatch=False for the whole bench process (computations on their callers)")
     args = ap.parse_args(argv)
-    from laminar_jax.cpu_threads import apply_cpu_threads, xla_cpu_pool_threads
+    from laminar_jax.cpu.threads import apply_cpu_threads, xla_cpu_pool_threads
 
     if args.cpu_threads < 0:
         raise SystemExit(f"--cpu-threads: must be >= 0, got {args.cpu_threads}")

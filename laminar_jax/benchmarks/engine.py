@@ -13,6 +13,7 @@ bandwidth, compares it with the roofline (bytes of weights + live KV read per st
 
     python -m laminar_jax.benchmarks.engine --quick
     python -m laminar_jax.benchmarks.engine --preset qwen2.5-0.5b --dtype bfloat16   # GPU
+    python -m laminar_jax.benchmarks.engine --host-overhead   # host cost per decode call / token (host_overhead.py)
 
 ``--group G`` gives every prompt G requests (a GRPO group: same prompt, own response lengths) and
 adds, alternating with the continuous run, the same run with ``rollout.share_prompt_kv=False``
@@ -261,17 +262,18 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
     return engine, params, state
 
 
-def _matmul_fn(model, rows: int, kernel_rows: int = 0, kernel_min_weights: int = 0):
+def _matmul_fn(model, rows: int, products=None):
     """A jitted pass through every weight matmul of one decode step ([rows, in] x [out, in]^T, the model's
-    own Linear modules, plus the head), and its FLOPs. ``kernel_rows``, ``kernel_min_weights``: as the
-    engine's decode runs them (its row_kernel_rows and row_kernel_min_weights: the native kernel up to
-    that many rows, for weights of at least that many elements, else XLA's dot)."""
+    own Linear modules, plus the head), and its FLOPs. ``products``: as the engine's decode runs them
+    (its kernels.products: a kernel for few rows, else XLA's dot; model/products.py)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
-    from laminar_jax.model.transformer import Linear, use_row_kernel
+    from laminar_jax.model.products import DEFAULT
+    from laminar_jax.model.transformer import Linear
 
+    products = DEFAULT if products is None else products
     linears = [m for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
     graphdef, params = nnx.split(model)
     c = model.cfg
@@ -284,10 +286,9 @@ def _matmul_fn(model, rows: int, kernel_rows: int = 0, kernel_min_weights: int =
     def run(params, x):
         # Every product is returned whole: a reduction of it would let XLA simplify the dot away.
         m = nnx.merge(graphdef, params)
-        use_row_kernel(m, kernel_rows, kernel_min_weights)
-        outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype))]
+        outs = [m.logits_from_hidden(x[:, :c.hidden_size].astype(m.dtype), products)]
         for lin in [y for _, y in nnx.iter_graph(m) if isinstance(y, Linear)]:
-            outs.append(lin(x[:, :lin.weight.shape[1]].astype(m.dtype)))  # weight [out, in]
+            outs.append(lin(x[:, :lin.weight.shape[1]].astype(m.dtype), products))  # weight [out, in]
         return outs
 
     return (lambda: run(params, x)), flops
@@ -320,13 +321,13 @@ def profile_decode(model, rows: int, context: int, iters: int = 5, trace_dir: Op
         def one():
             box[0], out = engine.generate(params, box[0])
             return out
-        return one, (engine.row_kernel_rows, engine.row_kernel_min_weights)
+        return one, engine.kernels.products
 
     step, kernel = decode_step()
     full = _median_ms(step, iters)
     ops = None if trace_dir is None else optrace.op_table(optrace.capture(step, trace_dir, calls=3), calls=3)
     no_attn = _median_ms(decode_step(attention_impl="skip", attention_backends={"skip": _skip_attention})[0], iters)
-    mm_fn, flops = _matmul_fn(model, rows, *kernel)
+    mm_fn, flops = _matmul_fn(model, rows, kernel)
     mm = _median_ms(mm_fn, iters)
     logits = jax.random.normal(jax.random.key(0), (rows, model.cfg.vocab_size), jnp.float32)
     keys = jax.vmap(jax.random.key)(jnp.arange(rows))
@@ -423,7 +424,16 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--trace", default=None, metavar="DIR",
                     help="--profile: also trace each profiled step with jax.profiler into DIR/<dtype>_<rows> "
                          "and print its time per XLA op (optrace.py)")
+    ap.add_argument("--host-overhead", action="store_true",
+                    help="only the host's cost per decode call and per generated token, and device calls per "
+                         "token, with a model so small compute is negligible, at 1 step per call and at the "
+                         "accelerators' default (host_overhead.py)")
     args = ap.parse_args(argv)
+    if args.host_overhead:
+        from laminar_jax.benchmarks import host_overhead
+
+        return emit(host_overhead.run(slots=args.slots or 8, max_new=args.max_new or 64,
+                                      repeats=args.repeats if "--repeats" in " ".join(argv) else 3))
     if args.profile:
         dtypes = [args.dtype] if "--dtype" in " ".join(argv) else ["float32", "bfloat16"]
         rows = [int(x) for x in args.profile_rows.split(",")]

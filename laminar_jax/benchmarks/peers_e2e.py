@@ -43,7 +43,7 @@ from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
-from laminar_jax import host_malloc
+from laminar_jax.cpu import host_malloc
 from laminar_jax.benchmarks.e2e import parse_override
 from laminar_jax.benchmarks.machine import emit, usable_cores
 from laminar_jax.benchmarks.peers import run_worker_process, worker_env
@@ -80,7 +80,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                     help="ours: rollout.decode_steps_per_call (our engine's setting, as TRL gets its best thread "
                          "count); default: the demo config's")
     ap.add_argument("--trl-malloc", default="system",
-                    help="C allocator policies to run TRL with, e.g. system,keep (laminar_jax/host_malloc.py; "
+                    help="C allocator policies to run TRL with, e.g. system,keep (laminar_jax/cpu/host_malloc.py; "
                          "'keep' as glibc environment variables, so the peer gets the setting ours runs with)")
     ap.add_argument("--ours-malloc", default=None, choices=host_malloc.POLICIES,
                     help="ours: runtime.host_malloc; default: the config's")
@@ -263,7 +263,7 @@ def _copy(src: str, dst: str) -> None:
 def _ours_worker(spec: dict) -> dict:
     import jax
 
-    from laminar_jax.cpu_threads import apply_cpu_threads
+    from laminar_jax.cpu.threads import apply_cpu_threads
     from laminar_jax.benchmarks.e2e import demo_config, set_config_key
     from laminar_jax.config import finalize, save_config
     from laminar_jax.runtime.export import export_pretrained

@@ -12,6 +12,7 @@ jitted with shardings by `Learner` (learner/learner.py).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax
@@ -20,6 +21,7 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from laminar_jax.kernels import train_products
 from laminar_jax.learner.advantages import AdvantageInputs, AdvantageParams, compute_advantages, terminal_token_rewards
 from laminar_jax.learner.batch import TrainBatch
 from laminar_jax.learner.config import LearnerSection
@@ -88,15 +90,17 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     """
     model = nnx.merge(graphdef, params if dtype is None else cast_floating(params, dtype))
     remat = section.remat if remat is None else remat
+    products = train_products(jax.default_backend())  # the kernel seam's weight products for this platform
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
                         attention=_attention(section.attention_impl),
-                        attention_chunk=section.attention_chunk)
+                        attention_chunk=section.attention_chunk, products=products)
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
         return ForwardOut(zeros, zeros, out.values)
     rows, t = batch.tokens.shape
     chunk = chunk_positions(section.logits_chunk_tokens, rows // shards, t)
-    scores = score_tokens(model.logits_from_hidden, out.hidden, batch.targets, section.temperature, chunk, entropy)
+    project = functools.partial(model.logits_from_hidden, products=products)
+    scores = score_tokens(project, out.hidden, batch.targets, section.temperature, chunk, entropy)
     return ForwardOut(scores.logp, scores.entropy, out.values)
 
 

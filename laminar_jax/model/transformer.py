@@ -22,7 +22,7 @@ from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.attention import AttentionFn, CacheBackend, dense_attention, train_attention
-from laminar_jax.native import ops as native_ops
+from laminar_jax.model.products import DEFAULT as DEFAULT_PRODUCTS, Products
 
 
 def _init(init, axes: Sequence[Optional[str]]):
@@ -34,16 +34,6 @@ def _low_precision(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype).itemsize < 4
 
 
-def _product_out(low: bool):
-    """Output dtype of a weight product (None: its operands'). Low-precision products come out in
-    float32 on the CPU, where XLA:CPU's bf16 kernels accumulate in and produce it. On accelerators
-    they come out in the compute dtype: their matrix units accumulate in float32 either way, and a
-    float32 output would make the backward's products float32 x float32 (the cotangent arrives in
-    float32 and the bf16 operand is promoted to it), which was 2/3 of a bf16 learner step's matmul
-    FLOPs (qwen2.5-0.5b, 16 x 1,024), run at TF32 or float32 rate instead of bf16's."""
-    return jnp.float32 if low and jax.default_backend() == "cpu" else None
-
-
 class Linear(nnx.Module):
     """y = x . W^T + b with W stored [out, in] (HF's and torch's layout), named ``weight``.
 
@@ -51,10 +41,10 @@ class Linear(nnx.Module):
     kernels run faster than the [in, out] layout (12 layers of qwen2-100m's weight products, fp32:
     -21% at 4 rows, -26% at 16, -19% at 32, -3% at 64; docs/BENCHMARKS.md, "The weights' layout");
     a decode step is mostly such products. HF checkpoints also load and export without a transpose.
-    Low-precision (bf16/f16) products accumulate in float32 and the result is cast back to dtype: on
-    a CPU with AVX-512 BF16 XLA:CPU runs bf16 x bf16 -> f32 on those instructions (`_product_out`
-    says why accelerators take the product's own dtype). ``axes`` are the logical axes of [in, out],
-    as the shardings name them.
+    Low-precision (bf16/f16) products accumulate in float32 and the result is cast back to dtype;
+    whether the product itself comes out in float32 or in dtype, and whether products of few rows
+    run on a kernel, is the caller's ``products`` (model/products.py). ``axes`` are the logical axes
+    of [in, out], as the shardings name them.
     """
 
     def __init__(self, din: int, dout: int, axes: Sequence[Optional[str]], bias: bool, rngs: nnx.Rngs,
@@ -69,44 +59,18 @@ class Linear(nnx.Module):
             b = nnx.Param(jnp.zeros((dout,), param_dtype), out_sharding=tuple(axes[1:]), eager_sharding=False)
         self.bias = nnx.data(b)
 
-    # Products of at most this many rows run the native row-products kernel (native/ops.py) instead
-    # of XLA's dot; 0 = never. Only the rollout engine sets it, on the model it merges inside its
-    # decode programs (rollout.weight_products, use_row_kernel): never in training.
-    row_kernel_rows = 0
-    row_kernel_min_weights = 0  # ... and weights of at least this many elements
-
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
         w = self.weight[...]
         dtype = self.dtype or jnp.result_type(x, w)
         low = _low_precision(dtype)
-        if _row_kernel(self, x, w):  # float32 out, as XLA:CPU's low-precision products (_product_out)
-            y = _kernel_product(x.astype(dtype), w.astype(dtype))
+        if products.takes(x, w):  # float32 out
+            y = products.on_kernel(x.astype(dtype), w.astype(dtype))
         else:
             y = jax.lax.dot_general(x.astype(dtype), w.astype(dtype), (((x.ndim - 1,), (1,)), ((), ())),
-                                    preferred_element_type=_product_out(low))
+                                    preferred_element_type=products.low_out if low else None)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
         return y.astype(dtype) if low else y
-
-
-def _row_kernel(module, x: jax.Array, w: jax.Array) -> bool:
-    return 0 < int(np.prod(x.shape[:-1])) <= module.row_kernel_rows and w.size >= module.row_kernel_min_weights
-
-
-def _kernel_product(x: jax.Array, w: jax.Array) -> jax.Array:
-    """x[..., K] . w[N, K]^T through the native kernel: f32[..., N], the products and sums in float32."""
-    flat = x.reshape(-1, x.shape[-1])
-    return native_ops.row_products(flat, w).reshape(*x.shape[:-1], w.shape[0])
-
-
-def use_row_kernel(model: nnx.Module, rows: int, min_weights: int = 0) -> None:
-    """Route ``model``'s weight products (each Linear, and a tied head) of at most ``rows`` rows, of
-    weights of at least ``min_weights`` elements, through the native row-products kernel. For the
-    rollout engine's own merged copy in a decode program (its CPU decode steps are products of a
-    few rows); 0 rows restores XLA's dot."""
-    for _, m in nnx.iter_graph(model):
-        if isinstance(m, (Linear, Transformer)):
-            m.row_kernel_rows, m.row_kernel_min_weights = rows, min_weights
 
 
 class RMSNorm(nnx.Module):
@@ -164,12 +128,12 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype)
 
     def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None,
-                 attn: AttentionFn = dense_attention):
+                 attn: AttentionFn = dense_attention, products: Products = DEFAULT_PRODUCTS):
         b, t, _ = x.shape
         c = self.cfg
-        q = self.q_proj(x).reshape(b, t, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(b, t, c.num_kv_heads, c.head_dim)
+        q = self.q_proj(x, products).reshape(b, t, c.num_heads, c.head_dim)
+        k = self.k_proj(x, products).reshape(b, t, c.num_kv_heads, c.head_dim)
+        v = self.v_proj(x, products).reshape(b, t, c.num_kv_heads, c.head_dim)
         if c.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
@@ -177,7 +141,7 @@ class Attention(nnx.Module):
             out, new_cache = attn(q, k, v, segment_ids), None
         else:
             out, new_cache = backend(q, k, v, layer_cache)
-        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim)), new_cache
+        return self.o_proj(out.reshape(b, t, c.num_heads * c.head_dim), products), new_cache
 
 
 class MLP(nnx.Module):
@@ -187,8 +151,8 @@ class MLP(nnx.Module):
         self.up_proj = lin(cfg.hidden_size, cfg.intermediate_size, ("embed", "mlp"))
         self.down_proj = lin(cfg.intermediate_size, cfg.hidden_size, ("mlp", "embed"))
 
-    def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+    def __call__(self, x, products: Products = DEFAULT_PRODUCTS):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x, products)) * self.up_proj(x, products), products)
 
 
 class DecoderLayer(nnx.Module):
@@ -199,11 +163,11 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(cfg, rngs, dtype, param_dtype)
 
     def __call__(self, x, positions, inv_freq, segment_ids=None, layer_cache=None, backend=None,
-                 attn: AttentionFn = dense_attention):
+                 attn: AttentionFn = dense_attention, products: Products = DEFAULT_PRODUCTS):
         h, new_cache = self.self_attn(self.input_layernorm(x), positions, inv_freq, segment_ids, layer_cache,
-                                      backend, attn)
+                                      backend, attn, products)
         x = x + h
-        return x + self.mlp(self.post_attention_layernorm(x)), new_cache
+        return x + self.mlp(self.post_attention_layernorm(x), products), new_cache
 
 
 # Per-layer activation checkpointing for the training forward (jax.checkpoint policies):
@@ -225,10 +189,10 @@ def remat_policy(name: str) -> Optional[Any]:
     return table[name]
 
 
-def _train_layer_fn(attn: AttentionFn):
+def _train_layer_fn(attn: AttentionFn, products: Products):
     # A closure, not functools.partial: nnx.remat binds arguments by position.
     def train_layer(layer: "DecoderLayer", x, positions, inv_freq, segment_ids):
-        return layer(x, positions, inv_freq, segment_ids, attn=attn)[0]
+        return layer(x, positions, inv_freq, segment_ids, attn=attn, products=products)[0]
     return train_layer
 
 
@@ -259,36 +223,35 @@ class Transformer(nnx.Module):
     def has_value_head(self) -> bool:
         return hasattr(self, "value_head")
 
-    def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention):
+    def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention,
+               products: Products = DEFAULT_PRODUCTS):
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))  # static: from the config, never trained
         x = self.embed_tokens(tokens)
         new_cache = []
         for i, layer in enumerate(self.layers):
             x, c = layer(x, positions, inv_freq, segment_ids,
-                         None if cache is None else cache[i], backend, attn)
+                         None if cache is None else cache[i], backend, attn, products)
             new_cache.append(c)
         return self.norm(x), new_cache
 
-    def _train_trunk(self, tokens, positions, segment_ids, remat: str, attn: AttentionFn):
+    def _train_trunk(self, tokens, positions, segment_ids, remat: str, attn: AttentionFn, products: Products):
         """Training trunk (no cache) with each layer wrapped in nnx.remat under the named policy."""
         policy = remat_policy(remat)
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
         x = self.embed_tokens(tokens)
         # prevent_cse=True (the default): layers are unrolled here, not inside a scan.
-        layer_fn = nnx.remat(_train_layer_fn(attn), policy=policy)
+        layer_fn = nnx.remat(_train_layer_fn(attn, products), policy=policy)
         for layer in self.layers:
             x = layer_fn(layer, x, positions, inv_freq, segment_ids)
         return self.norm(x)
 
-    def logits_from_hidden(self, h: jax.Array) -> jax.Array:
+    def logits_from_hidden(self, h: jax.Array, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
         """lm_head projection of final-normed hidden states: f[..., D] -> f32[..., V] (as `forward`)."""
-        return self._logits(h)
+        return self._logits(h, products)
 
-    row_kernel_rows = row_kernel_min_weights = 0  # as Linear's: the tied head's product (use_row_kernel)
-
-    def _logits(self, h):
-        if self.cfg.tie_word_embeddings and _row_kernel(self, h, self.embed_tokens.embedding[...]):
-            return _kernel_product(h.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
+    def _logits(self, h, products: Products = DEFAULT_PRODUCTS):
+        if self.cfg.tie_word_embeddings and products.takes(h, self.embed_tokens.embedding[...]):
+            return products.on_kernel(h.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
         if self.cfg.tie_word_embeddings and _low_precision(self.dtype):
             # E[V, D] . h[N, D] -> [V, N], transposed: on XLA:CPU the bf16 (f32-accumulating) kernel
             # takes this operand order ~7x faster than h . E^T.
@@ -298,11 +261,12 @@ class Transformer(nnx.Module):
             return out.T.reshape(*h.shape[:-1], -1)
         if self.cfg.tie_word_embeddings:
             return self.embed_tokens.attend(h).astype(jnp.float32)
-        return self.lm_head(h).astype(jnp.float32)
+        return self.lm_head(h, products).astype(jnp.float32)
 
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, remat: str = "none",
-                with_logits: bool = True, attention: str = "dense", attention_chunk: int = 1024) -> ModelOutput:
+                with_logits: bool = True, attention: str = "dense", attention_chunk: int = 1024,
+                products: Products = DEFAULT_PRODUCTS) -> ModelOutput:
         """Training forward over a padded or packed batch.
 
         tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
@@ -313,6 +277,7 @@ class Transformer(nnx.Module):
         attention: 'dense', 'chunked' (``attention_chunk`` query rows at a time), 'flash' (blocks of
           ``attention_chunk``) or 'pallas_gpu';
           same values, different memory and speed (see laminar_jax.model.attention).
+        products: how the weight products run (model/products.py; the caller's platform picks it).
         """
         b, t = tokens.shape
         if positions is None:
@@ -321,21 +286,22 @@ class Transformer(nnx.Module):
             segment_ids = jnp.ones((b, t), jnp.int32)
         attn = train_attention(attention, attention_chunk)
         if remat == "none":
-            h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn)
+            h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn, products)
         else:
-            h = self._train_trunk(tokens, positions, segment_ids, remat, attn)
-        values = self.value_head(h)[..., 0].astype(jnp.float32) if self.has_value_head else None
-        return ModelOutput(self._logits(h) if with_logits else None, values, h)
+            h = self._train_trunk(tokens, positions, segment_ids, remat, attn, products)
+        values = self.value_head(h, products)[..., 0].astype(jnp.float32) if self.has_value_head else None
+        return ModelOutput(self._logits(h, products) if with_logits else None, values, h)
 
-    def __call__(self, tokens, positions=None, segment_ids=None) -> jax.Array:
-        return self.forward(tokens, positions, segment_ids).logits
+    def __call__(self, tokens, positions=None, segment_ids=None, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
+        return self.forward(tokens, positions, segment_ids, products=products).logits
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: Sequence[Any],
-                       backend: CacheBackend) -> tuple[jax.Array, list[Any]]:
+                       backend: CacheBackend, products: Products = DEFAULT_PRODUCTS) -> tuple[jax.Array, list[Any]]:
         """Decode/prefill through a cache backend (see laminar_jax.model.attention).
 
-        tokens, positions: i32[B, T]; cache: one backend-defined pytree per layer.
+        tokens, positions: i32[B, T]; cache: one backend-defined pytree per layer; products: how the
+        weight products run (the engine's kernel choice, rollout/kernels.py).
         Returns (f32[B, T, V] logits, new per-layer cache list).
         """
-        h, new_cache = self._trunk(tokens, positions, None, cache, backend)
-        return self._logits(h), new_cache
+        h, new_cache = self._trunk(tokens, positions, None, cache, backend, products=products)
+        return self._logits(h, products), new_cache

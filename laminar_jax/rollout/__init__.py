@@ -3,6 +3,7 @@
 Public API:
   RolloutSection                         -- config section (laminar_jax.rollout.config)
   Engine, make_engine                    -- prefill / insert / generate / free_resource over a paged KV cache
+  DecodeKernels, choose_decode_kernels   -- the kernel seam: decode attention, weight products, argmax (kernels.py)
   SamplingParams, sample_tokens          -- greedy / temperature / top-k / top-p, keyed fold_in(key_s, t)
   RolloutServer, Request, ServerStats    -- step-driven continuous batching, weight swaps, stats
   HostWeights                            -- a version on the host, streamed into place at a swap
@@ -13,6 +14,7 @@ Public API:
 
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import Engine, make_engine
+from laminar_jax.rollout.kernels import DecodeKernels, choose_decode_kernels
 from laminar_jax.rollout.llm import LLM, RequestOutput
 from laminar_jax.rollout.offline import Completion, generate
 from laminar_jax.rollout.paged import DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput
@@ -22,7 +24,7 @@ from laminar_jax.rollout.sampling import SamplingParams, sample_tokens
 from laminar_jax.rollout.server import HostWeights, RolloutServer
 
 __all__ = [
-    "RolloutSection", "Engine", "make_engine", "Completion", "generate", "LLM", "RequestOutput", "DecodeState", "OutOfPages",
+    "RolloutSection", "Engine", "make_engine", "DecodeKernels", "choose_decode_kernels", "Completion", "generate", "LLM", "RequestOutput", "DecodeState", "OutOfPages",
     "PageAllocator", "Prefix", "SlotInit", "StepOutput", "NoFreeSlotError", "OverlongPromptError",
     "QueueFullError", "Request", "SequenceState", "ServerStats", "VersionMismatchError", "SamplingParams",
     "sample_tokens", "RolloutServer", "HostWeights",

@@ -10,15 +10,13 @@ with q f[B, 1, H, D] and k/v f[B, 1, Hkv, D]. They write the new token's k/v at 
 ``meta.positions`` of each slot (into the null page 0 for inactive slots) and attend over
 positions ``0..meta.positions`` inclusive.
 
-``BACKENDS`` maps a config name (``rollout.attention_impl``) to a decode backend. The default,
-``auto`` (resolve_backend), runs ``cpu_kernel`` (one native kernel per layer that reads the live
-pages in place: native/paged_attention.cc) on one CPU device, else ``live_pages``, which attends
-over a compacted list of only the pages live slots have filled, so its cost follows the live
-context (sum over slots), not num_slots x max_total_len or the pool size.
-``gather_dense`` gathers every page of each slot's table into a dense f[B, S, Hkv, D] view. An accelerator kernel (e.g. TPU Pallas
-``jax.experimental.pallas.ops.tpu.paged_attention``, which wants pages laid out
-[Hkv, P, page, D]) plugs in by passing ``Engine(..., attention_backends={name: fn})``, converting
-with ``from_pool`` / ``to_pool``.
+Which backend an engine runs is the kernel seam's choice (rollout/kernels.py): the portable
+backends here serve every platform; ``live_pages`` (the default off the CPU plugin's native kernel)
+attends over a compacted list of only the pages live slots have filled, so its cost follows the
+live context (sum over slots), not num_slots x max_total_len or the pool size. ``gather_dense``
+gathers every page of each slot's table into a dense f[B, S, Hkv, D] view; ``pool_scan`` reads
+every page of the pool once. Platform kernels (laminar_jax/cpu/kernels.py, Pallas kernels) register
+with the seam and convert with ``from_pool`` / ``to_pool`` where they want another page layout.
 """
 
 from __future__ import annotations
@@ -29,9 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from laminar_jax import native
 from laminar_jax.model.attention import NEG_INF, gqa_attention
-from laminar_jax.native import ops as native_ops
 
 
 class LivePages(NamedTuple):
@@ -112,6 +108,8 @@ def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
 # every page gather: in a 64-row qwen2-100m decode step the 24 K/V gathers took 63 ms of CPU (fp32;
 # 39 ms bf16), and 42 ms (27 ms) in these layouts. ([Hkv, page, D] for both, tried before: no gain.)
 
+
+POOL_LAYOUT = "split"  # this layout's name (K [P, Hkv, D, page], V [P, Hkv, page, D]): what the engine allocates
 
 # Where each axis of a pool's page comes from in the token layout (page, Hkv, D) = (0, 1, 2).
 _PAGE_AXES = {True: (1, 2, 0), False: (1, 0, 2)}  # key: K [Hkv, D, page]; value: V [Hkv, page, D]
@@ -258,24 +256,13 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
 
 
-def _rows_of(x: jax.Array, idx: jax.Array) -> jax.Array:
-    """x[idx] (x f32[B, F], idx i32[N] in [0, B)) as a one-hot matmul, bit-exact for finite x.
-
-    Why not a gather: XLA:CPU fuses x's elementwise producers (here RoPE, with its sin/cos) into
-    the gather and recomputes them for every one of the N x F outputs, which cost more than the
-    rest of the attention. A dot materialises x once. Each output is 1 * x[idx] plus exact
-    zeros, so it equals the gather bit for bit whatever N or the kernel; a non-finite row (which
-    0 * x would spread to every entry) is zeroed for the product and flagged back as NaN on its
-    own entries only.
-    """
-    finite = jnp.isfinite(x)
-    onehot = (idx[:, None] == jnp.arange(x.shape[0])[None, :]).astype(x.dtype)  # f32[N, B]
-    out = jnp.dot(onehot, jnp.where(finite, x, 0.0), precision=jax.lax.Precision.HIGHEST)
-    bad = ~jnp.all(finite, axis=-1)  # bool[B]
-    return jnp.where(bad[idx][:, None], jnp.nan, out)
+def take_rows(x: jax.Array, idx: jax.Array) -> jax.Array:
+    """x[idx]: each live entry's query row (x f32[B, F], idx i32[N]). A platform may register its
+    own form with live_pages (the CPU plugin's avoids an XLA:CPU fusion that recomputes RoPE)."""
+    return x[idx]
 
 
-def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
+def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta, rows_of: Callable = take_rows):
     """Paged decode attention over the compacted live pages (``meta.live``, see live_page_list).
 
     Per live entry e (slot b, logical page j), against slot b's query, over the page's positions
@@ -287,6 +274,7 @@ def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
     Every reduction has a fixed length (D, page, pages_per_seq), so a slot's output is bit-identical
     whatever the bucket size N, its physical pages, or the other slots. Cost ~ N x page, where N
     only has to cover the live pages (sum over slots), not num_slots x max_total_len.
+    ``rows_of(x, idx)`` = x[idx] bit for bit (take_rows, or a platform's form of it).
     """
     live = meta.live
     if live is None:
@@ -295,7 +283,7 @@ def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
     b, _, h, d = q.shape
     _, hkv, _, page = k_pages.shape
     g = h // hkv
-    qe = _rows_of(q.reshape(b, h * d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))),
+    qe = rows_of(q.reshape(b, h * d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d))),
                   live.slot).reshape(-1, hkv, g, d)  # f32[N, Hkv, G, D]
     ke = gather_pages(k_pages, live.page, meta.kv_dtype).astype(jnp.float32)  # f32[N, Hkv, D, page]
     ve = gather_pages(v_pages, live.page, meta.kv_dtype).astype(jnp.float32)  # f32[N, Hkv, page, D]
@@ -319,109 +307,7 @@ def live_pages(q, k, v, layer_cache, *, meta: DecodeMeta):
 live_pages.needs_live_pages = True  # the engine computes meta.live (and its bucket) for this backend
 
 
-def cpu_kernel(q, k, v, layer_cache, *, meta: DecodeMeta):
-    """live_pages' contract through one native CPU kernel per layer (native/paged_attention.cc).
-
-    Writes the token, then each active row attends over its first position + 1 tokens, reading its
-    pages in place; inactive rows get zeros. Float32 or bfloat16 KV; page size and head dim multiples
-    of 16, 1 to 8 query heads per KV head (cpu_kernel_shape_issue). Equal to live_pages to float rounding. A row's output
-    depends on nothing but that row, so moved sequences stay output-identical.
-    """
-    b, _, h, d = q.shape
-    why = ("KV of dtype " + str(meta.kv_dtype) if jnp.dtype(meta.kv_dtype) not in native_ops.KV_DTYPES
-           else cpu_kernel_shape_issue(meta.page_size, d, h // k.shape[2]))
-    if why:
-        raise ValueError(f"rollout.attention_impl='cpu_kernel' cannot run {why}")
-    k_pages, v_pages = write_kv(layer_cache, k, v, meta)
-    qs = q.reshape(b, h, d).astype(jnp.float32) * (1.0 / jnp.sqrt(jnp.float32(d)))
-    length = jnp.where(meta.active, meta.positions + 1, 0)
-    out = native_ops.paged_attention(qs, k_pages, v_pages, meta.page_table, length)
-    return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
-
-
-cpu_kernel.cpu_only = True  # the engine refuses it off CPU and under a tensor-parallel mesh
-
 DecodeBackend = Callable[..., tuple[jax.Array, tuple[jax.Array, jax.Array]]]
-
-BACKENDS: dict[str, DecodeBackend] = {"live_pages": live_pages, "gather_dense": gather_dense,
-                                      "gather_gqa": gather_gqa, "pool_scan": pool_scan, "cpu_kernel": cpu_kernel}
-AUTO = "auto"  # rollout.attention_impl's default: see resolve_backend
-
-
-def cpu_kernel_shape_issue(page_size: int, head_dim: int, group: int) -> Optional[str]:
-    """Why the native attention kernel cannot take this geometry, or None (it takes pages and head
-    dims in blocks of 16 floats: one AVX-512 vector, two AVX2 ones)."""
-    if page_size % 16 or head_dim % 16:
-        return f"page_size={page_size} and head_dim={head_dim} must be multiples of 16"
-    if not 1 <= group <= 8:
-        return f"{group} query heads per KV head (1 to 8 supported)"
-    return None
-
-
-def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_size: int, head_dim: int,
-                    group: int, field: str = "rollout.attention_impl") -> str:
-    """The backend an engine runs for config name ``name`` (group: query heads per KV head).
-
-    'auto': 'cpu_kernel' for an engine on one CPU device whose geometry the native kernel takes and
-    whose kernel builds here (the fastest on CPU: docs/BENCHMARKS.md), else 'live_pages' (portable:
-    accelerators, tensor parallelism, other geometries, no C++ compiler). An explicit 'cpu_kernel'
-    where it cannot run is an error naming the field.
-    """
-    why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
-           else cpu_kernel_shape_issue(page_size, head_dim, group))
-    if name == AUTO:
-        return "cpu_kernel" if not why and native.available(native_ops.ATTENTION_LIBRARY) is None else "live_pages"
-    if getattr(BACKENDS.get(name), "cpu_only", False) and why:
-        raise ValueError(f"{field}={name!r} cannot run {why}; use 'live_pages' or 'auto'")
-    return name
-
-
-class RowKernel(NamedTuple):
-    """Which decode weight products run the native kernel: those of at most ``rows`` rows whose
-    weights have at least ``min_weights`` elements (rows 0: none, every product on XLA's dot)."""
-
-    rows: int
-    min_weights: int = 0
-
-
-def resolve_row_kernel(policy: str, dtype, *, platform: str, tensor_parallel: bool, largest_weight: int,
-                       field: str = "rollout.weight_products") -> RowKernel:
-    """Which of an engine's decode weight products run the native kernel, for a model whose largest
-    weight has ``largest_weight`` elements (`TransformerConfig.largest_weight()`).
-
-    'auto': on one CPU device, for the weight dtypes native_ops.row_products_max_rows names (on CPUs
-    with AVX-512: float32, and bfloat16 with AVX-512 BF16; on AVX2: both), when the kernel builds
-    here, up to that many rows (where it was measured faster than XLA:CPU's dot), and only for
-    weights of at least native_ops.row_products_min_weights elements (on AVX2 the kernel's call costs
-    more than it saves on smaller ones). A model with no weight that large gets none, and the
-    kernel is not even built (a first run would compile it for nothing). 'xla': never.
-    'native': on one CPU device for float32 or bfloat16 weights, every weight, also where 'auto'
-    would not (up to row_products_insisted_rows rows), and an error naming the field where it
-    cannot run.
-    """
-    if policy == "xla":
-        return RowKernel(0)
-    floor = native_ops.row_products_min_weights(dtype) if policy == "auto" else 0
-    if largest_weight < floor:
-        return RowKernel(0)  # before the build check below: that check builds the kernel
-    # Per dtype and CPU: where it beat XLA's dot; or, insisted on, wherever it is correct.
-    limit = (native_ops.row_products_max_rows if policy == "auto" else native_ops.row_products_insisted_rows)(dtype)
-    why = ("off CPU" if platform != "cpu" else "under a tensor-parallel mesh" if tensor_parallel
-           else f"for {jnp.dtype(dtype)} weights on this CPU" if not limit
-           else native.available(native_ops.PRODUCTS_LIBRARY))
-    if why and policy == "native":
-        raise ValueError(f"{field}='native' cannot run {why}; use 'auto' or 'xla'")
-    return RowKernel(0) if why else RowKernel(limit, floor)
-
-
-def native_argmax_here(platform: str, tensor_parallel: bool) -> bool:
-    """Whether an engine's sampling takes each row's argmax over the vocabulary from the native kernel
-    (native_ops.first_argmax): on one CPU device with AVX2 or AVX-512, when it builds here. It picks
-    the index that sampling.first_argmax picks, so no setting chooses between them; in XLA:CPU that
-    one materialises two arrays of the logits' size (f32[64, 32768]: 1.06 -> 0.23 ms alone;
-    [64, 151936]: 28.7 -> 1.1)."""
-    return (platform == "cpu" and not tensor_parallel and native_ops.first_argmax_is_faster()
-            and native.available(native_ops.ARGMAX_LIBRARY) is None)
 
 
 def prefill_packed(q, k, v, layer_cache, *, segments: jax.Array, window: int):

@@ -26,9 +26,9 @@ class RolloutSection:
       stop_token_ids: Default stop ids; None means the model's eos ids.
       overlong_prompt: 'error' rejects prompts longer than max_prompt_len, 'truncate' keeps their last max_prompt_len tokens.
       queue_capacity: Bound of the request queue; submit() blocks (with a timeout) when it is full.
-      attention_impl: Decode attention backend name (see laminar_jax.rollout.attention.BACKENDS); 'auto' = 'cpu_kernel' on one CPU device when its native kernel builds here (a C++ compiler is needed; a paged attention that reads live pages in place; page_size and head_dim multiples of 16, 1 to 8 query heads per KV head), else 'live_pages'; 'cpu_kernel' insists on the native kernel; 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
+      attention_impl: Decode attention kernel name (the kernel seam's registry, laminar_jax.rollout.kernels; the engine logs its choice and the run summary reports it as decode_kernel); 'auto' = the fastest registered kernel that serves the platform and geometry, with the reason for any fallback logged: 'cpu_kernel' on one CPU device when its native kernel builds here (a C++ compiler is needed; a paged attention that reads live pages in place; page_size and head_dim multiples of 16, 1 to 8 query heads per KV head), else 'live_pages'; 'cpu_kernel' insists on the native kernel; 'live_pages' attends only the pages live slots have filled (cost follows the live context), 'gather_dense' every page of every slot's table, 'pool_scan' every page of the pool.
       weight_products: The engine's weight products of few rows (decode steps, and prefills of few tokens): 'auto' runs some through a native CPU kernel that reads the weights in their stored layout (XLA:CPU's GEMM re-packs them per call), on one CPU device when it builds here, where it was measured faster than XLA's dot: on CPUs with AVX-512 those of up to 64 rows (float32, and bfloat16 where it has AVX-512 BF16; a GEMM micro-kernel from 4 rows, 8 for bfloat16; 25-45% faster at 4-64 rows); on AVX2 CPUs those of weights of at least 65,536 elements, float32 up to 64 rows and bfloat16 up to 16 (8-float vectors; 10-66% faster for a ~100M model's at 2-16 rows, a GEMM micro-kernel from 32 float32 rows: a decode step ~30% faster at 32 rows, even with XLA's at 64; the tiny model's stay on XLA's dot); elsewhere none. 'native' insists (every weight, also where 'auto' would not: up to 16 rows where it has no faster form); 'xla' always XLA's dot. Longer prefills and training always use XLA's dot.
-      decode_steps_per_call: Tokens per slot per generate() call (a lax.scan), to amortise dispatch.
+      decode_steps_per_call: Tokens per slot per generate() call (a lax.scan; sampling and stop checks run on the device, the host reads the tokens once per call), to amortise the host round trip; 0 = auto: 8 on accelerators, 1 on the CPU (where the host's cores compute and admissions follow every token).
       decode_chunk: Rows per decode chunk; 0 = off (every slot goes through the model on every step). With c > 0, generate() gathers only the slots that hold a sequence into chunks of c rows and loops over as many chunks as needed (a dynamic trip count), so decode cost follows the live slots; every chunk has the same shape, so a sequence's tokens and log-probs do not depend on how many others are live (or on num_slots). Small c suits CPUs; accelerators want 0 or a large c.
       decode_row_buckets: Smaller decode batches for calls with few live slots; () = off. With buckets (e.g. (4, 8, 16) for 32 slots), a generate() call whose slots holding a sequence fit a bucket gathers just those into a batch of that many rows (one compiled program per bucket), so a long-tail step costs what its live rows cost, with one weight read. XLA's matmuls may give a row different bits at different row counts (fp32 on CPU below 32 rows), so a sequence's tokens can then depend on how many others are live: moves between servers are no longer output-identical, and the runtime refuses it with scheduler repack in laminar mode. Offline generation (LLM) uses it; every bucket must be < the rows of one call (decode_chunk, or num_slots).
       prefill_rows: Most prompts one prefill call takes; 1 = one prompt per call. With n > 1, the prompts a server admits in one step are prefilled together, up to n per call (one forward of their tokens packed end to end, each attending only its own prompt: one weight read for all, padded to the next of a few widths, not to n times the longest prompt), so a batch of admissions costs far less than one call each. Their KV then equals the one-prompt path's to float rounding, not bit for bit. Offline generation (LLM) uses it.
@@ -56,7 +56,7 @@ class RolloutSection:
     queue_capacity: int = 1024
     attention_impl: str = "auto"
     weight_products: Literal["auto", "native", "xla"] = "auto"
-    decode_steps_per_call: int = 1
+    decode_steps_per_call: int = 0
     decode_chunk: int = 0
     decode_row_buckets: tuple[int, ...] = ()
     prefill_rows: int = 1
@@ -69,12 +69,13 @@ class RolloutSection:
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
 
     def validate(self, prefix: str = "rollout") -> None:
-        from laminar_jax.rollout.attention import BACKENDS
+        self.validate_with_backends(prefix, ())
 
-        self.validate_with_backends(prefix, tuple(BACKENDS))
+    def validate_with_backends(self, prefix: str, extra: tuple[str, ...]) -> None:
+        """validate(), also accepting the attention_impl names ``extra`` (Engine's caller-supplied backends)."""
+        from laminar_jax.rollout.kernels import attention_names
 
-    def validate_with_backends(self, prefix: str, backends: tuple[str, ...]) -> None:
-        """validate(), with ``backends`` the accepted attention_impl names (Engine adds caller-supplied ones)."""
+        backends = (*attention_names(), *extra)
         expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
         expect(self.dtype in (None, "float32", "bfloat16", "float16"), f"{prefix}.dtype", self.dtype,
                "None (= model.dtype) or one of ['float32', 'bfloat16', 'float16']")
@@ -100,7 +101,8 @@ class RolloutSection:
                f"one of {sorted(('auto', *backends))}")
         expect(self.weight_products in ("auto", "native", "xla"), f"{prefix}.weight_products", self.weight_products,
                "one of ['auto', 'native', 'xla']")
-        expect(self.decode_steps_per_call >= 1, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call, ">= 1")
+        expect(self.decode_steps_per_call >= 0, f"{prefix}.decode_steps_per_call", self.decode_steps_per_call,
+               ">= 0 (0 = auto)")
         expect(self.live_buckets in ("fine", "pow2", "pow4"), f"{prefix}.live_buckets", self.live_buckets,
                "one of ['fine', 'pow2', 'pow4']")
         expect(self.warmup_live_buckets >= 0, f"{prefix}.warmup_live_buckets", self.warmup_live_buckets,

@@ -25,11 +25,12 @@ live slots, not num_slots. A row's result must not depend on the others: XLA:CPU
 picks different matmul kernels for different row counts, so a [n, K] x [K, N] product is not
 row-wise identical across n; every chunk is the same [c, K] shape instead, which is.
 
-Live-page buckets: the engine keeps, per slot, an upper bound on the device's cached length
-(set at insert/import, + decode_steps_per_call after every generate(), whether or not the slot
-still runs), so it knows without reading the device how many pages the next call can attend;
-it rounds the total up to a power of two (at most num_slots x pages_per_seq). The device also
-counts the real live pages and reports ``StepOutput.overflow``; the server raises on it. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
+Kernels: the engine runs one ``DecodeKernels`` (rollout/kernels.py: decode attention, weight
+products, argmax), chosen once from the section, the platform, the geometry and the mesh (or passed
+in), logged, and put in the programs' static spec (rollout/programs.py); the model gets its weight
+products through each forward_cached call. The decode schedule (rollout/schedule.py: tokens per
+call, compaction chunks, row buckets, live-page buckets) is one frozen object; warm-up is
+rollout/warmup.py. Prefill computes the KV of ``prompt[:-1]``; the last prompt token is fed
 by the first generate step, so every sampled token (including the first) goes through the one
 sampling path in generate().
 
@@ -43,8 +44,8 @@ moves between engines of any TP width.
 
 from __future__ import annotations
 
-import functools
-from typing import Any, Callable, NamedTuple, Optional
+import logging
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -53,25 +54,11 @@ from flax import nnx
 
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.model.precision import cast_floating
-from laminar_jax.native import ops as native_ops
-from laminar_jax.rollout.attention import (
-    BACKENDS,
-    DecodeMeta,
-    from_pool,
-    live_page_list,
-    native_argmax_here,
-    pool_shape,
-    prefill_dense,
-    prefill_packed,
-    resolve_backend,
-    resolve_row_kernel,
-    scatter_pages,
-    scatter_tokens,
-    storage_dtype,
-    to_pool,
-)
+from laminar_jax.rollout import programs as prg
+from laminar_jax.rollout import tp as tpl
+from laminar_jax.rollout.attention import POOL_LAYOUT, pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
-from laminar_jax.rollout.extend import engine_model
+from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
 from laminar_jax.rollout.paged import (
     DecodeState,
     OutOfPages,
@@ -81,19 +68,23 @@ from laminar_jax.rollout.paged import (
     StepOutput,
     pages_needed,
 )
-from laminar_jax.rollout.sampling import first_argmax, gumbel_noise, sample_tokens, token_keys
-from laminar_jax.rollout import tp as tpl
+from laminar_jax.rollout.schedule import DecodeSchedule
+from laminar_jax.rollout.slot_inputs import MAX_STOP_IDS, init_arrays, init_columns, pack_prompts, page_row
 
-MAX_STOP_IDS = 8
+_log = logging.getLogger(__name__)
+
 
 
 class Engine:
     """Paged-KV decode engine for one model graph. Not thread-safe: one owner calls it."""
 
     def __init__(self, graphdef: Any, model_cfg: TransformerConfig, section: RolloutSection,
-                 kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None, mesh: Any = None):
-        backends = {**BACKENDS, **(attention_backends or {})}
-        section.validate_with_backends("rollout", tuple(backends))  # caller-supplied backends are valid names too
+                 kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None, mesh: Any = None,
+                 kernels: Optional[DecodeKernels] = None):
+        """``kernels``: the decode kernels to run (rollout/kernels.py); None chooses them from the
+        section's attention_impl and weight_products for this engine's platform, geometry and mesh
+        (``attention_backends``: extra decode attentions {name: fn} the section may name)."""
+        section.validate_with_backends("rollout", tuple(attention_backends or ()))
         self.graphdef = graphdef
         self.model_cfg = model_cfg
         self.section = section
@@ -108,40 +99,50 @@ class Engine:
         self.slot_pages: dict[int, list[int]] = {}
         # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
         self.mesh = mesh
-        self.attention_impl = resolve_backend(section.attention_impl, platform=self.devices[0].platform,
-                                              tensor_parallel=mesh is not None, page_size=self.page_size,
-                                              head_dim=model_cfg.head_dim,
-                                              group=model_cfg.num_heads // model_cfg.num_kv_heads)
-        self._attend = backends[self.attention_impl]
-        self.steps_per_call = section.decode_steps_per_call
-        self.uses_live_pages = bool(getattr(self._attend, "needs_live_pages", False))
-        self.chunk = section.decode_chunk  # 0 = no compaction (one batch of num_slots rows)
-        rows_per_call = self.chunk or self.num_slots
-        self.live_buckets = (_live_buckets(rows_per_call * self.pages_per_seq, section.live_buckets)
-                             if self.uses_live_pages else (0,))
-        self._num_rows = -(-self.num_slots // rows_per_call) * rows_per_call  # length of the rows array
-        self.row_buckets = tuple(section.decode_row_buckets)  # smaller batches for few live slots
-        # Token counts prefill_insert_rows() pads its packed prompts to (one program each).
-        self.packed_widths = _packed_widths(self.buckets[0], self.buckets[-1], section.prefill_rows)
-        self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
-        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.tp = 1 if mesh is None else tpl.tp_width(mesh)
         if mesh is not None:
             tpl.check_tp(model_cfg, self.tp)
+        platform = self.devices[0].platform
+        self.kernels = kernels or choose_decode_kernels(
+            section.attention_impl, section.weight_products, platform=platform,
+            geometry=Geometry(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, self.page_size,
+                              jnp.dtype(kv_dtype), self.tp, self.pages_per_seq),
+            largest_weight=model_cfg.largest_weight(), extra_attention=attention_backends)
+        if self.kernels.pool_layout != POOL_LAYOUT:
+            raise ValueError(f"rollout.attention_impl={self.kernels.attention!r} reads KV pools laid out "
+                             f"{self.kernels.pool_layout!r}; this engine allocates {POOL_LAYOUT!r} pools")
+        self.schedule = DecodeSchedule.of(section, platform, self.kernels.needs_live_pages)
+        _log.info("engine %s on %s: decode kernels %s, %d steps per call%s", section.server_id, platform,
+                  self.kernels.summary(), self.schedule.steps_per_call,
+                  f" (fallback: {self.kernels.reason})" if self.kernels.reason else "")
+        self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
+        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.state_shardings = None if mesh is None else self._state_shardings(mesh)
         self._param_shardings: tuple = (None, None)  # (params treedef, [NamedSharding per leaf])
-        self.row_kernel_rows, self.row_kernel_min_weights = resolve_row_kernel(
-            section.weight_products, kv_dtype, platform=self.devices[0].platform, tensor_parallel=mesh is not None,
-            largest_weight=model_cfg.largest_weight())
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
-        self._spec = _Spec(graphdef, model_cfg.num_layers, self.page_size, self._attend,
-                           section.decode_steps_per_call, jnp.dtype(kv_dtype), self.chunk, self.state_shardings,
-                           vocab_size=model_cfg.vocab_size, row_kernel_rows=self.row_kernel_rows,
-                           row_kernel_min_weights=self.row_kernel_min_weights, longest_prompt=self.buckets[-1],
-                           native_argmax=native_argmax_here(self.devices[0].platform, mesh is not None))
+        self._spec = prg.Spec(graphdef, model_cfg.num_layers, self.page_size, self.kernels,
+                              self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
+                              self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1])
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
-    def _bind(self, params) -> tuple[list, "_Programs"]:
+    @property
+    def attention_impl(self) -> str:
+        """The decode attention this engine runs (rollout.attention_impl resolved)."""
+        return self.kernels.attention
+
+    @property
+    def steps_per_call(self) -> int:
+        return self.schedule.steps_per_call
+
+    @property
+    def live_buckets(self) -> tuple[int, ...]:
+        return self.schedule.live_buckets
+
+    @property
+    def packed_widths(self) -> tuple[int, ...]:
+        return self.schedule.packed_widths
+
+    def _bind(self, params) -> tuple[list, prg.Programs]:
         """Flattened params and the programs for their tree structure.
 
         Flattening an nnx.State (and hashing the graphdef for a jit cache lookup) costs
@@ -151,14 +152,14 @@ class Engine:
             leaves, treedef = jax.tree.flatten(params)
             if self.mesh is not None:  # a no-op for params already in this engine's layout (place_params)
                 leaves = tpl.place_leaves(leaves, self.param_shardings(params))
-            self._params_cache = (params, leaves, _programs(self._spec, treedef),
-                                  {b: _programs(self._spec._replace(chunk=b, one_chunk=True), treedef)
-                                   for b in self.row_buckets})
+            self._params_cache = (params, leaves, prg.programs(self._spec, treedef),
+                                  {b: prg.programs(self._spec._replace(chunk=b, one_chunk=True), treedef)
+                                   for b in self.schedule.row_buckets})
         return self._params_cache[1], self._params_cache[2]
 
     def _generate_program(self, rows_per_call: int) -> Callable:
         """The generate program for a call of ``rows_per_call`` rows (the engine's own, or a row bucket's)."""
-        return self._params_cache[3][rows_per_call].generate if rows_per_call in self.row_buckets \
+        return self._params_cache[3][rows_per_call].generate if rows_per_call in self.schedule.row_buckets \
             else self._params_cache[2].generate
 
     # ---------------------------------------------------------------- layout (rollout/tp.py)
@@ -290,9 +291,9 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = prompt_len - 1
-        return self._settle(_insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
-                                        prefix.last_token, np.int32(slot), self._page_row(pages),
-                                        *self._init_arrays(init)))
+        return self._settle(prg.insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
+                                        prefix.last_token, np.int32(slot), page_row(self.pages_per_seq, pages),
+                                        *init_arrays(self._key_shape, init)))
 
     def prefill_insert(self, params: Any, decode_state: DecodeState, slot: int, prompt_ids,
                        init: SlotInit) -> DecodeState:
@@ -309,8 +310,9 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(n, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = n - 1
-        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot), self._page_row(pages),
-                                    *self._init_arrays(init))
+        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot),
+                                    page_row(self.pages_per_seq, pages),
+                                    *init_arrays(self._key_shape, init))
 
     def prefill_insert_rows(self, params: Any, decode_state: DecodeState, slots: list[int], prompts: list,
                             inits: list[SlotInit]) -> DecodeState:
@@ -341,24 +343,9 @@ class Engine:
         for i, x in enumerate(ids):
             last[i], cached[i] = x[-1], len(x) - 1
         leaves, progs = self._bind(params)
-        return progs.prefill_insert_rows(leaves, decode_state, *self._pack(ids, taken, width), slot_ids, rows, last,
-                                         cached, *self._init_columns(inits, b))
-
-    def _pack(self, ids: list, taken: list[list[int]], width: int) -> tuple[np.ndarray, ...]:
-        """Packed prefill inputs, i32[width] each: every prompt's tokens but its last, end to end, as
-        (token, position in its prompt, prompt index, KV page, offset in the page). Padding tokens form
-        a prompt of their own (index len(ids)) whose KV goes to the null page."""
-        tokens, positions, page = (np.zeros((width,), np.int32) for _ in range(3))
-        segment = np.full((width,), len(ids), np.int32)
-        offset = np.arange(width, dtype=np.int32) % self.page_size
-        at = 0
-        for i, (x, pages) in enumerate(zip(ids, taken)):
-            p = np.arange(len(x) - 1, dtype=np.int32)
-            span = slice(at, at + len(p))
-            tokens[span], positions[span], segment[span] = x[:-1], p, i
-            page[span], offset[span] = np.asarray(pages, np.int32)[p // self.page_size], p % self.page_size
-            at += len(p)
-        return tokens, positions, segment, page, offset
+        return progs.prefill_insert_rows(leaves, decode_state, *pack_prompts(self.page_size, ids, taken, width),
+                                         slot_ids, rows, last,
+                                         cached, *init_columns(self._key_shape, inits, b))
 
     def share_prompt(self, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
                      inits: list[SlotInit]) -> DecodeState:
@@ -395,142 +382,36 @@ class Engine:
             src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
             cached[i], last[i] = len(x) - 1, x[-1]
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
-        return self._settle(_share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
-                                              cached, last, *self._init_columns(inits, b)))
+        return self._settle(prg.share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
+                                              cached, last, *init_columns(self._key_shape, inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
-        """Advance every active slot by ``decode_steps_per_call`` tokens (one jitted call, state donated)."""
+        """Advance every active slot by ``steps_per_call`` tokens (one jitted call, state donated):
+        sampling and stop checks run on the device, the host reads the call's tokens once."""
         leaves, _ = self._bind(params)
         rows, n_chunks = self._rows()
         bucket = self.live_bucket()
         for slot in self._cached_hi:
-            self._cached_hi[slot] += self.steps_per_call
+            self._cached_hi[slot] += self.schedule.steps_per_call
         # len(rows) names the program: row buckets are smaller than the engine's own call (validated).
         return self._generate_program(len(rows))(leaves, decode_state, rows, n_chunks, bucket)
 
-    def _row_bucket(self) -> int:
-        """The smallest row bucket that holds every slot with a sequence; 0 = the engine's own call shape."""
-        return next((b for b in self.row_buckets if b >= len(self._cached_hi)), 0)
-
     def _rows(self) -> tuple[np.ndarray, np.int32]:
-        """(i32[R] slots in chunk order, padded with num_slots; number of chunks to run).
-
-        Without compaction every slot is a row and there is one chunk (R = num_slots). With it,
-        the slots that hold a sequence (some may have finished on the device since; they compute
-        masked rows), in slot order. When they fit a row bucket, R is that bucket and one chunk runs.
-        """
-        small = self._row_bucket()
-        rows = np.full((small or self._num_rows,), self.num_slots, np.int32)
-        if not (small or self.chunk):
-            rows[:self.num_slots] = np.arange(self.num_slots)
-            return rows, np.int32(1)
-        live = sorted(self._cached_hi)
-        rows[:len(live)] = live
-        return rows, np.int32(-(-len(live) // (small or self.chunk)))
+        return self.schedule.rows(list(self._cached_hi))
 
     def live_bucket(self) -> int:
-        """Static live-page count the next generate() compiles for (0 when the backend does not use it).
-
-        A slot with cached-length bound c attends, in the next k-step call, positions <= c + k - 1,
-        i.e. its logical pages 0 .. (c + k - 1) // page, never more than it reserved.
-        """
-        if not self.uses_live_pages:
-            return 0
-        small = self._row_bucket()
-        if small:  # a row bucket's one program: room for all its rows' pages (see _row_cover)
-            return self._row_cover(small)
-        need = self.live_pages_bound()
-        return next(b for b in self.live_buckets if b >= need)
-
-    def _row_cover(self, rows: int) -> int:
-        """The live-page bucket that holds every page ``rows`` slots can attend (rows * pages_per_seq).
-
-        Row-bucket calls always use it: one program per row bucket instead of one per live-page
-        bucket (~2.7 s of compile each at ~100M), for attention over a few more pages in steps whose
-        cost is the weight read.
-        """
-        return next(b for b in self.live_buckets if b >= min(rows * self.pages_per_seq, self.live_buckets[-1]))
+        """Static live-page count the next generate() compiles for (DecodeSchedule.live_bucket)."""
+        return self.schedule.live_bucket(self._cached_hi, self.slot_pages)
 
     def live_pages_bound(self) -> int:
         """Upper bound on the KV pages one chunk of the next generate() call attends (summed over its slots)."""
-        k, ps = self.steps_per_call, self.page_size
-        per_slot = [min(len(self.slot_pages[s]), (self._cached_hi[s] + k - 1) // ps + 1)
-                    for s in sorted(self._cached_hi)]
-        chunk = self._row_bucket() or self.chunk
-        if not chunk:
-            return sum(per_slot)
-        return max((sum(per_slot[i:i + chunk]) for i in range(0, len(per_slot), chunk)), default=0)
+        return self.schedule.live_pages_bound(self._cached_hi, self.slot_pages)
 
     def warmup(self, params: Any) -> None:
-        """Compile every prefill_insert bucket (what the server admits with), the share_prompt batch
-        sizes and every generate variant now.
+        """Compile every program the server runs now (rollout/warmup.py), on a throwaway state."""
+        from laminar_jax.rollout.warmup import warmup
 
-        Runs on a throwaway state; a busy engine (no free slot or pages) compiles prefill() instead.
-        """
-        state = self.init_decode_state()
-        free_slot = next((s for s in range(self.num_slots) if s not in self.slot_pages), None)
-        init = SlotInit(np.zeros(self._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
-        shared = False  # share_prompt()'s programs serve every prompt bucket: compiled from the first
-        for b in self.buckets:
-            if free_slot is None or self.allocator.num_free < self.reserve_pages(b, 1):
-                jax.block_until_ready(self.prefill(params, np.zeros((1, b), np.int32), 1))
-                continue
-            state = self.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
-            if not shared:
-                state, shared = self._warmup_share_prompt(state, free_slot, b, init)
-                state = self._warmup_move(state, free_slot, b, init)
-            state = self.deactivate(state, free_slot)
-            self.free_resource(free_slot)
-        state = self._warmup_prefill_rows(params, state, init)
-        leaves, _ = self._bind(params)
-        n = self.section.warmup_live_buckets or len(self.live_buckets)
-        rows = np.full((self._num_rows,), self.num_slots, np.int32)
-        for bucket in self.live_buckets[:n]:
-            state, out = self._generate_program(self._num_rows)(leaves, state, rows, np.int32(1), bucket)
-        for small in self.row_buckets:
-            bucket = self._row_cover(small) if self.uses_live_pages else 0
-            state, out = self._generate_program(small)(leaves, state, rows[:small], np.int32(1), bucket)
-        jax.block_until_ready(out)
-
-    def _warmup_share_prompt(self, state: DecodeState, src_slot: int, bucket: int,
-                             init: SlotInit) -> tuple[DecodeState, bool]:
-        """Compile share_prompt() at every padded batch size (one program each, for every prompt)
-        from src_slot's prompt, as far as free slots and pages allow; (state, compiled)."""
-        b, compiled = 1, False
-        while b // 2 + 1 < self.num_slots:  # the fewest rows that pad to b, besides the source
-            free = [s for s in range(self.num_slots) if s not in self.slot_pages][:b // 2 + 1]
-            if len(free) < b // 2 + 1 or self.allocator.num_free < len(free) * self.reserve_pages(bucket, 1):
-                break
-            state = self.share_prompt(state, [src_slot] * len(free), free, [np.zeros(bucket, np.int32)] * len(free),
-                                      [init] * len(free))
-            for slot in free:
-                state = self.deactivate(state, slot)
-                self.free_resource(slot)
-            b, compiled = b * 2, True
-        return state, compiled
-
-    def _warmup_move(self, state: DecodeState, slot: int, prompt_len: int, init: SlotInit) -> DecodeState:
-        """Compile the export/import page copies (one program each, every sequence's pages padded to
-        pages_per_seq): the first repack of a run would otherwise lower and compile them mid-tail,
-        holding the GIL, on the thread that moves the sequence. slot holds a prompt_len-token prompt
-        and holds it again on return."""
-        num_cached = prompt_len - 1
-        k, v = self.read_slot(state, slot, num_cached)
-        state = self.deactivate(state, slot)
-        self.free_resource(slot)
-        return self.write_slot(state, slot, k, v, num_cached, 0, prompt_len, init)
-
-    def _warmup_prefill_rows(self, params: Any, state: DecodeState, init: SlotInit) -> DecodeState:
-        """Compile prefill_insert_rows at every packed width: calls of padding alone, which write
-        only the null page and no slot (so they need no free slot or page)."""
-        b = self.section.prefill_rows
-        leaves, progs = self._bind(params)
-        none, rows = np.full((b,), self.num_slots, np.int32), np.zeros((b, self.pages_per_seq), np.int32)
-        for width in self.packed_widths:
-            state = progs.prefill_insert_rows(leaves, state, *self._pack([], [], width), none, rows,
-                                              np.zeros((b,), np.int32), np.zeros((b,), np.int32),
-                                              *self._init_columns([init], b))
-        return state
+        warmup(self, params)
 
     def free_resource(self, slot: int) -> None:
         """Return the slot's pages to the pool. The device must already have it inactive (finished, or deactivate())."""
@@ -539,15 +420,15 @@ class Engine:
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a live slot on the device (before export or abort)."""
-        return self._settle(_deactivate_jit(decode_state, np.int32(slot)))
+        return self._settle(prg.deactivate_jit(decode_state, np.int32(slot)))
 
     # ---------------------------------------------------------------- export / import
 
     def read_slot(self, decode_state: DecodeState, slot: int, num_cached: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
-        row = self._page_row(self.slot_pages[slot])
-        k, v = jax.device_get(_read_pages_jit(decode_state, row))
+        row = page_row(self.pages_per_seq, self.slot_pages[slot])
+        k, v = jax.device_get(prg.read_pages_jit(decode_state, row))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
@@ -563,15 +444,15 @@ class Engine:
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = int(num_cached)
         pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
-        row = self._page_row(pages)
+        row = page_row(self.pages_per_seq, pages)
         dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
         if self.mesh is None:
             kd, vd = (jnp.asarray(np.pad(x, pad)).astype(self.kv_dtype) for x in (k, v))
         else:  # each device receives only its KV heads of the imported pages
             kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
                       for x in (k, v))
-        return self._settle(_write_slot_jit(decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
-                                            np.int32(last_token), *self._init_arrays(init)))
+        return self._settle(prg.write_slot_jit(decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
+                                            np.int32(last_token), *init_arrays(self._key_shape, init)))
 
     # ---------------------------------------------------------------- multi-turn (rollout/extend.py)
 
@@ -587,7 +468,7 @@ class Engine:
         if slot not in self.slot_pages:
             raise ValueError(f"slot {slot} holds no sequence to detach")
         self._cached_hi.pop(slot, None)
-        return _deactivate_jit(decode_state, np.int32(slot)), self.slot_pages.pop(slot)
+        return prg.deactivate_jit(decode_state, np.int32(slot)), self.slot_pages.pop(slot)
 
     def attach(self, decode_state: DecodeState, slot: int, pages: list[int], num_cached: int, last_token: int,
                init: SlotInit) -> DecodeState:
@@ -596,8 +477,8 @@ class Engine:
         if slot in self.slot_pages:
             raise ValueError(f"slot {slot} is occupied")
         self.slot_pages[slot] = list(pages)
-        return _attach_jit(decode_state, np.int32(slot), self._page_row(pages), np.int32(num_cached),
-                           np.int32(last_token), *self._init_arrays(init))
+        return prg.attach_jit(decode_state, np.int32(slot), page_row(self.pages_per_seq, pages), np.int32(num_cached),
+                           np.int32(last_token), *init_arrays(self._key_shape, init))
 
     def extend(self, params: Any, decode_state: DecodeState, slot: int, observation_ids, num_cached: int,
                last_token: int, num_generated: int, max_new: int) -> DecodeState:
@@ -627,8 +508,9 @@ class Engine:
         leaves, _ = self._bind(params)
         treedef = jax.tree.structure(params)
         # One row attends at most its own pages_per_seq pages.
-        program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.uses_live_pages else 0)
-        return self._settle(program(leaves, decode_state, np.int32(slot), self._page_row(have), ids, np.int32(m),
+        program = ext.extend_program(self._spec, treedef, self.pages_per_seq if self.schedule.uses_live_pages else 0)
+        return self._settle(program(leaves, decode_state, np.int32(slot), page_row(self.pages_per_seq, have), ids,
+                                    np.int32(m),
                                     np.int32(num_cached), np.int32(last_token), np.int32(num_generated),
                                     np.int32(max_new)))
 
@@ -651,316 +533,10 @@ class Engine:
         i32[b, pages_per_seq] and slot ids i32[b], padding rows naming no slot (num_slots) and the null page."""
         rows, slot_ids = np.zeros((b, self.pages_per_seq), np.int32), np.full((b,), self.num_slots, np.int32)
         for i, (slot, pages, x) in enumerate(zip(slots, taken, ids)):
-            rows[i], slot_ids[i] = self._page_row(pages), slot
+            rows[i], slot_ids[i] = page_row(self.pages_per_seq, pages), slot
             self.slot_pages[slot] = pages
             self._cached_hi[slot] = len(x) - 1
         return rows, slot_ids
-
-    def _init_columns(self, inits: list[SlotInit], b: int) -> list[np.ndarray]:
-        """The inits' arrays stacked per field over b rows (padding rows repeat the first: their slot is dropped)."""
-        per_row = [self._init_arrays(init) for init in inits]
-        per_row += [per_row[0]] * (b - len(per_row))
-        return [np.stack(col) for col in zip(*per_row)]
-
-    def _page_row(self, pages: list[int]) -> np.ndarray:
-        row = np.zeros((self.pages_per_seq,), np.int32)
-        row[:len(pages)] = pages
-        return row
-
-    def _init_arrays(self, init: SlotInit) -> tuple:
-        stop = np.full((MAX_STOP_IDS,), -1, np.int32)
-        ids = np.asarray(init.stop_ids, np.int32).reshape(-1)
-        if len(ids) > MAX_STOP_IDS:
-            raise ValueError(f"stop_token_ids has {len(ids)} ids; at most {MAX_STOP_IDS} supported")
-        stop[:len(ids)] = ids
-        key = np.asarray(init.key_data, np.uint32).reshape(self._key_shape)
-        # numpy, not jnp: jit takes host values without a dispatch each.
-        return (key, np.float32(init.temperature), np.int32(init.top_k), np.float32(init.top_p),
-                np.int32(init.max_new), stop, np.int32(init.num_generated))
-
-
-class _Spec(NamedTuple):
-    """Static (hashable) description of the compiled programs."""
-
-    graphdef: Any
-    num_layers: int
-    page_size: int
-    attend: Callable
-    steps_per_call: int
-    kv_dtype: Any
-    chunk: int  # rows per decode chunk; 0 = no compaction
-    state_shardings: Any = None  # DecodeState of NamedShardings (TP layout), None = one device
-    one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
-    vocab_size: int = 0  # the logits' width (sizes _call_noise)
-    row_kernel_rows: int = 0  # decode weight products of at most this many rows run the native kernel
-    row_kernel_min_weights: int = 0  # ... of weights of at least this many elements
-    longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
-    native_argmax: bool = False  # sampling's argmax on the native kernel (the same index as first_argmax)
-
-
-def _prefill_impl(spec: _Spec, params, tokens, true_length):
-    """One prompt (tokens i32[1, T]): its KV (f[T, Hkv, D] per layer) and last token."""
-    k, v = _prefill_rows_impl(spec, params, tokens, jnp.reshape(true_length, (1,)))
-    return tuple(x[0] for x in k), tuple(x[0] for x in v), tokens[0, true_length - 1]
-
-
-def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
-              key, temperature, top_k, top_p, max_new, stop_ids, num_generated) -> DecodeState:
-    """One slot's state (slot a scalar), or several (slot i32[B], every other argument with a leading
-    B axis); a slot index >= num_slots (a padding row) writes nothing."""
-    def put(x, value):
-        return x.at[slot].set(value, mode="drop")
-    return state._replace(
-        page_table=put(state.page_table, page_row), lengths=put(state.lengths, num_cached),
-        last_token=put(state.last_token, last_token), num_generated=put(state.num_generated, num_generated),
-        max_new=put(state.max_new, max_new), active=put(state.active, jnp.ones_like(num_cached, bool)),
-        keys=put(state.keys, key), temperature=put(state.temperature, temperature), top_k=put(state.top_k, top_k),
-        top_p=put(state.top_p, top_p), stop_ids=put(state.stop_ids, stop_ids))
-
-
-def _prompt_positions(page_size: int, page_rows, lengths, t: int):
-    """(page, offset) i32[B, T] where each row's prompt KV goes: row b's first lengths[b] - 1 tokens
-    on its pages; padding positions (and the last prompt token, fed by generate) on the null page."""
-    pos = jnp.arange(t)[None, :]
-    logical = jnp.minimum(pos // page_size, page_rows.shape[1] - 1)
-    page = jnp.where(pos < lengths[:, None] - 1, jnp.take_along_axis(page_rows, logical, axis=1), 0)
-    return page, jnp.broadcast_to(pos % page_size, page.shape)
-
-
-def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
-    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
-    page, off = page[0], off[0]
-    state = _scatter_prompt_kv(state, k, v, page, off)
-    return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
-
-
-def _scatter_prompt_kv(state, k, v, page, off):
-    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools at (page, off) i32[..., T]."""
-    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False) for p, x in zip(state.v_pages, v))
-    return state._replace(k_pages=kp, v_pages=vp)
-
-
-def _prefill_rows_impl(spec: _Spec, params, tokens, lengths):
-    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward."""
-    model = engine_model(spec, params)
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    backend = functools.partial(prefill_dense, valid_len=lengths - 1)
-    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend)
-    return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
-
-
-def _insert_packed_impl(spec: _Spec, params, state, tokens, positions, segments, page, offset, slots, page_rows,
-                        last_token, num_cached, *init):
-    """_insert_impl for B prompts packed in one row (Engine._pack: i32[N] each): one forward, each
-    token's KV into the pools at (page, offset), then each slot set (padding rows: slot >= num_slots,
-    page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
-    model = engine_model(spec, params)
-    backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
-    _, cache = model.forward_cached(tokens[None], positions[None], [None] * spec.num_layers, backend)
-    k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
-    v = tuple(c[1][0].astype(spec.kv_dtype) for c in cache)
-    state = _scatter_prompt_kv(state, k, v, page, offset)
-    return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
-
-
-def _share_prompt_impl(state, src, dst, slot, page_row, num_cached, last_token, *init):
-    """Copy pages src[i] -> dst[i] in every layer's K and V pools, then set the slot."""
-    kp = tuple(p.at[dst].set(p[src]) for p in state.k_pages)
-    vp = tuple(p.at[dst].set(p[src]) for p in state.v_pages)
-    return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
-
-
-def _deactivate_impl(state, slot):
-    return state._replace(active=state.active.at[slot].set(False))
-
-
-def _read_pages_impl(state, page_row):
-    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the pool layouts undone)."""
-    return (from_pool(jnp.stack([p[page_row] for p in state.k_pages]), key=True),
-            from_pool(jnp.stack([p[page_row] for p in state.v_pages]), key=False))
-
-
-def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(scatter_pages(p, dst, to_pool(x, key=True), x.dtype) for p, x in zip(state.k_pages, k))  # kv_dtype
-    vp = tuple(scatter_pages(p, dst, to_pool(x, key=False), x.dtype) for p, x in zip(state.v_pages, v))
-    state = state._replace(k_pages=kp, v_pages=vp)
-    return _set_slot(state, slot, page_row, num_cached, last_token, *init)
-
-
-def _step(spec: _Spec, model, state: DecodeState, live_bucket: int,
-          noise: Optional[jax.Array] = None) -> tuple[DecodeState, StepOutput]:
-    """One token for every active slot: feed last_token at position lengths, sample, retire finished slots.
-
-    ``noise``: f32[S, V], this step's Gumbel draws (``_call_noise``); None draws them here.
-    """
-    meta = DecodeMeta(state.page_table, state.lengths, state.active, spec.page_size, kv_dtype=spec.kv_dtype)
-    overflow = jnp.zeros((), bool)
-    if live_bucket:
-        meta = meta._replace(live=live_page_list(meta, live_bucket))
-        overflow = meta.live.count > live_bucket
-    backend = functools.partial(spec.attend, meta=meta)
-    cache = list(zip(state.k_pages, state.v_pages))
-    logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend)
-    keys = None if noise is not None else token_keys(state.keys, state.num_generated)
-    argmax = native_ops.first_argmax if spec.native_argmax else first_argmax
-    tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise, argmax)
-    emitted = state.active
-    stopped = emitted & jnp.any(tok[:, None] == state.stop_ids, axis=-1)
-    n_gen = state.num_generated + emitted.astype(jnp.int32)
-    done = emitted & (stopped | (n_gen >= state.max_new))
-    state = state._replace(
-        k_pages=tuple(c[0] for c in new_cache), v_pages=tuple(c[1] for c in new_cache),
-        lengths=state.lengths + emitted.astype(jnp.int32),
-        last_token=jnp.where(emitted, tok, state.last_token),
-        num_generated=n_gen, active=state.active & ~done)
-    return state, StepOutput(tok, lp, emitted, done, stopped, overflow)
-
-
-# Per-slot fields _step changes (the rest of a slot's state is read-only during decode).
-_STEPPED = ("lengths", "last_token", "num_generated", "active")
-_PER_SLOT = _STEPPED + ("page_table", "max_new", "keys", "temperature", "top_k", "top_p", "stop_ids")
-
-
-def _chunked_step(spec: _Spec, model, state: DecodeState, rows, n_chunks, live_bucket: int):
-    """_step over the slots ``rows`` (i32[R], R a multiple of spec.chunk; entries >= num_slots are
-    padding), one chunk of spec.chunk rows at a time, for the first ``n_chunks`` chunks (traced).
-
-    Each chunk gathers its slots' state into a batch of spec.chunk rows (padding rows inactive:
-    their KV writes go to the null page), runs _step, and scatters the results back (padding rows
-    dropped). Chunks hold distinct slots, so their order does not matter; every chunk is the
-    same program on the same shapes, so a row's result does not depend on the other rows.
-    """
-    c = spec.chunk
-    s = state.lengths.shape[0]
-
-    def body(i, carry):
-        state, out = carry
-        r = jax.lax.dynamic_slice_in_dim(rows, i * c, c)  # i32[c]
-        safe = jnp.minimum(r, s - 1)
-        sub = state._replace(**{f: getattr(state, f)[safe] for f in _PER_SLOT})
-        sub, o = _step(spec, model, sub._replace(active=sub.active & (r < s)), live_bucket)
-        state = state._replace(k_pages=sub.k_pages, v_pages=sub.v_pages,
-                               **{f: getattr(state, f).at[r].set(getattr(sub, f), mode="drop") for f in _STEPPED})
-        out = StepOutput(*(x.at[r].set(y, mode="drop") for x, y in zip(out[:-1], o[:-1])), out.overflow | o.overflow)
-        return state, out
-
-    zeros = StepOutput(jnp.zeros((s,), jnp.int32), jnp.zeros((s,), jnp.float32), jnp.zeros((s,), bool),
-                       jnp.zeros((s,), bool), jnp.zeros((s,), bool), jnp.zeros((), bool))
-    if spec.one_chunk:  # straight-line code: XLA:CPU runs bf16 products inside a loop body ~2x slower
-        return body(0, (state, zeros))
-    return jax.lax.fori_loop(0, n_chunks, body, (state, zeros))
-
-
-# Largest f32[steps, slots, vocab] of Gumbel draws a generate call makes up front (_call_noise).
-_CALL_NOISE_BYTES = 32 << 20
-
-
-def _call_noise(spec: _Spec, state: DecodeState) -> Optional[jax.Array]:
-    """f32[steps, S, V]: every Gumbel draw a multi-step call can use, drawn before its first step; or None.
-
-    Why: drawn inside the scan, each step runs threefry's loop twice (the key's fold_in and the
-    bits, ~160 small ops beside the demo model's ~146 fusions) over a handful of rows; drawing
-    them once per call took 13-18% off the CPU of a call of the demo's engine (docs/BENCHMARKS.md).
-    A slot active at step t of the call has generated num_generated + t tokens before it
-    (admission happens between calls), so its key there is fold_in(key_s, num_generated + t): the
-    same draw as in-step, since threefry is elementwise in the keys. Rows that are inactive at a
-    step ignore theirs. Calls whose draws would exceed _CALL_NOISE_BYTES (large vocabularies) and
-    all-greedy batches draw in-step as before (the latter draw nothing).
-    """
-    k, s = spec.steps_per_call, state.lengths.shape[0]
-    vocab = spec.vocab_size
-    if spec.chunk or not 0 < k * s * vocab * 4 <= _CALL_NOISE_BYTES:
-        return None
-    counts = state.num_generated[None, :] + jnp.arange(k, dtype=state.num_generated.dtype)[:, None]  # [k, S]
-    keys = token_keys(state.keys, counts)
-    return jax.lax.cond(jnp.any(state.temperature > 0.0), lambda: gumbel_noise(keys, vocab),
-                        lambda: jnp.zeros((k, s, vocab), jnp.float32))
-
-
-def _generate_impl(spec: _Spec, params, state, rows, n_chunks, live_bucket: int):
-    model = engine_model(spec, params)
-    if spec.chunk:
-        step = lambda s, _: _chunked_step(spec, model, s, rows, n_chunks, live_bucket)  # noqa: E731
-    else:
-        step = lambda s, noise: _step(spec, model, s, live_bucket, noise)  # noqa: E731
-    if spec.steps_per_call == 1:
-        state, out = step(state, None)
-        return tpl.constrain(state, spec.state_shardings), jax.tree.map(lambda x: x[None], out)
-    state, out = jax.lax.scan(step, state, _call_noise(spec, state), length=spec.steps_per_call)
-    return tpl.constrain(state, spec.state_shardings), out
-
-
-class _Programs(NamedTuple):
-    prefill: Callable  # (param leaves, tokens i32[1, T], true_length) -> (k, v, last_token)
-    prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
-    generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
-    prefill_insert_rows: Callable  # (leaves, state, Engine._pack's 5 i32[N], slots, page rows, last, cached, *init) -> state
-
-
-@functools.lru_cache(maxsize=32)
-def _programs(spec: _Spec, params_treedef) -> _Programs:
-    """Jitted programs for one (model graph, engine geometry, params structure); shared by equal engines."""
-    def unflatten(leaves):
-        return jax.tree.unflatten(params_treedef, leaves)
-
-    return _Programs(
-        prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
-        prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: tpl.constrain(_insert_impl(
-            spec.page_size, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
-            tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
-        generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
-                                                                               bucket),
-                         static_argnums=(4,), donate_argnums=(1,)),
-        prefill_insert_rows=jax.jit(lambda leaves, state, *args: tpl.constrain(
-            _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
-
-
-def _live_buckets(max_entries: int, policy: str = "fine", smallest: int = 16, halves_from: int = 64) -> tuple[int, ...]:
-    """Live-page buckets, capped by (and ending at) max_entries.
-
-    'fine': powers of two from ``smallest``, plus 1.5x midpoints from ``halves_from`` up (96, 192, 384, ...).
-    'pow2': powers of two from ``smallest``. 'pow4': powers of four from ``smallest``.
-
-    Attention work follows the bucket, not the live count: with powers of two alone a typical
-    engine run attended ~1.45x the live pages (measured on the engine bench); the midpoints cut
-    that to ~1.2x for a few more compiled programs (only where a bucket is large enough to matter).
-    Every bucket is one compiled generate() program, so the coarser policies trade attention
-    padding for compile time.
-    """
-    growth = {"fine": 2, "pow2": 2, "pow4": 4}[policy]
-    out, b = [], smallest
-    while b < max_entries:
-        out.append(b)
-        if policy == "fine" and b >= halves_from and b + b // 2 < max_entries:
-            out.append(b + b // 2)
-        b *= growth
-    return tuple(out) + (max_entries,)
-
-
-def _packed_widths(smallest: int, window: int, rows: int) -> tuple[int, ...]:
-    """Packed prefill widths for calls of up to ``rows`` prompts of at most ``window`` tokens: powers
-    of two from ``smallest`` up to the window, then every multiple of it up to rows x window (none
-    for rows = 1). A call pads to the next width, so above the window it wastes less than one
-    prompt's worth: powers of two alone padded the first admissions of 32 prompts of 8-31 tokens
-    (4 calls of 124-154 tokens) to 704 tokens, multiples of 32 pad them to 608."""
-    if rows < 2:
-        return ()
-    out, b = [], smallest
-    while b < window:
-        out.append(b)
-        b *= 2
-    return tuple(out) + tuple(window * i for i in range(1, rows + 1))
-
-
-_insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
-_deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
-_read_pages_jit = jax.jit(_read_pages_impl)
-_write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
-_share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
-_attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
-                      donate_argnums=(0,))
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:

@@ -19,26 +19,14 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
-from laminar_jax.model.transformer import use_row_kernel
 from laminar_jax.rollout.attention import DecodeMeta, live_page_list
+from laminar_jax.rollout.programs import engine_model
 
 
 def obs_bucket(m: int) -> int:
     """Padded length of the fed ids (a power of two >= m + 1, at least 16): few compiled shapes."""
     return max(16, 1 << int(m).bit_length())
-
-
-def engine_model(spec, params):
-    """The model an engine program (generate, extend, prefill) runs: merged from params, with its
-    weight products of few rows on the native kernel when the engine chose so (``spec.row_kernel_rows``,
-    rollout.weight_products): every decode step's, and a prefill's when its tokens fit (a prompt of
-    16 or 32 tokens: 24 -> 15 ms a call for qwen2-100m in float32 on Zen 5)."""
-    model = nnx.merge(spec.graphdef, params)
-    if spec.row_kernel_rows:
-        use_row_kernel(model, spec.row_kernel_rows, spec.row_kernel_min_weights)
-    return model
 
 
 def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, num_cached, last_token,
@@ -59,8 +47,9 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
         meta = DecodeMeta(row, pos[None], active, spec.page_size, kv_dtype=spec.kv_dtype)
         if live_bucket:
             meta = meta._replace(live=live_page_list(meta, live_bucket))
-        backend = functools.partial(spec.attend, meta=meta)
-        _, cache = model.forward_cached(feed[i][None, None], pos[None, None], list(zip(k_pages, v_pages)), backend)
+        backend = functools.partial(spec.kernels.attend, meta=meta)
+        _, cache = model.forward_cached(feed[i][None, None], pos[None, None], list(zip(k_pages, v_pages)), backend,
+                                        spec.kernels.products)
         return tuple(c[0] for c in cache), tuple(c[1] for c in cache), pos + 1
 
     k_pages, v_pages, pos = jax.lax.fori_loop(0, n, body, (state.k_pages, state.v_pages, num_cached))

@@ -24,11 +24,12 @@ import os
 from typing import NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from laminar_jax.matmul_precision import resolve_matmul_precision, scoped_matmul_precision
 from laminar_jax.model.arch import TransformerConfig
-from laminar_jax.rollout.attention import resolve_row_kernel
+from laminar_jax.rollout.kernels import Geometry, choose_products
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
 from laminar_jax.rollout.offline import complete, per_prompt
@@ -130,7 +131,7 @@ class LLM:
       compiles and calls only.
     host_malloc: this process's C allocator policy, applied when the LLM is built (process-wide, as
       runtime.host_malloc: 'keep' reuses freed host memory instead of faulting fresh pages in for
-      every call's buffers; 'system' or None leaves the allocator as it is; laminar_jax/host_malloc.py).
+      every call's buffers; 'system' or None leaves the allocator as it is; laminar_jax/cpu/host_malloc.py).
     section_overrides: further RolloutSection fields (e.g. live_buckets, decode_chunk).
     """
 
@@ -139,7 +140,7 @@ class LLM:
                  tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
                  host_malloc: Optional[str] = "keep", **section_overrides):
         from laminar_jax.model.hf import from_pretrained, load_hf_config
-        from laminar_jax.host_malloc import apply_host_malloc
+        from laminar_jax.process_settings import apply_host_malloc
         from laminar_jax.model.tokenizer import HFTokenizer
 
         if dtype not in _DTYPES:
@@ -154,9 +155,10 @@ class LLM:
         if self.tokenizer is not None and self.tokenizer.eos_id not in eos:
             eos = eos + (self.tokenizer.eos_id,)
         # A 1-row decode batch where its products are fast: float32, or bf16 on the native kernel.
-        one_row = dtype == "float32" or resolve_row_kernel(
-            section_overrides.get("weight_products", "auto"), dtype, platform=jax.devices()[0].platform,
-            tensor_parallel=False, largest_weight=cfg.largest_weight()).rows > 0
+        one_row = dtype == "float32" or choose_products(
+            section_overrides.get("weight_products", "auto"), jax.devices()[0].platform,
+            Geometry(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, jnp.dtype(dtype)),
+            cfg.largest_weight())[0].kernel is not None
         self.section = size_section(cfg, kv_memory_gb, dtype, max_num_seqs, max_model_len, max_prompt_len,
                                     page_size, eos, one_row=one_row, **section_overrides)
         self.model = from_pretrained(model, dtype=dtype)

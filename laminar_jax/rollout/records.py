@@ -110,6 +110,7 @@ class ServerStats:
       aborted: Sequences aborted by a forced weight swap.
       prompts_prefilled: Admissions that ran a prefill.
       prompts_shared: Admissions that copied a live sequence's prompt KV instead (rollout.share_prompt_kv).
+      decode_kernel: The engine's decode kernels and the reason for any fallback (rollout/kernels.py).
     """
 
     server_id: str
@@ -128,6 +129,7 @@ class ServerStats:
     aborted: int
     prompts_prefilled: int = 0
     prompts_shared: int = 0
+    decode_kernel: Optional[dict] = None
 
 
 _MAGIC = b"LJSEQ1\n"

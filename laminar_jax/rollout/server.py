@@ -680,7 +680,8 @@ class RolloutServer:
             pending_version=None if self._pending is None else self._pending[0],
             completed=self._counts["completed"], rejected_overlong=self._counts["rejected_overlong"],
             truncated_overlong=self._counts["truncated_overlong"], aborted=self._counts["aborted"],
-            prompts_prefilled=self._counts["prompts_prefilled"], prompts_shared=self._counts["prompts_shared"])
+            prompts_prefilled=self._counts["prompts_prefilled"], prompts_shared=self._counts["prompts_shared"],
+            decode_kernel=self.engine.kernels.summary())
 
 
 def _slot_init(adm: _Admission) -> SlotInit:

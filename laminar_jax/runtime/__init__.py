@@ -9,8 +9,8 @@ __all__ = ["run", "export_pretrained"]
 
 def run(cfg) -> dict:
     """Train according to `cfg` (a finalized laminar_jax.config.Config); returns the summary dict."""
-    from laminar_jax.cpu_threads import apply_cpu_threads
-    from laminar_jax.host_malloc import apply_host_malloc
+    from laminar_jax.cpu.threads import apply_cpu_threads
+    from laminar_jax.cpu.host_malloc import apply_host_malloc
     from laminar_jax.matmul_precision import apply_matmul_precision
 
     apply_host_malloc(cfg.runtime.host_malloc)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal, Optional
 
-from laminar_jax import host_malloc
+from laminar_jax.cpu import host_malloc
 from laminar_jax.configlib import expect
 
 MODES = ("sync", "one_step", "stream", "laminar")
@@ -40,7 +40,7 @@ class RuntimeSection:
       cpu_async_dispatch: JAX's asynchronous dispatch of CPU computations (jax_cpu_enable_async_dispatch). False starts each CPU computation on the thread that calls it, which costs less CPU per call; XLA's executor still hands ops of a larger program (more than 8 ops, a buffer over 512 bytes: the learner's passes, prefill) to the pool, and a program whose op finished there goes on there, so with one pool thread the learner's and the servers' calls queue for it. CPU computations only.
       matmul_precision: Precision of float32 matrix products in the run's processes (JAX's jax_default_matmul_precision, set by the entry point). 'highest' computes them in float32; 'default' lets the backend round the operands (TF32 on NVIDIA GPUs from Ampere on, one bfloat16 pass on TPUs), faster and ~1e-3 off; 'high' is in between on TPUs. 'auto': 'highest' when model.dtype is float32, else 'default' (a bfloat16 model's float32 products are its attention's). The CPU is unaffected.
       gpu_memory_fraction: Fraction of each GPU's memory XLA's allocator takes for the run's processes (XLA_PYTHON_CLIENT_MEM_FRACTION, with XLA_PYTHON_CLIENT_PREALLOCATE=true: one pool taken at start), set by every process that runs a role before JAX starts. The rest stays for the CUDA context, cuBLAS/cuDNN workspaces and NCCL; launch/plan.py memory budgets each GPU at this fraction of its memory.
-      host_malloc: How the run's processes' C allocator (glibc) returns host memory (set by the entry point): 'keep' serves every block from its heaps and keeps freed memory, so XLA:CPU's per-call buffers reuse pages instead of faulting fresh ones in (~11M page faults and 17% of a CPU demo run's CPU in the kernel otherwise; resident memory stays at its peak); 'system' leaves glibc's defaults. See laminar_jax/host_malloc.py.
+      host_malloc: How the run's processes' C allocator (glibc) returns host memory (set by the entry point): 'keep' serves every block from its heaps and keeps freed memory, so XLA:CPU's per-call buffers reuse pages instead of faulting fresh ones in (~11M page faults and 17% of a CPU demo run's CPU in the kernel otherwise; resident memory stays at its peak); 'system' leaves glibc's defaults. See laminar_jax/cpu/host_malloc.py.
       compilation_cache_dir: JAX persistent compilation cache directory (~ and $VARS expanded): a second run with the same shapes loads its compiled programs instead of compiling them. Empty string turns it off.
       eval_every: Learner steps between evaluations on the held-out prompts (data.val_files / data.val_size), run on the rollout servers; the last step is evaluated too. 0 = no evaluation during training.
       eval_before_train: Also evaluate the starting policy, before the first step.

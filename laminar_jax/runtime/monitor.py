@@ -14,9 +14,11 @@ import os
 import time
 from typing import Optional
 
+import jax
 import numpy as np
 
-from laminar_jax.cpu_threads import cpu_async_dispatch, xla_cpu_pool_threads
+from laminar_jax.cpu.threads import cpu_async_dispatch, xla_cpu_pool_threads
+from laminar_jax.kernels import describe_train_attention
 from laminar_jax.runtime.console import Console
 from laminar_jax.runtime.loggers import make_loggers
 from laminar_jax.runtime.timeline import Timeline
@@ -100,6 +102,14 @@ def _shared_frac(servers: list) -> Optional[float]:
     shared = sum(s.prompts_shared for s in servers)
     total = shared + sum(s.prompts_prefilled for s in servers)
     return round(shared / total, 4) if total else None
+
+
+def _decode_kernels(servers: list) -> Optional[dict]:
+    """The servers' decode kernels (rollout/kernels.py, DecodeKernels.summary): the one choice when
+    they agree, else {server_id: choice}."""
+    kinds = {s.server_id: s.decode_kernel for s in servers if getattr(s, "decode_kernel", None)}
+    distinct = {repr(k) for k in kinds.values()}
+    return next(iter(kinds.values())) if len(distinct) == 1 else (kinds or None)
 
 
 def _round(x: Optional[float], nd: int = 4) -> Optional[float]:
@@ -279,6 +289,9 @@ class Monitor:
             # Admissions that copied a live sample's prompt KV instead of prefilling (rollout.share_prompt_kv),
             # over the servers alive at the end.
             "prompts_shared_frac": _shared_frac(stats.servers),
+            # The kernels each side runs (the kernel seam), with the reason for any fallback.
+            "decode_kernel": _decode_kernels(stats.servers),
+            "train_attention": describe_train_attention(self.cfg.learner.attention_impl, jax.default_backend()),
             # Generation side: response tokens finished per second of RL, and each sample's time
             # from dispatch to completion (queueing included).
             "gen_tokens_per_s": round(generated / rl_wall, 2) if generated else None,

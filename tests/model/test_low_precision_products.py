@@ -1,8 +1,8 @@
 """bf16 weight products: on the CPU they come out in float32 (XLA:CPU's bf16 kernels), on accelerators
 in bf16, so that a bf16 learner's backward products are bf16 too rather than float32 (the cotangent of
-a float32 output arrives in float32 and promotes its bf16 partner). The accelerator path is traced
-here by reporting a GPU backend to the model (no GPU on this machine); its gradients agree with the
-CPU path's to bf16 rounding."""
+a float32 output arrives in float32 and promotes its bf16 partner). The model never asks for its
+backend: the kernel seam's `train_products(platform)` picks the products, so the accelerator path is
+traced here on the CPU with the GPU's choice; its gradients agree with the CPU path's to bf16 rounding."""
 
 import re
 
@@ -12,18 +12,18 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from laminar_jax.kernels import train_products
 from laminar_jax.model import PRESETS, Transformer
-from laminar_jax.model import transformer as transformer_module
 
 
-def _loss_and_grad(backend: str, monkeypatch):
-    monkeypatch.setattr(transformer_module.jax, "default_backend", lambda: backend)
+def _loss_and_grad(backend: str):
+    products = train_products(backend)
     model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.float32)
     graph, params = nnx.split(model)
     tokens = (jnp.arange(2 * 24, dtype=jnp.int32).reshape(2, 24) * 7) % PRESETS["tiny"].vocab_size
 
     def loss(p):
-        logits = nnx.merge(graph, p).forward(tokens).logits
+        logits = nnx.merge(graph, p).forward(tokens, products=products).logits
         return -jnp.mean(jax.nn.log_softmax(logits)[:, :-1].max(axis=-1))
 
     fn = jax.jit(jax.value_and_grad(loss))
@@ -46,9 +46,9 @@ def _weight_product_types(text: str) -> set:
     return kinds
 
 
-def test_accelerator_backward_products_are_bf16_and_gradients_agree(monkeypatch):
-    cpu_text, cpu_loss, cpu_grads = _loss_and_grad("cpu", monkeypatch)
-    acc_text, acc_loss, acc_grads = _loss_and_grad("gpu", monkeypatch)
+def test_accelerator_backward_products_are_bf16_and_gradients_agree():
+    cpu_text, cpu_loss, cpu_grads = _loss_and_grad("cpu")
+    acc_text, acc_loss, acc_grads = _loss_and_grad("gpu")
     cpu_kinds, acc_kinds = _weight_product_types(cpu_text), _weight_product_types(acc_text)
     assert ("f32", "f32", "f32") in cpu_kinds  # the CPU's backward: float32 products
     assert acc_kinds and all(k == ("bf16", "bf16", "bf16") for k in acc_kinds), acc_kinds

@@ -1,4 +1,4 @@
-"""The native CPU kernels (laminar_jax/native): the paged decode attention (rollout.attention_impl=
+"""The native CPU kernels (laminar_jax/cpu/native): the paged decode attention (rollout.attention_impl=
 'cpu_kernel') against the portable live_pages backend on real pools, the few-row weight products
 (rollout.weight_products) against XLA's dot and in the engine; row independence; build and fallback."""
 
@@ -11,19 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laminar_jax import native
-from laminar_jax.native import ops
-from laminar_jax.rollout.attention import (
-    DecodeMeta,
-    RowKernel,
-    as_stored,
-    cpu_kernel,
-    live_page_list,
-    live_pages,
-    pool_shape,
-    resolve_backend,
-    resolve_row_kernel,
-)
+from laminar_jax.cpu import native
+from laminar_jax.cpu.native import ops
+from laminar_jax.cpu.kernels import RowKernel, cpu_kernel, resolve_row_kernel
+from laminar_jax.rollout.attention import DecodeMeta, as_stored, live_page_list, live_pages, pool_shape
+from laminar_jax.rollout.kernels import resolve_backend
 
 
 def _case(seed, *, kv_dtype, page, heads, kv_heads, d, rows=6, pages_per_row=4, inactive=(4,)):
@@ -137,7 +129,7 @@ def test_without_a_compiler_auto_falls_back_and_an_explicit_request_says_why(tmp
     code = """
 import dataclasses, jax.numpy as jnp, pytest
 from flax import nnx
-from laminar_jax import native
+from laminar_jax.cpu import native
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.rollout import RolloutSection, make_engine
 assert 'no C++ compiler' in native.available('paged_attention')
@@ -145,7 +137,7 @@ model = Transformer(PRESETS['tiny'], rngs=nnx.Rngs(0))
 section = RolloutSection(num_slots=2, page_size=16, num_pages=40, max_prompt_len=8, max_total_len=32)
 engine, _ = make_engine(model, section)
 assert engine.attention_impl == 'live_pages', engine.attention_impl
-assert engine.row_kernel_rows == 0  # rollout.weight_products='auto' falls back to XLA's dot
+assert engine.kernels.products.kernel is None  # rollout.weight_products='auto' falls back to XLA's dot
 with pytest.raises(native.NativeUnavailable, match='no C.. compiler'):
     native.load('paged_attention')
 print('OK')
@@ -248,7 +240,8 @@ def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
     from flax import nnx
 
     from laminar_jax.model import PRESETS, Transformer
-    from laminar_jax.model.transformer import Linear, use_row_kernel
+    from laminar_jax.model.products import Products
+    from laminar_jax.model.transformer import Linear
 
     import dataclasses
 
@@ -256,20 +249,22 @@ def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
     model = Transformer(cfg, rngs=nnx.Rngs(0))
     tokens = jnp.asarray([[5, 9, 2]], jnp.int32)
     ref = model(tokens)
-    use_row_kernel(model, 16)  # 3 rows: every product through the kernel
-    hlo = jax.jit(lambda t: model(t)).lower(tokens).as_text()
-    assert "laminar_row_products" in hlo
-    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), atol=1e-5, rtol=1e-5)
-    use_row_kernel(model, 2)  # 3 rows > 2: XLA's dot again
-    assert "laminar_row_products" not in jax.jit(lambda t: model(t)).lower(tokens).as_text()
+
+    def kernel(rows, floor=0):  # products of at most `rows` rows, of weights of at least `floor` elements
+        return Products(jnp.float32, ops.row_products, rows, floor)
+
+    def hlo(products):
+        return jax.jit(lambda t: model(t, products=products)).lower(tokens).as_text()
+
+    assert "laminar_row_products" in hlo(kernel(16))  # 3 rows: every product through the kernel
+    np.testing.assert_allclose(np.asarray(model(tokens, products=kernel(16))), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    assert "laminar_row_products" not in hlo(kernel(2))  # 3 rows > 2: XLA's dot again
     # A floor on the weight's size: only the products of weights that large take the kernel.
     largest = max(m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear))
-    use_row_kernel(model, 16, largest)
-    assert "laminar_row_products" in jax.jit(lambda t: model(t)).lower(tokens).as_text()
-    use_row_kernel(model, 16, largest + 1)
-    assert "laminar_row_products" not in jax.jit(lambda t: model(t)).lower(tokens).as_text()
-    use_row_kernel(model, 16, largest)
-    np.testing.assert_allclose(np.asarray(model(tokens)), np.asarray(ref), atol=1e-5, rtol=1e-5)
+    assert "laminar_row_products" in hlo(kernel(16, largest))
+    assert "laminar_row_products" not in hlo(kernel(16, largest + 1))
+    np.testing.assert_allclose(np.asarray(model(tokens, products=kernel(16, largest))), np.asarray(ref), atol=1e-5,
+                               rtol=1e-5)
 
 
 def test_engine_decodes_the_same_tokens_with_either_weight_products():
@@ -283,8 +278,9 @@ def test_engine_decodes_the_same_tokens_with_either_weight_products():
     outs = {}
     for policy in ("xla", "native"):
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
-        assert engine.row_kernel_rows == (0 if policy == "xla" else ops.row_products_insisted_rows(jnp.float32))
-        assert engine.row_kernel_min_weights == 0  # insisted on: every product, the tiny model's included
+        p = engine.kernels.products
+        assert p.kernel_rows == (0 if policy == "xla" else ops.row_products_insisted_rows(jnp.float32))
+        assert p.kernel_min_weights == 0  # insisted on: every product, the tiny model's included
         outs[policy] = generate((engine, params), prompts, sp)
     for a, b in zip(outs["xla"], outs["native"]):
         np.testing.assert_array_equal(a.tokens, b.tokens)
@@ -302,7 +298,7 @@ def test_a_short_prefill_runs_its_products_on_the_kernel_and_writes_the_same_kv(
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
         leaves, progs = engine._bind(params)
         padded, n = engine.pad_prompt([1, 2, 3, 4, 5])
-        assert padded.size <= engine.row_kernel_rows or policy == "xla"  # one prompt's bucket fits the kernel
+        assert padded.size <= engine.kernels.products.kernel_rows or policy == "xla"  # one prompt's bucket fits the kernel
         text = progs.prefill.lower(leaves, padded, np.int32(n)).as_text()
         assert ("laminar_row_products" in text) == (policy == "native")
         kv[policy] = progs.prefill(leaves, padded, np.int32(n))
@@ -327,11 +323,11 @@ def test_auto_engine_takes_the_kernel_only_for_models_with_weights_over_the_floo
     wide, _ = make_engine(Transformer(wide_cfg, rngs=nnx.Rngs(0)), SECTION)
     auto_rows = ops.row_products_max_rows(jnp.float32)
     if floor:  # AVX2: the tiny model's largest weight (a few thousand elements) is under it
-        assert (tiny.row_kernel_rows, tiny.row_kernel_min_weights) == (0, 0)
-        assert (wide.row_kernel_rows, wide.row_kernel_min_weights) == (auto_rows, floor)
+        assert (tiny.kernels.products.kernel_rows, tiny.kernels.products.kernel_min_weights) == (0, 0)
+        assert (wide.kernels.products.kernel_rows, wide.kernels.products.kernel_min_weights) == (auto_rows, floor)
     else:
-        assert tiny.row_kernel_rows == wide.row_kernel_rows == auto_rows
-        assert tiny.row_kernel_min_weights == wide.row_kernel_min_weights == 0
+        assert tiny.kernels.products.kernel_rows == wide.kernels.products.kernel_rows == auto_rows
+        assert tiny.kernels.products.kernel_min_weights == wide.kernels.products.kernel_min_weights == 0
 
 
 def _argmax_rows(b, v, seed):
@@ -362,16 +358,16 @@ def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypat
     """On one CPU device with AVX2 or AVX-512 the decode step's argmax is the kernel's; tokens and
     log-probs are those of the XLA argmax, greedy and sampled."""
     from laminar_jax.rollout import SamplingParams, generate, make_engine
-    from laminar_jax.rollout import engine as engine_mod
+    from laminar_jax.cpu import kernels as cpu_kernels
     from tests.rollout.rollout_helpers import SECTION, tiny_model
 
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     outs = {}
     for native_on in (ops.first_argmax_is_faster(), False):
         if not native_on:  # the fallback an engine takes where the kernel does not build
-            monkeypatch.setattr(engine_mod, "native_argmax_here", lambda platform, tensor_parallel: False)
+            monkeypatch.setattr(cpu_kernels, "native_argmax_here", lambda platform, tensor_parallel: False)
         engine, params = make_engine(tiny_model(0), SECTION)
-        assert engine._spec.native_argmax == native_on
+        assert (engine.kernels.argmax is ops.first_argmax) == native_on
         leaves, progs = engine._bind(params)
         rows, n = engine._rows()
         text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, engine.live_bucket()).as_text()
@@ -388,7 +384,7 @@ def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypat
 @pytest.mark.parametrize("flags,expected", [({"avx2", "fma"}, True), ({"avx512f", "avx2"}, True),
                                             ({"sse4_2"}, False), (set(), False)])
 def test_the_native_argmax_is_taken_only_on_cpus_with_avx2_or_avx512(monkeypatch, flags, expected):
-    from laminar_jax.rollout.attention import native_argmax_here
+    from laminar_jax.cpu.kernels import native_argmax_here
 
     monkeypatch.setattr(ops, "cpu_flags", lambda: frozenset(flags))
     assert ops.first_argmax_is_faster() == expected

@@ -10,7 +10,8 @@ import pytest
 from laminar_jax.model import from_pretrained
 from laminar_jax.model.hf import load_hf_config
 from laminar_jax.rollout import LLM, RolloutSection, SamplingParams, generate, make_engine
-from laminar_jax.rollout.engine import _live_buckets, _programs
+from laminar_jax.rollout.programs import programs as _programs
+from laminar_jax.rollout.schedule import live_buckets as _live_buckets
 from laminar_jax.rollout.llm import kv_bytes_per_page, row_buckets, size_section
 from laminar_jax.rollout.offline import default_section
 from tests.model.hf_fixtures import save_hf_model

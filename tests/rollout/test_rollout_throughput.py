@@ -19,7 +19,7 @@ from laminar_jax.rollout.attention import (
     scatter_tokens,
     to_pool,
 )
-from laminar_jax.rollout import engine as engine_mod
+from laminar_jax.rollout import programs as programs_mod
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until
 
 
@@ -120,18 +120,18 @@ def _mixed_requests():
 @pytest.fixture
 def in_step_draws(monkeypatch):
     """Multi-step calls draw their Gumbel noise inside each step (as calls too large for
-    engine._CALL_NOISE_BYTES do) instead of up front; programs compiled either way are dropped."""
-    engine_mod._programs.cache_clear()
-    monkeypatch.setattr(engine_mod, "_CALL_NOISE_BYTES", 0)
+    programs.CALL_NOISE_BYTES do) instead of up front; programs compiled either way are dropped."""
+    programs_mod.programs.cache_clear()
+    monkeypatch.setattr(programs_mod, "CALL_NOISE_BYTES", 0)
     yield
-    engine_mod._programs.cache_clear()
+    programs_mod.programs.cache_clear()
 
 
 @pytest.mark.parametrize("steps", [2, 3])
 def test_multi_step_decode_equals_single_step_token_for_token(steps):
     """k decode steps per call (a lax.scan): same tokens, log-probs and finish reasons as k = 1,
     including slots that finish in the middle of a call (max_new not a multiple of k, stop ids).
-    The call draws its sampling noise before its first step (engine._call_noise)."""
+    The call draws its sampling noise before its first step (programs.call_noise)."""
     _check_multi_step_equals_single_step(steps, up_front=True)
 
 
@@ -161,7 +161,7 @@ def _check_multi_step_equals_single_step(steps, up_front):
         assert got[r.uid].finish_reason == ref[r.uid].finish_reason
     s = multi.stats()
     assert s.slots_used == 0 and s.kv_pages_used == 0 and s.completed == len(reqs)
-    assert (engine_mod._call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
+    assert (programs_mod.call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
 
 
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
@@ -179,7 +179,8 @@ def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     reserved = sum(len(p) for p in engine.slot_pages.values())
     assert live <= engine.live_pages_bound() <= reserved and engine.live_bucket() >= live
     # Simulate broken bookkeeping with exact-size buckets: the device must refuse silently wrong output.
-    engine.live_buckets = tuple(range(1, engine.num_slots * engine.pages_per_seq + 1))
+    engine.schedule = dataclasses.replace(engine.schedule,
+                                          live_buckets=tuple(range(1, engine.num_slots * engine.pages_per_seq + 1)))
     for slot in engine._cached_hi:
         engine._cached_hi[slot] = 0
     with pytest.raises(RuntimeError, match="live-page bucket"):
@@ -368,7 +369,7 @@ def test_packed_prefill_attends_each_prompt_alone_in_windows():
 
 
 def test_packed_widths_are_powers_of_two_then_multiples_of_the_longest_prompt():
-    from laminar_jax.rollout.engine import _packed_widths
+    from laminar_jax.rollout.schedule import packed_widths as _packed_widths
 
     assert _packed_widths(16, 32, 8) == (16, 32, 64, 96, 128, 160, 192, 224, 256)
     assert _packed_widths(16, 16, 4) == (16, 32, 48, 64)

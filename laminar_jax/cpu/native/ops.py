@@ -14,7 +14,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from laminar_jax import native
+from laminar_jax.cpu import native
 
 ATTENTION_LIBRARY, ATTENTION_TARGET = "paged_attention", "laminar_paged_attention"
 PRODUCTS_LIBRARY, PRODUCTS_TARGET = "row_products", "laminar_row_products"
