@@ -11,10 +11,11 @@ import os
 import selectors
 import subprocess
 import time
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 _CHUNK = 1 << 16
-_EXIT_GRACE_S = 0.5  # after the child exits: how long a descendant still holding its pipes is read
+_EXIT_GRACE_S = 0.5
+_WATCH_S = 0.05  # how often `watch` is asked (a run's cgroup: an OOM kill, the CPU total)  # after the child exits: how long a descendant still holding its pipes is read
 
 
 class Tail:
@@ -36,11 +37,13 @@ class Tail:
 class Captured(NamedTuple):
     stdout: Tail
     stderr: Tail
-    stopped: Optional[str]  # None | "wall" (deadline passed) | "output" (more than max_total bytes)
+    stopped: Optional[str]  # None | "wall" (deadline passed) | "output" (more than max_total bytes) | watch's
 
 
-def capture(proc: subprocess.Popen, stdin_data: bytes, deadline: float, keep: int, max_total: int) -> Captured:
-    """Pump `proc`'s pipes until both close, the deadline passes or the output passes max_total.
+def capture(proc: subprocess.Popen, stdin_data: bytes, deadline: float, keep: int, max_total: int,
+            watch: Optional[Callable[[], Optional[str]]] = None) -> Captured:
+    """Pump `proc`'s pipes until both close, the deadline passes, the output passes max_total or
+    `watch()` (called every _WATCH_S) returns a reason to stop.
 
     `proc` must have been started with stdin, stdout and stderr as pipes (bytes). Returns with the
     child possibly still running when `stopped` is set: the caller kills it.
@@ -57,7 +60,7 @@ def capture(proc: subprocess.Popen, stdin_data: bytes, deadline: float, keep: in
         sel.register(proc.stdin.fileno(), selectors.EVENT_WRITE)
     else:
         proc.stdin.close()
-    stopped, exited_at = None, None
+    stopped, exited_at, next_watch = None, None, 0.0
     try:
         while any(k.fd in tails for k in sel.get_map().values()):
             now = time.monotonic()
@@ -68,7 +71,11 @@ def capture(proc: subprocess.Popen, stdin_data: bytes, deadline: float, keep: in
                 exited_at = now
             if exited_at is not None and now - exited_at > _EXIT_GRACE_S:
                 break
-            for key, _ in sel.select(timeout=min(deadline - now, 0.25)):
+            if watch is not None and now >= next_watch:
+                stopped, next_watch = watch(), now + _WATCH_S
+                if stopped:
+                    break
+            for key, _ in sel.select(timeout=min(deadline - now, 0.25 if watch is None else _WATCH_S)):
                 if key.fd in tails:
                     data = _read(key.fd)
                     if data:

@@ -30,12 +30,16 @@ import shutil
 import signal
 import subprocess
 import sys
+import logging
 import tempfile
 import time
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 from laminar_jax.env.bwrap import SANDBOX_MODES, SCRATCH, bwrap_argv, interpreter, sandbox_env
 from laminar_jax.env.capture import capture
+from laminar_jax.env.cgroup import SandboxCgroup, find_layout, join_argv
+
+log = logging.getLogger(__name__)
 
 # Runs first in the sandboxed interpreter: limits, the uid drop, then the code from stdin.
 _LIMITS = r'''
@@ -110,6 +114,8 @@ class SandboxLimits(NamedTuple):
     output_chars: int = 4000  # of stdout and of stderr, the last ones, returned
     max_processes: int = 32  # processes and threads in the sandbox (bwrap only)
     output_bytes: int = 4 << 20  # stdout + stderr past this: the run is stopped (status output_limit)
+    cpus: float = 1.0  # CPU bandwidth of the whole sandbox, in CPUs (cgroup only)
+    cgroup: bool = True  # bwrap: totals for the whole sandbox through a cgroup where one can be made
 
 
 class SandboxResult(NamedTuple):
@@ -122,8 +128,13 @@ class SandboxResult(NamedTuple):
 
 
 def classify(returncode: int, stderr: str, stopped, limits: SandboxLimits) -> tuple[str, str]:
-    """(status, detail) of a finished run; `stopped`: None, "wall" or "output" (capture.Captured), or
+    """(status, detail) of a finished run; `stopped`: None, "wall" or "output" (capture.Captured),
+    "memory" or "cpu" (the sandbox's cgroup saw an OOM kill or used more than cpu_s in all), or
     "closed" (it closed its output and was still running)."""
+    if stopped == "memory":
+        return "memory_limit", f"memory of the whole sandbox > {limits.memory_bytes >> 20} MiB"
+    if stopped == "cpu":
+        return "cpu_limit", f"CPU time of the whole sandbox > {limits.cpu_s} s"
     if stopped == "wall":
         return "wall_limit", f"wall time > {limits.wall_s} s"
     if stopped == "output":
@@ -179,21 +190,43 @@ def run_python(code: str, scratch_dir: str, limits: SandboxLimits = SandboxLimit
     os.makedirs(scratch_dir, exist_ok=True)
     argv, cwd, env = _command(scratch_dir, limits, sandbox)
     t0 = time.monotonic()
-    proc = subprocess.Popen(argv, cwd=cwd, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, bufsize=0)
-    got = None
+    cg = _cgroup(limits) if sandbox == "bwrap" else None
+    got, exceeded = None, None
     try:
-        got = capture(proc, code.encode("utf-8", "replace"), t0 + limits.wall_s, keep=limits.output_chars * 4,
-                      max_total=limits.output_bytes)
+        watch = None if cg is None else (lambda: cg.exceeded(limits.cpu_s))
+        proc = subprocess.Popen(argv if cg is None else join_argv(cg.procs, argv), cwd=cwd, env=env,
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                start_new_session=True, bufsize=0)
+        try:
+            got = capture(proc, code.encode("utf-8", "replace"), t0 + limits.wall_s, keep=limits.output_chars * 4,
+                          max_total=limits.output_bytes, watch=watch)
+        finally:
+            # Its output closed on its own: give the exit that usually follows a moment before killing.
+            killed = _stop(proc, sandbox, grace_s=_EXIT_WAIT_S if got is not None and got.stopped is None else 0.0)
+        exceeded = watch() if watch else None
     finally:
-        # Its output closed on its own: give the exit that usually follows a moment before killing.
-        killed = _stop(proc, sandbox, grace_s=_EXIT_WAIT_S if got is not None and got.stopped is None else 0.0)
+        if cg is not None:
+            cg.close()
     err = got.stderr.text(limits.output_chars)
     # Still running with its output closed: stopped here, which is no CPU limit.
-    stopped = got.stopped or ("closed" if killed else None)
+    # A member OOM-killed (or the CPU total passed) ends the run as that limit, even when the rest exited.
+    stopped = got.stopped or exceeded or ("closed" if killed else None)
     status, detail = classify(proc.returncode, err, stopped, limits)
     return SandboxResult(status, proc.returncode, got.stdout.text(limits.output_chars), err, detail,
                          time.monotonic() - t0)
+
+
+def _cgroup(limits: SandboxLimits) -> Optional[SandboxCgroup]:
+    """A fresh cgroup holding the whole sandbox to `limits` (None: rlimits only, see cgroup.py)."""
+    layout = find_layout()[0] if limits.cgroup else None
+    if layout is None:
+        return None
+    try:
+        # pids: the code's processes plus bwrap's two (the one started here and the namespace's init).
+        return SandboxCgroup.create(layout, limits.memory_bytes, limits.max_processes + 2, limits.cpus)
+    except OSError as e:
+        log.warning("python sandbox: cannot create its cgroup (%s); this run has per-process rlimits only", e)
+        return None
 
 
 _EXIT_WAIT_S = 1.0  # from the end of its output to its exit, for a run that is ending by itself
