@@ -2,9 +2,9 @@
 
     python launch/bench.py env --sandbox [--calls 200] [--quick]
 
-One PythonEnv per mode (env.sandbox 'bwrap' and 'none'), each stepping the same tool call,
-`print(1 + 1)`, one call at a time; the two modes alternate call by call so that both see the same
-machine load. Each call is a fresh sandbox (laminar_jax/env/sandbox.py). Prints the load average,
+One PythonEnv per mode (env.sandbox 'bwrap' with its per-call cgroup where one can be made, 'bwrap'
+with rlimits only, and 'none'), each stepping the same tool call, `print(1 + 1)`, one call at a
+time; the modes alternate call by call so that all see the same machine load. Each call is a fresh sandbox (laminar_jax/env/sandbox.py). Prints the load average,
 one row per mode (calls per second, p50 / p99 latency), then one JSON line last. Goal: sandboxed
 p50 <= 50 ms on the project's CPU.
 """
@@ -18,9 +18,10 @@ import sys
 import time
 
 from laminar_jax.benchmarks.machine import emit
+from laminar_jax.env.cgroup import sandbox_limits
 
 CALL = '<tool_call>{"name": "python", "arguments": {"code": "print(1 + 1)"}}</tool_call>'
-MODES = (("sandboxed", "bwrap"), ("unsandboxed", "none"))
+MODES = (("sandboxed", "bwrap"), ("rlimits_only", "bwrap"), ("unsandboxed", "none"))
 GOAL_P50_MS = 50.0
 WARMUP = 3
 
@@ -39,6 +40,8 @@ def measure(calls: int) -> dict:
     for name, mode in MODES:
         try:
             envs[name] = make_env("python", sandbox=mode, max_turns=1 << 30)  # one endless episode
+            if name == "rlimits_only":
+                envs[name].limits = envs[name].limits._replace(cgroup=False)
             envs[name].reset({"ground_truth": 2})
         except SandboxUnavailable as e:
             rows[name] = {"sandbox": mode, "unavailable": str(e)}
@@ -76,12 +79,15 @@ def main(argv=None) -> dict:
     load0 = [round(x, 2) for x in os.getloadavg()]
     print(f"{calls} calls per mode, alternating; load {load0}", flush=True)
     rows = measure(calls)
-    print(f"{'mode':<12} {'sandbox':<8} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8}")
+    print(f"{'mode':<12} {'sandbox':<8} {'calls/s':>8} {'p50 ms':>8} {'p99 ms':>8}  limits")
+    limits = {"sandboxed": sandbox_limits(), "rlimits_only": "rlimits: cgroup off", "unsandboxed": "rlimits"}
     for name, r in rows.items():
+        r["limits"] = limits[name]
         if "unavailable" in r:
             print(f"{name:<12} {r['sandbox']:<8} unavailable: {r['unavailable']}")
         else:
-            print(f"{name:<12} {r['sandbox']:<8} {r['calls_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}")
+            print(f"{name:<12} {r['sandbox']:<8} {r['calls_per_s']:>8.1f} {r['p50_ms']:>8.1f} {r['p99_ms']:>8.1f}"
+                  f"  {r['limits']}")
     sb, un = rows.get("sandboxed", {}), rows.get("unsandboxed", {})
     overhead = round(sb["p50_ms"] - un["p50_ms"], 2) if "p50_ms" in sb and "p50_ms" in un else None
     result = {"bench": "env", "what": "sandbox", "calls": calls, "rows": rows, "p50_overhead_ms": overhead,

@@ -140,9 +140,33 @@ def find_layout() -> tuple[Optional[Layout], str]:
     if layout is not None:
         why = _probe(layout)
         layout = None if why else layout
+    if layout is not None:
+        _reap_stale(layout)
     if layout is None:
         log.warning("python sandbox: no cgroup (%s); its memory and CPU limits are per process (rlimits)", why)
     return layout, why
+
+
+def _reap_stale(layout: Layout) -> None:
+    """Remove the cgroups of runs whose host process is gone (it was killed before it could)."""
+    stale: dict = {}
+    for c, parent in layout.parents.items():
+        for name in os.listdir(parent):
+            pid = name.split("-", 1)[0]
+            if pid.isdigit() and os.path.isdir(os.path.join(parent, name)) and not _alive(int(pid)):
+                stale.setdefault(name, {})[c] = os.path.join(parent, name)
+    for dirs in stale.values():
+        SandboxCgroup(layout, dirs).close(timeout_s=1.0)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return True
 
 
 def _probe(layout: Layout) -> str:

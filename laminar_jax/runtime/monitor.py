@@ -93,9 +93,16 @@ def _tool_call_ids(cfg) -> tuple:
 
 
 def _env_sandbox(cfg) -> dict:
-    """Multi-turn runs: how model-written code was isolated ('none' is named so no one misses it)."""
+    """Multi-turn runs: how model-written code was isolated ('none' is named so no one misses it) and,
+    sandboxed, how its limits hold on this host (env/cgroup.py: a cgroup's totals, or rlimits and why)."""
     env = getattr(cfg, "env", None)
-    return {"env_sandbox": env.sandbox} if env is not None and env.enabled else {}
+    if env is None or not env.enabled:
+        return {}
+    if env.sandbox != "bwrap":
+        return {"env_sandbox": env.sandbox}
+    from laminar_jax.env.cgroup import sandbox_limits
+
+    return {"env_sandbox": env.sandbox, "env_sandbox_limits": sandbox_limits()}
 
 
 def _shared_frac(servers: list) -> Optional[float]:
