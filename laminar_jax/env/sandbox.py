@@ -6,8 +6,12 @@ PID, network, IPC, UTS and mount namespaces. A bootstrap inside sets the limits 
 code cannot raise them) and, when the trainer is root, drops to the scratch directory's owner, an
 otherwise unused uid; then it runs the code, which it read from stdin (the host never writes into
 the scratch directory by path, where the code could have planted a symlink). Limits:
+  - the whole sandbox, where a cgroup can be made (cgroup.py; `limits.cgroup`): bwrap and all it
+    starts share one fresh cgroup per call, holding memory_bytes of memory in all (an OOM kill
+    ends the run: memory_limit), max_processes (+ bwrap's two) processes and `cpus` CPUs, and the
+    host stops the run past cpu_s CPU seconds in all (cpu_limit). The rlimits below hold as well;
   - CPU time: RLIMIT_CPU per process (SIGXCPU, then SIGKILL);
-  - memory: RLIMIT_AS per process (an allocation past it raises MemoryError); with the process cap,
+  - memory: RLIMIT_AS per process (an allocation past it raises MemoryError); without a cgroup,
     the whole sandbox holds at most max_processes x memory_bytes;
   - processes: RLIMIT_NPROC (threads count as processes), counted for the sandbox's own uid;
   - file size: RLIMIT_FSIZE; open files: RLIMIT_NOFILE;
