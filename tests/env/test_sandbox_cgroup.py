@@ -42,7 +42,10 @@ def scratch():
 
 
 def _runs_cgroups() -> set:
-    return {(c, n) for c, p in _LAYOUT.parents.items() for n in os.listdir(p) if os.path.isdir(os.path.join(p, n))}
+    """This process's runs' cgroups (other test processes may be making theirs meanwhile)."""
+    mine = f"{os.getpid()}-"
+    return {(c, n) for c, p in _LAYOUT.parents.items() for n in os.listdir(p)
+            if n.startswith(mine) and os.path.isdir(os.path.join(p, n))}
 
 
 def test_sandbox_limits_names_the_cgroup_version():
@@ -102,7 +105,7 @@ def test_no_cgroup_and_no_process_outlives_a_run(scratch):
     for tail, limits in (("", LIMITS), ("\nimport time\ntime.sleep(60)", LIMITS._replace(wall_s=1.0))):
         r = run_python(code + tail, scratch, limits)
         assert r.status == ("ok" if not tail else "wall_limit") and "started" in r.stdout, r
-        assert _runs_cgroups() == before
+        assert _runs_cgroups() == before == set()
         left = []
         for pid in filter(str.isdigit, os.listdir("/proc")):
             try:
