@@ -153,3 +153,26 @@ def test_the_cgroups_of_a_killed_host_are_removed_by_the_next():
         assert all(os.path.isdir(d) for d in mine.dirs.values())
     finally:
         assert mine.close()
+
+
+def test_v2_layout_and_limits_on_a_fake_cgroup_tree(tmp_path):
+    # Pure logic on plain files standing in for a cgroup2 tree (fakes: no kernel behind them).
+    from laminar_jax.env.cgroup import Layout, _v2_layout
+
+    base = tmp_path / "sys" / "trainer.service"
+    base.mkdir(parents=True)
+    (base / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    mounts = [("cgroup2", str(tmp_path / "sys"), "/", set())]
+    layout, why = _v2_layout(mounts, {"": "/trainer.service"})
+    assert why == "" and layout == Layout(2, {"": str(base / "laminar_sandbox")})
+    assert (base / "cgroup.subtree_control").read_text() == "+memory +pids +cpu"
+    run = base / "laminar_sandbox" / "r"
+    run.mkdir()
+    for name in ("memory.swap.max", "memory.oom.group", "cpu.max"):
+        (run / name).write_text("")
+    SandboxCgroup(layout, {"": str(run)})._set(192 << 20, 34, 1.5)
+    got = {p.name: p.read_text() for p in run.iterdir()}
+    assert got == {"memory.max": str(192 << 20), "memory.swap.max": "0", "memory.oom.group": "1",
+                   "pids.max": "34", "cpu.max": "150000 100000"}
+    (base / "cgroup.controllers").write_text("cpu io\n")
+    assert "memory and pids controllers not available" in _v2_layout(mounts, {"": "/trainer.service"})[1]
