@@ -211,7 +211,7 @@ def host_copy_speed(cfg: TransformerConfig, reps: int = 3) -> dict:
     flat = flatten_params(nnx.split(model)[1], drop=())
     del model
     fresh = jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in f.items()})
-    snapshot = _snapshot_fn(flat)
+    snapshot = _snapshot_fn(flat, jnp.float32)  # the weights' own dtype: the three paths copy the same bytes
 
     def unpinned(f):
         for v in f.values():

@@ -12,6 +12,7 @@ import pytest
 from laminar_jax.benchmarks import faults
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.configlib import ConfigError
+from laminar_jax.relay.auth import run_keys
 from laminar_jax.runtime.process_fleet import HOST_METHODS, ChildGone, PipeBuffer, ProcessFleet, _reply
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -106,8 +107,8 @@ def test_a_child_that_cannot_start_says_why_and_is_not_left_running(tmp_path):
     c.scheduler.heartbeat_timeout_s = 2.0  # the child's weight pull gives up after 1 s
     cfg = finalize(c)
     with pytest.raises(ChildGone, match="failed to start") as info:
-        ProcessFleet(cfg, buffer=None, addresses=["127.0.0.1:1"], store_url=None, key=b"k" * 32, timeline=None,
-                     rpc_timeout_s=10.0)
+        ProcessFleet(cfg, buffer=None, addresses=["127.0.0.1:1"], store_url=None,
+                     keys=run_keys(str(tmp_path)).for_hosts(), timeline=None, rpc_timeout_s=10.0)
     assert "Traceback" in str(info.value)  # the child's own traceback, for the log
     assert rollout_children(os.getpid()) == []
 

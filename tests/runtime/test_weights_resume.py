@@ -7,6 +7,7 @@ import numpy as np
 
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.relay import WeightStore
+from laminar_jax.relay.auth import run_keys
 from laminar_jax.relay.handoff import Handoff
 from laminar_jax.runtime.weights import WeightsPlane
 
@@ -24,7 +25,7 @@ class _CheckpointedLearnerFake:
 
 def _plane(tmp_path) -> WeightsPlane:
     cfg = finalize(repo_config("demo", "short"))
-    return WeightsPlane(cfg, str(tmp_path), [], lambda: None, lambda: "", 10.0, b"k" * 32, handoff=Handoff())
+    return WeightsPlane(cfg, str(tmp_path), [], lambda: None, lambda: "", 10.0, run_keys(str(tmp_path)), handoff=Handoff())
 
 
 def _store_with(tmp_path, versions, latest_hint):
