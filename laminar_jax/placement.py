@@ -110,39 +110,6 @@ def check_heads(tp: int, model_section: Any) -> None:
 
 # ------------------------------------------------------------------------------------------- memory
 
-def rollout_bytes_per_device(arch: Any, rollout: Any, tp: int, weight_bytes: int, kv_itemsize: int) -> int:
-    """One server device's share: its weight shard + its KV-head share of the page pool."""
-    kv = 2 * arch.num_layers * rollout.num_pages * rollout.page_size * arch.num_kv_heads * arch.head_dim * kv_itemsize
-    return (weight_bytes + kv) // tp
-
-
-def learner_bytes_per_device(num_params: int, devices: int, param_itemsize: int = 4) -> int:
-    """Params + gradients + AdamW's two moments, sharded over the learner's devices (no activations)."""
-    return 4 * num_params * param_itemsize // devices
-
-
-def device_needs(layout: Layout, learner_bytes: int, server_bytes: int) -> dict[int, int]:
-    """Bytes each device index must hold: colocated roles add up on a shared device."""
-    need: dict[int, int] = {}
-    for d in layout.learner:
-        need[d] = need.get(d, 0) + learner_bytes
-    for s in layout.servers:
-        for d in s:
-            need[d] = need.get(d, 0) + server_bytes
-    return need
-
-
-def fit_errors(need: dict[int, int], limits: dict[int, Optional[int]]) -> list[str]:
-    """One message per device whose need exceeds its reported bytes_limit (None: not reported, skipped)."""
-    out = []
-    for d, n in sorted(need.items()):
-        lim = limits.get(d)
-        if lim is not None and n > lim:
-            out.append(f"device {d}: needs {n / 2**30:.2f} GiB (learner state / learner_devices + rollout weights / "
-                       f"rollout_tp + KV pages), bytes_limit is {lim / 2**30:.2f} GiB")
-    return out
-
-
 def bytes_limits(devices: Sequence[Any]) -> dict[int, Optional[int]]:
     """device.memory_stats()['bytes_limit'] per device index, None where the backend does not report it (CPU)."""
     out: dict[int, Optional[int]] = {}
@@ -153,13 +120,3 @@ def bytes_limits(devices: Sequence[Any]) -> dict[int, Optional[int]]:
             stats = {}
         out[i] = stats.get("bytes_limit")
     return out
-
-
-def check_fit(cfg: Any, layout: Layout, devices: Sequence[Any], arch: Any, weight_bytes: int,
-              kv_itemsize: int) -> None:
-    """Fail at start, naming the budget, when a device cannot hold its roles' share."""
-    server = rollout_bytes_per_device(arch, cfg.rollout, cfg.placement.rollout_tp, weight_bytes, kv_itemsize)
-    need = device_needs(layout, learner_bytes_per_device(arch.num_params(), len(layout.learner)), server)
-    errors = fit_errors(need, bytes_limits(devices))
-    if errors:
-        raise ConfigError("placement: the model does not fit its devices:\n  " + "\n  ".join(errors))
