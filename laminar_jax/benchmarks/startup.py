@@ -2,6 +2,7 @@
 compilation cache (runtime.compilation_cache_dir) filled by the first.
 
     python launch/bench.py startup [--config demo] [--set runtime.total_steps=10 ...] [--runs 2]
+    python launch/bench.py startup --depths 4,28 [--repeats 3]   (compile time against depth: startup_depth.py)
 
 Each run is a fresh process (as a user's would be) with its own empty-at-start cache directory
 shared by the runs. Compile time is what JAX's own monitoring events report: tracing, lowering,
@@ -90,8 +91,16 @@ def main(argv=None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="section.key=JSON value (repeatable)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="demo:short instead of the full demo")
+    ap.add_argument("--depths", default=None,
+                    help="e.g. 4,28: compile time of the learner step and the engine at each depth of a tiny-width "
+                         "model, cache off (benchmarks/startup_depth.py)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --depths: fresh processes per depth (medians)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.depths:
+        from laminar_jax.benchmarks import startup_depth
+
+        return startup_depth.main(tuple(int(x) for x in args.depths.split(",")), args.repeats)
     if args.child:
         print("STARTUP " + json.dumps(_child(args.config, args.set, args.child)), flush=True)
         return {}
