@@ -34,7 +34,6 @@ layer: the pages it DMAs).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
@@ -43,21 +42,24 @@ from typing import Any
 import numpy as np
 
 
-def decode_step_fn(model, kernel, page_size: int):
-    """step(params, pools, tokens, positions, page_table, active) -> (next tokens, new pools)."""
+def decode_step_fn(model, kernel, page_size: int, layer_pages: int):
+    """step(params, pools, tokens, positions, page_table, active) -> (next tokens, new pools); pools: one K
+    and one V pool of every layer's pages, ``layer_pages`` per layer (rollout/layered.py)."""
     import jax
     import jax.numpy as jnp
     from flax import nnx
 
     from laminar_jax.rollout.attention import DecodeMeta
+    from laminar_jax.rollout.layered import layered_backend
 
     graphdef, _ = nnx.split(model)
 
     def step(params, pools, tokens, positions, page_table, active):
         m = nnx.merge(graphdef, params)
         meta = DecodeMeta(page_table=page_table, positions=positions, active=active, page_size=page_size,
-                          kv_dtype=pools[0][0].dtype)
-        logits, new = m.forward_cached(tokens[:, None], positions[:, None], pools, functools.partial(kernel, meta=meta))
+                          kv_dtype=pools[0].dtype)
+        logits, new = m.forward_cached(tokens[:, None], positions[:, None], pools,
+                                       layered_backend(kernel, meta, layer_pages))
         return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), new
 
     return step
@@ -105,11 +107,12 @@ def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, pa
     pages_per_seq = -(-(context + 1) // page)
     num_pages = rows * pages_per_seq + 1
     abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    pool = abstract(head_major.pool_shape(num_pages, page, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-    args = (jax.tree.map(lambda x: abstract(x.shape, x.dtype), params), [(pool, pool)] * cfg.num_layers,
+    pool = abstract(head_major.pool_shape(num_pages * cfg.num_layers, page, cfg.num_kv_heads, cfg.head_dim),
+                    jnp.bfloat16)
+    args = (jax.tree.map(lambda x: abstract(x.shape, x.dtype), params), (pool, pool),
             abstract((rows,), jnp.int32), abstract((rows,), jnp.int32), abstract((rows, pages_per_seq), jnp.int32),
             abstract((rows,), jnp.bool_))
-    step = jax.jit(decode_step_fn(model, kernels_tpu.make_decode(), page), donate_argnums=(1,))
+    step = jax.jit(decode_step_fn(model, kernels_tpu.make_decode(), page, num_pages), donate_argnums=(1,))
     t0 = time.perf_counter()
     with jax.set_mesh(mesh):
         compiled = step.lower(*args).compile()

@@ -122,7 +122,8 @@ class Engine:
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = prg.Spec(graphdef, model_cfg.num_layers, self.page_size, self.kernels,
                               self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
-                              self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1])
+                              self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1],
+                              layer_pages=section.num_pages)
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     @property
@@ -222,7 +223,7 @@ class Engine:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
 
     def _state_shardings(self, mesh) -> DecodeState:
-        kv = tuple(tpl.pool_sharding(mesh) for _ in range(self.model_cfg.num_layers))
+        kv = tpl.pool_sharding(mesh)  # one pool of every layer's pages (rollout/layered.py)
         rep = tpl.replicated(mesh)
         return DecodeState(kv, kv, *([rep] * (len(DecodeState._fields) - 2)))
 
@@ -241,9 +242,10 @@ class Engine:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
         store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
 
-        def zeros(key):
-            shape = pool_shape(self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim, key=key)
-            return tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))
+        def zeros(key):  # every layer's pages in one pool, layer l's from l * num_pages (rollout/layered.py)
+            shape = pool_shape(self.section.num_pages * c.num_layers, self.page_size, c.num_kv_heads, c.head_dim,
+                               key=key)
+            return jnp.zeros(shape, store)
         return DecodeState(
             k_pages=zeros(True), v_pages=zeros(False),
             page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
@@ -382,7 +384,7 @@ class Engine:
             src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
             cached[i], last[i] = len(x) - 1, x[-1]
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
-        return self._settle(prg.share_prompt_jit(decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
+        return self._settle(prg.share_prompt_jit(self.model_cfg.num_layers, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
                                               cached, last, *init_columns(self._key_shape, inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
@@ -428,7 +430,7 @@ class Engine:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
         row = page_row(self.pages_per_seq, self.slot_pages[slot])
-        k, v = jax.device_get(prg.read_pages_jit(decode_state, row))
+        k, v = jax.device_get(prg.read_pages_jit(decode_state, row, self.model_cfg.num_layers))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 

@@ -32,6 +32,7 @@ from laminar_jax.rollout.attention import (
     to_pool,
 )
 from laminar_jax.rollout.kernels import DecodeKernels
+from laminar_jax.rollout.layered import every_layer, kv_buffer_backend, layered_backend
 from laminar_jax.rollout.paged import DecodeState, StepOutput
 from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens, token_keys
 
@@ -50,6 +51,7 @@ class Spec(NamedTuple):
     one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
     vocab_size: int = 0  # the logits' width (sizes call_noise)
     longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
+    layer_pages: int = 0  # pages per layer in the one pool of all layers (rollout/layered.py)
 
 
 def engine_model(spec: Spec, params):
@@ -59,9 +61,9 @@ def engine_model(spec: Spec, params):
 
 
 def _prefill_impl(spec: Spec, params, tokens, true_length):
-    """One prompt (tokens i32[1, T]): its KV (f[T, Hkv, D] per layer) and last token."""
+    """One prompt (tokens i32[1, T]): its KV (f[L, T, Hkv, D] each) and last token."""
     k, v = _prefill_rows_impl(spec, params, tokens, jnp.reshape(true_length, (1,)))
-    return tuple(x[0] for x in k), tuple(x[0] for x in v), tokens[0, true_length - 1]
+    return k[:, 0], v[:, 0], tokens[0, true_length - 1]
 
 
 def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
@@ -95,20 +97,30 @@ def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page
 
 
 def _scatter_prompt_kv(state, k, v, page, off):
-    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools at (page, off) i32[..., T]."""
-    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False) for p, x in zip(state.v_pages, v))
-    return state._replace(k_pages=kp, v_pages=vp)
+    """Prompt KV (f[L, ..., T, Hkv, D] in kv_dtype) into the pools at one layer's (page, off) i32[..., T]."""
+    num_layers = k.shape[0]
+    layer_pages = state.k_pages.shape[0] // num_layers
+    pages, off = every_layer(page, num_layers, layer_pages), jnp.broadcast_to(off, (num_layers, *off.shape))
+    return state._replace(k_pages=scatter_tokens(state.k_pages, pages, off, k, k.dtype, key=True),
+                          v_pages=scatter_tokens(state.v_pages, pages, off, v, v.dtype, key=False))
+
+
+def _prefill_kv(spec: Spec, model, tokens, positions, prefill):
+    """Every layer's k/v (f[L, B, T, Hkv, D] each, kv_dtype) of one forward through ``prefill``."""
+    c = model.cfg
+    shape = (spec.num_layers, *tokens.shape, c.num_kv_heads, c.head_dim)
+    buffers = (jnp.zeros(shape, spec.kv_dtype), jnp.zeros(shape, spec.kv_dtype))
+    _, (k, v) = model.forward_cached(tokens, positions, buffers, kv_buffer_backend(prefill, spec.kv_dtype),
+                                     spec.kernels.products)
+    return k, v
 
 
 def _prefill_rows_impl(spec: Spec, params, tokens, lengths):
-    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward."""
+    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward: f[L, B, T, Hkv, D] each."""
     model = engine_model(spec, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    backend = functools.partial(prefill_dense, valid_len=lengths - 1)
-    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend, spec.kernels.products)
-    return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
+    return _prefill_kv(spec, model, tokens, positions, functools.partial(prefill_dense, valid_len=lengths - 1))
 
 
 def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, page, offset, slots, page_rows,
@@ -118,18 +130,16 @@ def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, 
     page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
     model = engine_model(spec, params)
     backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
-    _, cache = model.forward_cached(tokens[None], positions[None], [None] * spec.num_layers, backend,
-                                    spec.kernels.products)
-    k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
-    v = tuple(c[1][0].astype(spec.kv_dtype) for c in cache)
-    state = _scatter_prompt_kv(state, k, v, page, offset)
+    k, v = _prefill_kv(spec, model, tokens[None], positions[None], backend)
+    state = _scatter_prompt_kv(state, k[:, 0], v[:, 0], page, offset)
     return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
 
 
-def _share_prompt_impl(state, src, dst, slot, page_row, num_cached, last_token, *init):
-    """Copy pages src[i] -> dst[i] in every layer's K and V pools, then set the slot."""
-    kp = tuple(p.at[dst].set(p[src]) for p in state.k_pages)
-    vp = tuple(p.at[dst].set(p[src]) for p in state.v_pages)
+def _share_prompt_impl(num_layers: int, state, src, dst, slot, page_row, num_cached, last_token, *init):
+    """Copy pages src[i] -> dst[i] of every layer in the K and V pools, then set the slot."""
+    num_layers, layer_pages = _layers(state, num_layers)
+    src, dst = (every_layer(x, num_layers, layer_pages).reshape(-1) for x in (src, dst))
+    kp, vp = (p.at[dst].set(p[src]) for p in (state.k_pages, state.v_pages))
     return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
 
 
@@ -137,16 +147,21 @@ def _deactivate_impl(state, slot):
     return state._replace(active=state.active.at[slot].set(False))
 
 
-def _read_pages_impl(state, page_row):
+def _layers(state, num_layers) -> tuple[int, int]:
+    """(layers, pages per layer) of the state's one pool of all layers."""
+    return num_layers, state.k_pages.shape[0] // num_layers
+
+
+def _read_pages_impl(state, page_row, num_layers: int):
     """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the pool layouts undone)."""
-    return (from_pool(jnp.stack([p[page_row] for p in state.k_pages]), key=True),
-            from_pool(jnp.stack([p[page_row] for p in state.v_pages]), key=False))
+    idx = every_layer(page_row, *_layers(state, num_layers))
+    return from_pool(state.k_pages[idx], key=True), from_pool(state.v_pages[idx], key=False)
 
 
 def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(scatter_pages(p, dst, to_pool(x, key=True), x.dtype) for p, x in zip(state.k_pages, k))  # kv_dtype
-    vp = tuple(scatter_pages(p, dst, to_pool(x, key=False), x.dtype) for p, x in zip(state.v_pages, v))
-    state = state._replace(k_pages=kp, v_pages=vp)
+    idx = every_layer(dst, *_layers(state, k.shape[0]))  # k, v f[L, n, page, Hkv, D] in kv_dtype
+    state = state._replace(k_pages=scatter_pages(state.k_pages, idx, to_pool(k, key=True), k.dtype),
+                           v_pages=scatter_pages(state.v_pages, idx, to_pool(v, key=False), v.dtype))
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
@@ -161,10 +176,9 @@ def _step(spec: Spec, model, state: DecodeState, live_bucket: int,
     if live_bucket:
         meta = meta._replace(live=live_page_list(meta, live_bucket))
         overflow = meta.live.count > live_bucket
-    backend = functools.partial(spec.kernels.attend, meta=meta)
-    cache = list(zip(state.k_pages, state.v_pages))
-    logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend,
-                                             spec.kernels.products)
+    backend = layered_backend(spec.kernels.attend, meta, spec.layer_pages)
+    logits, (k_pages, v_pages) = model.forward_cached(state.last_token[:, None], state.lengths[:, None],
+                                                      (state.k_pages, state.v_pages), backend, spec.kernels.products)
     keys = None if noise is not None else token_keys(state.keys, state.num_generated)
     tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise,
                             spec.kernels.argmax)
@@ -173,7 +187,7 @@ def _step(spec: Spec, model, state: DecodeState, live_bucket: int,
     n_gen = state.num_generated + emitted.astype(jnp.int32)
     done = emitted & (stopped | (n_gen >= state.max_new))
     state = state._replace(
-        k_pages=tuple(c[0] for c in new_cache), v_pages=tuple(c[1] for c in new_cache),
+        k_pages=k_pages, v_pages=v_pages,
         lengths=state.lengths + emitted.astype(jnp.int32),
         last_token=jnp.where(emitted, tok, state.last_token),
         num_generated=n_gen, active=state.active & ~done)
@@ -281,9 +295,9 @@ def programs(spec: Spec, params_treedef) -> Programs:
 
 insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
 deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
-read_pages_jit = jax.jit(_read_pages_impl)
+read_pages_jit = jax.jit(_read_pages_impl, static_argnums=(2,))
 write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
-share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
+share_prompt_jit = jax.jit(_share_prompt_impl, static_argnums=(0,), donate_argnums=(1,))
 attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
                      donate_argnums=(0,))
 
