@@ -3,6 +3,9 @@
 Parameters carry logical axis names (metadata ``out_sharding``) so the learner can map them
 onto a mesh: 'vocab', 'embed', 'heads', 'kv_heads', 'mlp', 'norm', 'head_dim'.
 Linear weights are stored [out, in] and named `weight`, as HF stores them (see `Linear`).
+The decoder layers are one module whose parameters stack every layer's on a leading axis (logical
+axis None), run as one ``lax.scan`` (`stack_layers`, `scan_layers`): compile time does not grow
+with depth.
 
 Training-path knobs (the decode path `forward_cached` never uses them): `forward(..., remat=...)`
 rematerializes each decoder layer in the backward pass (see REMAT_POLICIES), and

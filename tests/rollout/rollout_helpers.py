@@ -46,3 +46,9 @@ def run_until(server: RolloutServer, n: int, max_steps: int = 2000) -> dict:
         if len(out) >= n:
             return out
     raise AssertionError(f"only {len(out)}/{n} finished after {max_steps} steps: {server.stats()}")
+
+
+def layer_pools(pool, num_layers: int) -> list:
+    """A decode state's one pool of every layer's pages (rollout/layered.py) as each layer's own pages."""
+    x = np.asarray(pool)
+    return list(x.reshape(num_layers, -1, *x.shape[1:]))

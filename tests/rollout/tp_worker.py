@@ -37,7 +37,7 @@ def _run(server, reqs):
 def _layout(server):
     """Devices of the weights and the KV pool, and each device's KV shard shape."""
     params_dev = sorted(d.id for leaf in jax.tree.leaves(server._params) for d in leaf.sharding.device_set)
-    k0 = server._state.k_pages[0]
+    k0 = server._state.k_pages  # one K pool of every layer's pages
     return {"params": sorted(set(params_dev)), "kv": sorted(d.id for d in k0.sharding.device_set),
             "kv_shard": [list(s.data.shape) for s in k0.addressable_shards][:1],
             "state": sorted({d.id for x in jax.tree.leaves(server._state) for d in x.sharding.device_set})}
