@@ -52,13 +52,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.hf import is_stacked
 from laminar_jax.model.precision import cast_floating
 from laminar_jax.rollout import programs as prg
 from laminar_jax.rollout import tp as tpl
 from laminar_jax.rollout.attention import POOL_LAYOUT, pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
+from laminar_jax.rollout.layered import refill_stacked
 from laminar_jax.rollout.paged import (
     DecodeState,
     OutOfPages,
@@ -198,12 +202,21 @@ class Engine:
         cached = self._params_cache[1] if self._params_cache[0] is old else None  # _bind's resharded copies
         self._params_cache = (None, None, None, None)
         shardings = self.param_shardings(host) if self.mesh is not None else None
+        stacked = [is_stacked(tuple(getattr(k, "key", getattr(k, "name", k)) for k in p[:1]))
+                   for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
         new = []
         for i, (o, h) in enumerate(zip(old_leaves, host_leaves)):
-            for x in (o, None if cached is None else cached[i]):
+            in_place = stacked[i] and _refillable(o, h)  # the layer stack: refilled a layer at a time
+            for x in ([] if in_place else [o]) + ([] if cached is None or cached[i] is o else [cached[i]]):
                 if isinstance(x, jax.Array) and not x.is_deleted():
                     x.delete()
-            new.append(jax.device_put(h, self.devices[0]) if shardings is None else tpl.place_leaf(h, shardings[i]))
+            if in_place:
+                layer = None if shardings is None else jax.sharding.NamedSharding(self.mesh, P(*o.sharding.spec[1:]))
+                new.append(refill_stacked(o, h, lambda x: jax.device_put(x, self.devices[0]) if layer is None
+                                          else tpl.place_leaf(x, layer)))
+            else:
+                new.append(jax.device_put(h, self.devices[0]) if shardings is None
+                           else tpl.place_leaf(h, shardings[i]))
             if on_leaf is not None:
                 on_leaf(i, new[-1])
         return jax.tree.unflatten(treedef, new)
@@ -539,6 +552,12 @@ class Engine:
             self.slot_pages[slot] = pages
             self._cached_hi[slot] = len(x) - 1
         return rows, slot_ids
+
+
+def _refillable(old: Any, host: Any) -> bool:
+    """Whether a swap can write ``host`` into ``old``'s buffer in place (same shape and dtype, live)."""
+    return (isinstance(old, jax.Array) and not old.is_deleted() and old.ndim >= 1
+            and tuple(np.shape(host)) == old.shape and np.dtype(getattr(host, "dtype", None)) == old.dtype)
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:

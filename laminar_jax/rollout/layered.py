@@ -17,10 +17,12 @@ The page allocator, page tables and exported sequences speak of one layer's page
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from laminar_jax.rollout.attention import DecodeMeta
 
@@ -54,3 +56,19 @@ def kv_buffer_backend(prefill: Callable, kv_dtype) -> Callable:
         return out, (jax.lax.dynamic_update_index_in_dim(kb, k.astype(kv_dtype), layer, 0),
                      jax.lax.dynamic_update_index_in_dim(vb, v.astype(kv_dtype), layer, 0))
     return backend
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_layer(stack: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), index, 0)
+
+
+def refill_stacked(old: jax.Array, host, place_layer: Callable) -> jax.Array:
+    """A stacked parameter (leading layer axis) refilled in place from its host copy, one layer at a
+    time: the old buffer is donated to each layer's update, so the devices hold the stack plus one
+    layer of it during a weight swap, not two stacks. ``place_layer(host_layer)`` puts one layer on
+    the devices in the stack's layout minus its first axis."""
+    out = old
+    for i in range(old.shape[0]):
+        out = _set_layer(out, place_layer(np.asarray(host[i])), np.int32(i))
+    return out
