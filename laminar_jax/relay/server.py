@@ -42,16 +42,14 @@ from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.forward import Forwarder
 from laminar_jax.relay.gate import HandshakeGate
 from laminar_jax.relay.manifest import ManifestError
+from laminar_jax.relay.pulls import PullService
 from laminar_jax.relay.push import Downstream
 from laminar_jax.relay.ratelimit import make_limiter
-from laminar_jax.relay.pulls import PullService
 from laminar_jax.relay.receive import PushReceiver
 from laminar_jax.relay.store_check import StoreCheck
-from laminar_jax.relay.versions import HeldVersions, VersionBuf
+from laminar_jax.relay.versions import HeldVersions
 from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
 from laminar_jax.threads import Worker
-
-__all__ = ["RelayServer", "VersionBuf"]
 
 log = logging.getLogger(__name__)
 
