@@ -70,7 +70,7 @@ class BufferService:
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
         self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0,
-                         "zero_signal_groups_kept": 0}
+                         "zero_signal_groups_filtered": 0, "zero_signal_groups_kept": 0}
         self._filtered_this_batch = 0  # zero-signal groups filtered since the last batch (the refill bound)
         # Dispatch -> completion of the latest accepted samples: stats() (every learner step) takes their
         # percentiles, which over the whole run would cost O(samples so far) per step.
@@ -293,6 +293,7 @@ class BufferService:
             self.dispatcher.release(g.group)
         with self._lock:
             self._filtered_this_batch += len(filtered)
+            self.counters["zero_signal_groups_filtered"] += len(filtered)  # by this service (the ledger's: the run's)
             if rows is not None:
                 self._filtered_this_batch = 0
                 if self.cfg.learner.dynamic_sampling:  # taken past the refill bound

@@ -171,7 +171,7 @@ class Monitor:
         self.console = Console(cfg.runtime.progress, t0)
         self._sft_logged = False
         self._tool_start = _tool_call_ids(cfg)
-        self._signal_seen = (0, 0)  # the ledger's (filtered, consumed) prompts at the last step
+        self._signal_seen = 0  # zero-signal groups the buffer service had filtered at the last step
 
     def phase(self, what: str) -> None:
         self.console.phase(what)
@@ -200,7 +200,7 @@ class Monitor:
             rec["tool_call_rate"] = float(np.mean(calls)) if calls else 0.0
         rec["versions"] = [s.version for s in stats.servers]
         if self.cfg.learner.dynamic_sampling:
-            rec.update(self._zero_signal_step(stats.buffer.get("ledger", {})))
+            rec.update(self._zero_signal_step(stats.buffer, trajs))
         self.steps.append(rec)
         self.trained_tokens += rec["tokens"]
         step = int(metrics["version"])
@@ -212,13 +212,15 @@ class Monitor:
         self.console.step(step, self.cfg.runtime.total_steps, rec, tps, stats.servers, stats.buffer.get("queue", 0),
                           rec["t"] * step / max(len(self.steps), 1))
 
-    def _zero_signal_step(self, ledger: dict) -> dict:
+    def _zero_signal_step(self, buffer: dict, trajs) -> dict:
         """Dynamic sampling since the last step: groups filtered, and their share of the groups that
-        left the buffer (filtered + consumed for training)."""
-        filtered, consumed = ledger.get("filtered", 0), ledger.get("consumed", 0)
-        df, dc = filtered - self._signal_seen[0], consumed - self._signal_seen[1]
-        self._signal_seen = (filtered, consumed)
-        return {"zero_signal_dropped": df, "zero_signal_drop_rate": df / max(df + dc, 1)}
+        left the buffer (filtered + this step's trained groups). The buffer service counts from its
+        own start (a replaced or resumed one starts again at 0)."""
+        filtered = int(buffer.get("zero_signal_groups_filtered", 0))
+        df = filtered - (self._signal_seen if filtered >= self._signal_seen else 0)
+        self._signal_seen = filtered
+        trained = len({t.prompt_uid for t in trajs})
+        return {"zero_signal_dropped": df, "zero_signal_drop_rate": df / max(df + trained, 1)}
 
     def _tensorboard(self, rec: dict, step: int, stats: RunStats) -> None:
         for k in TB_TRAIN:

@@ -81,3 +81,28 @@ def test_the_refill_bound_fills_the_batch_with_zero_signal_groups_past_it(tmp_pa
     test_driver._exactly_once(s, cfg, trained)
     per_batch = cfg.runtime.prompts_per_step
     assert s["zero_signal_groups_dropped"] == 3 * per_batch and s["zero_signal_groups_kept"] == 3 * per_batch
+
+
+@pytest.mark.slow  # two real demo runs; the driver tests above cover every mode in the default tier
+def test_demo_run_filters_zero_signal_groups_and_resumes_without_loss(tmp_path):
+    from laminar_jax.runtime.local import run_local
+
+    def run(steps):
+        cd = test_driver.repo_config("demo", "short")
+        cd.runtime.run_dir, cd.runtime.total_steps = str(tmp_path / "run"), steps
+        cd.learner.dynamic_sampling = True
+        cd.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test
+        return run_local(finalize(cd))
+
+    first = run(2)
+    # After the SFT warm-start about half the demo's groups of 4 are all-correct or all-wrong.
+    assert first["steps"] == 2 and first["zero_signal_groups_dropped"] > 0
+    assert first["lost_prompts"] == 0 and first["duplicated_prompts"] == 0 and first["consumed_prompts"] == 2 * 8
+    second = run(4)  # resumes from the first run's final checkpoint, its ledger included
+    assert second["steps"] == 4 and second["steps_this_run"] == 2
+    assert second["lost_prompts"] == 0 and second["duplicated_prompts"] == 0 and second["consumed_prompts"] == 4 * 8
+    assert second["zero_signal_groups_dropped"] >= first["zero_signal_groups_dropped"]
+    d, c = second["zero_signal_groups_dropped"], second["consumed_prompts"]
+    assert second["zero_signal_drop_rate"] == round(d / (d + c), 4)
+    with open(os.path.join(tmp_path, "run", "metrics.jsonl")) as f:  # both runs' steps, each counted once
+        assert sum(json.loads(line)["zero_signal_dropped"] for line in f) == d
