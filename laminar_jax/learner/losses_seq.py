@@ -21,7 +21,8 @@ For trajectory i with response tokens t (mask 1; n_i of them):
       log rho_i = sum_t (logp_prox_t - logp_behav_t)          seq_is_ratio='product'
       log rho_i = (1/n_i) sum_t (logp_prox_t - logp_behav_t)  seq_is_ratio='geometric'
       seq_tis:  w_i = min(rho_i, high)                        (truncated IS; verl's rollout_is='sequence')
-      seq_mask: w_i = 1 if low <= rho_i <= high else 0        (rejection; verl's seq_sum_k1 / seq_mean_k1)
+      seq_mask: w_i = 1 if low <= rho_i <= high else 0        (rejection; verl's seq_sum_k1 / seq_mean_k1,
+                                                               which bound 1/rho_i: the same band when low = 1/high)
   The weight multiplies every token loss of trajectory i and carries no gradient; the PPO ratio is
   taken against the proximal policy, as with off_policy='tis'. log rho_i is clamped to [-20, 20]
   before exp (as verl does), which changes nothing inside any band a config can name.
