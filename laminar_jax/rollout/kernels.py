@@ -30,13 +30,20 @@ Registering an accelerator kernel (a module listed in ``laminar_jax.kernels.PLUG
     seam.register_attention(seam.AttentionKernel("pallas_gpu_paged", decode_fn, refuses, auto_rank=10), "gpu")
     seam.PLUGIN_ATTENTION["pallas_gpu_paged"] = "gpu"  # (in this module, so configs may name it unloaded)
 
-A kernel that reads another pool layout than the engine's (``attention.POOL_LAYOUT``) declares it
-in ``pool_layout``; the engine refuses a layout it does not allocate.
+A kernel that reads another pool layout than the portable one (``attention.POOL_LAYOUT``) declares
+it in ``pool_layout`` (the engine allocates its pools in that layout; pages leave it in one wire
+layout whatever the pools'), and a kernel that is one custom call XLA cannot partition sets
+``per_shard``: under tensor parallelism the engine runs it per KV-head shard (``over_mesh``).
+
+The Pallas kernels register so (rollout/kernels_gpu.py on 'gpu', rollout/kernels_tpu.py on 'tpu',
+both head-major and per-shard, ranked above ``live_pages``). Tests run them on the CPU in interpret
+mode by passing ``make_decode(interpret=True)`` as an extra backend under their name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
 import jax.numpy as jnp
@@ -73,12 +80,13 @@ class AttentionKernel(NamedTuple):
     refuses: Optional[Callable[[Geometry], Optional[str]]] = None  # why it cannot serve a geometry, or None
     auto_rank: int = 0  # 'auto' takes the highest-ranked kernel that serves; < 0: only when named
     needs_live_pages: bool = False  # the engine computes DecodeMeta.live (and its buckets) for it
-    pool_layout: str = POOL_LAYOUT  # the KV pools' layout it reads
+    pool_layout: str = POOL_LAYOUT  # the KV pools' layout it reads (the engine allocates its pools so)
+    per_shard: bool = False  # one custom call XLA cannot partition: under TP it runs per KV-head shard
 
 
 # Attention kernels that plugins register, with their platform: config validation and error
 # messages know them without loading the plugin.
-PLUGIN_ATTENTION: dict[str, str] = {"cpu_kernel": "cpu"}
+PLUGIN_ATTENTION: dict[str, str] = {"cpu_kernel": "cpu", "pallas_gpu_paged": "gpu", "pallas_tpu_paged": "tpu"}
 # Weight-product policies only a plugin serves, with its platform.
 PLUGIN_PRODUCTS: dict[str, str] = {"native": "cpu"}
 PRODUCT_POLICIES = ("auto", "native", "xla")
@@ -133,6 +141,15 @@ class DecodeKernels:
     needs_live_pages: bool = False
     reason: str = ""  # why 'auto' passed over a faster kernel ('' when nothing was passed over)
     pool_layout: str = POOL_LAYOUT  # the KV pools' layout the attention reads
+    per_shard: bool = False  # the attention runs per tensor-parallel shard (see over_mesh)
+
+    def over_mesh(self, mesh, axis: str) -> "DecodeKernels":
+        """These kernels for an engine on ``mesh`` (TP over ``axis``): a per-shard attention wrapped to run
+        on each shard's KV heads (head_major.shard_over_kv_heads); the others as they are (GSPMD
+        partitions them). Equal meshes give equal kernels, so equal engines share compiled programs."""
+        if not self.per_shard or mesh.shape.get(axis, 1) == 1:
+            return self
+        return dataclasses.replace(self, attend=_per_shard(self.attend, mesh, axis))
 
     @property
     def products_name(self) -> str:
@@ -157,7 +174,8 @@ def choose_attention(name: str, platform: str, geometry: Geometry, extra: Option
     offered = _offered(platform)
     for key, fn in (extra or {}).items():
         offered[key] = AttentionKernel(key, fn, auto_rank=-1, needs_live_pages=getattr(fn, "needs_live_pages", False),
-                                       pool_layout=getattr(fn, "pool_layout", POOL_LAYOUT))
+                                       pool_layout=getattr(fn, "pool_layout", POOL_LAYOUT),
+                                       per_shard=getattr(fn, "per_shard", False))
     if name != AUTO:
         kernel = offered.get(name)
         home = PLUGIN_ATTENTION.get(name)
@@ -214,7 +232,14 @@ def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform
     argmax, argmax_name = choose_argmax(platform, geometry)
     reason = "; ".join(r for r in (why_attention, why_products) if r)
     return DecodeKernels(kernel.name, kernel.fn, products, argmax, argmax_name, platform, kernel.needs_live_pages,
-                         reason, kernel.pool_layout)
+                         reason, kernel.pool_layout, kernel.per_shard)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_shard(attend: DecodeBackend, mesh, axis: str) -> DecodeBackend:
+    from laminar_jax.rollout.head_major import shard_over_kv_heads
+
+    return shard_over_kv_heads(attend, mesh, axis)
 
 
 def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_size: int, head_dim: int,
