@@ -34,33 +34,12 @@ layer: the pages it DMAs).
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 import time
 from typing import Any
 
 import numpy as np
-
-
-def decode_step_fn(model, kernel, page_size: int):
-    """step(params, pools, tokens, positions, page_table, active) -> (next tokens, new pools)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from laminar_jax.rollout.attention import DecodeMeta
-
-    graphdef, _ = nnx.split(model)
-
-    def step(params, pools, tokens, positions, page_table, active):
-        m = nnx.merge(graphdef, params)
-        meta = DecodeMeta(page_table=page_table, positions=positions, active=active, page_size=page_size,
-                          kv_dtype=pools[0][0].dtype)
-        logits, new = m.forward_cached(tokens[:, None], positions[:, None], pools, functools.partial(kernel, meta=meta))
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), new
-
-    return step
 
 
 def needed_bytes(cfg, weight_bytes: int, rows: int, context: int, itemsize: int) -> int:
@@ -77,56 +56,125 @@ def kernel_bytes(cfg, rows: int, context: int, pages_per_seq: int, page: int, it
     return 2 * cfg.num_layers * rows * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
-                    topology: str = "v5e:2x2") -> dict[str, Any]:
+def tpu_engine(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
+               topology: str = "v5e:2x2", attention_impl: str = "auto"):
+    """(engine, abstract params, topology device): a rollout Engine of ``preset`` (bf16) on one chip of a
+    compile-only TPU topology, its kernels chosen by the seam for 'tpu' (the Pallas kernel where it serves),
+    one decode step per call, a page table that holds ``context + 1`` tokens per row."""
     import dataclasses
 
-    import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from laminar_jax.model import PRESETS, Transformer
-    from laminar_jax.rollout import head_major, kernels_tpu
+    from laminar_jax.rollout import RolloutSection, make_engine
+    from laminar_jax.rollout.tp import tp_mesh
 
     cfg = PRESETS[preset]
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
-    ok, why = kernels_tpu.supports(head_major.DecodeGeometry("tpu", jnp.bfloat16, page, cfg.head_dim, cfg.num_heads,
-                                                             cfg.num_kv_heads, 1))
-    if not ok:
-        raise ValueError(f"{preset}: the TPU decode kernel cannot serve it: {why}")
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    mesh = Mesh(np.array(topo.devices[:1]), ("x",))  # one chip; Mosaic reads the chip from the mesh's device
-    rep = NamedSharding(mesh, P())
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-    _, params = nnx.split(model)
     pages_per_seq = -(-(context + 1) // page)
-    num_pages = rows * pages_per_seq + 1
-    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    pool = abstract(head_major.pool_shape(num_pages, page, cfg.num_kv_heads, cfg.head_dim), jnp.bfloat16)
-    args = (jax.tree.map(lambda x: abstract(x.shape, x.dtype), params), [(pool, pool)] * cfg.num_layers,
-            abstract((rows,), jnp.int32), abstract((rows,), jnp.int32), abstract((rows, pages_per_seq), jnp.int32),
-            abstract((rows,), jnp.bool_))
-    step = jax.jit(decode_step_fn(model, kernels_tpu.make_decode(), page), donate_argnums=(1,))
+    section = RolloutSection(num_slots=rows, page_size=page, num_pages=rows * pages_per_seq + 1,
+                             max_prompt_len=min(context, 256), max_total_len=pages_per_seq * page,
+                             max_new_tokens=1, decode_steps_per_call=1, attention_impl=attention_impl,
+                             temperature=0.0, dtype="bfloat16")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    # One chip (a TP-1 mesh): Mosaic reads the chip from the mesh's device.
+    engine, params = make_engine(model, section, mesh=tp_mesh(topo.devices[:1]))
+    return engine, params, topo.devices[0]
+
+
+def compile_generate(engine, params):
+    """The engine's generate program (one decode step for every slot: the forward through the seam's
+    kernels, the token written into the donated pools, sampling) lowered and compiled from shapes."""
+    import jax
+
+    from laminar_jax.rollout import programs as prg
+
+    leaves, treedef = jax.tree.flatten(params)
+    shardings = engine.param_shardings(params)
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(engine._zero_state), engine.state_shardings)
+    rows, n_chunks = engine.schedule.rows(list(range(engine.num_slots)))
+    generate = prg.programs(engine._spec, treedef).generate
+    with jax.set_mesh(engine.mesh):
+        return generate.lower(leaves, state, rows, n_chunks, engine.schedule.live_buckets[-1]).compile()
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "copy-done", "while", "conditional", "call")
+
+
+def _shape_bytes(text: str) -> int:
+    import re
+
+    total = 0
+    for dtype, dims in re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]", text):
+        total += _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def traffic_by_op(hlo: str, top: int = 10) -> list[tuple[str, float]]:
+    """A rough attribution of a compiled module's memory traffic: per top-level instruction (fusions,
+    custom calls, copies, scatters; not the insides of fusions) its operands' and result's bytes,
+    summed by the JAX op that made it (``metadata op_name``, its last two path parts). MB, largest first.
+    Like XLA's cost model it counts a loop body once; unlike it, it charges a custom call its operands."""
+    import re
+
+    sizes: dict[str, int] = {}
+    by_op: dict[str, int] = {}
+    fused = False
+    for line in hlo.splitlines():
+        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
+        if head and " = " not in line:
+            fused = "fused" in head.group(2) or "computation" in head.group(2) and not head.group(1)
+            continue
+        m = re.match(r"^\s*(ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+        sizes[name] = _shape_bytes(shape)
+        if fused or op in _NO_TRAFFIC:
+            continue
+        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
+        moved = sizes[name] + sum(sizes.get(o, 0) for o in operands)
+        where = re.search(r'op_name="([^"]*)"', line)
+        key = "/".join(where.group(1).split("/")[-2:]) if where else op
+        by_op[key] = by_op.get(key, 0) + moved
+    return [(k, v / 1e6) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+
+
+def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
+                    topology: str = "v5e:2x2", attention_impl: str = "auto") -> dict[str, Any]:
+    import jax
+
+    engine, params, device = tpu_engine(preset, rows, context, layers=layers, page=page, topology=topology,
+                                        attention_impl=attention_impl)
+    cfg = engine.model_cfg
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step.lower(*args).compile()
+    compiled = compile_generate(engine, params)
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_bytes, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    pages_per_seq = engine.pages_per_seq
     kv = kernel_bytes(cfg, rows, context, pages_per_seq, page, 2)
     writes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * 2  # the new token's K and V
     need = needed_bytes(cfg, weight_bytes, rows, context, 2)
     hlo = compiled.as_text()
-    return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": topo.devices[0].device_kind,
+    return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": device.device_kind,
             "preset": preset, "layers": cfg.num_layers, "rows": rows, "context": context, "page_size": page,
-            "compile_s": compile_s, "mosaic_kernels": hlo.count("tpu_custom_call"),
+            "decode_kernel": engine.kernels.summary(), "compile_s": compile_s,
+            "mosaic_kernels": hlo.count("tpu_custom_call"),
             "weight_bytes": weight_bytes, "needed_bytes": need, "xla_bytes_accessed": xla_bytes,
-            "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops}
+            "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops,
+            "traffic_by_op_mb": traffic_by_op(hlo)}
 
 
 # An H100 SXM as XLA:GPU's compiler sees it (xla::GpuTargetConfigProto, text format): what a

@@ -46,12 +46,12 @@ import dataclasses
 import functools
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 
 from laminar_jax.kernels import load_plugin, train_products
 from laminar_jax.model.products import Products
 from laminar_jax.rollout.attention import POOL_LAYOUT, DecodeBackend, gather_dense, gather_gqa, live_pages, pool_scan
-from laminar_jax.rollout.sampling import first_argmax
 
 AUTO = "auto"
 
@@ -135,7 +135,7 @@ class DecodeKernels:
     attention: str  # the decode attention's name
     attend: DecodeBackend
     products: Products  # the engine programs' weight products
-    argmax: Callable  # sampling's first maximum per row (sampling.first_argmax or a kernel picking the same index)
+    argmax: Callable  # sampling's first maximum per row (xla_argmax, or a kernel picking the same index)
     argmax_name: str
     platform: str
     needs_live_pages: bool = False
@@ -213,12 +213,20 @@ def choose_products(policy: str, platform: str, geometry: Geometry, largest_weig
     return train_products(platform), ""
 
 
+def xla_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis as i32: the index sampling.first_argmax defines (the first maximum,
+    a NaN counting as the maximum) in one variadic reduction, which accelerators fuse into one pass
+    over the logits (first_argmax's max, compare and min take several: it is XLA:CPU's form)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
 def choose_argmax(platform: str, geometry: Geometry) -> tuple[Callable, str]:
-    """Sampling's argmax: a platform kernel that picks the index sampling.first_argmax picks, else that one."""
+    """Sampling's argmax: a platform's choice (the CPU plugin's), else jnp.argmax; each picks the index
+    sampling.first_argmax picks."""
     load_plugin(platform)
     chooser = _ARGMAX.get(platform)
     picked = chooser(geometry) if chooser is not None else None
-    return picked if picked is not None else (first_argmax, "xla")
+    return picked if picked is not None else (xla_argmax, "xla")
 
 
 def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform: str, geometry: Geometry,

@@ -16,7 +16,6 @@ from laminar_jax.cpu import native
 from laminar_jax.cpu.native import ops
 from laminar_jax.rollout import attention, kernels as seam
 from laminar_jax.rollout.kernels import AttentionKernel, Geometry, choose_decode_kernels
-from laminar_jax.rollout.sampling import first_argmax
 from laminar_jax.rollout.schedule import AUTO_STEPS_ACCELERATOR, steps_per_call
 
 GOOD = Geometry(heads=12, kv_heads=4, head_dim=64, page_size=16, dtype=jnp.float32)
@@ -82,7 +81,7 @@ def test_accelerators_fall_back_to_portable_kernels_with_the_reason_and_no_cpu_w
     # The portable live_pages with a plain gather, not the CPU plugin's one-hot product form.
     assert k.attend is attention.live_pages
     assert k.products.kernel is None and k.products.low_out is None  # bf16 products come out in bf16
-    assert k.argmax is first_argmax and k.argmax_name == "xla"
+    assert k.argmax is seam.xla_argmax and k.argmax_name == "xla"  # not XLA:CPU's first_argmax form
     assert choose(platform, attention_impl="gather_dense").attention == "gather_dense"
     with pytest.raises(ValueError, match=rf"rollout\.attention_impl='pallas_{platform}_paged' cannot run {why}"):
         choose(platform, geometry, attention_impl=f"pallas_{platform}_paged")
@@ -212,3 +211,15 @@ print('OK')
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_xla_argmax_picks_the_index_first_argmax_picks():
+    import numpy as np
+
+    from laminar_jax.rollout.sampling import first_argmax
+
+    inf, nan = np.inf, np.nan
+    x = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [2.0, 2.0, 2.0, 2.5]])
+    x = jnp.concatenate([x, jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)])
+    np.testing.assert_array_equal(seam.xla_argmax(x), first_argmax(x))
+    assert seam.xla_argmax(x).dtype == jnp.int32
