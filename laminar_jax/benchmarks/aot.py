@@ -21,14 +21,16 @@ step: every layer through ``Transformer.forward_cached`` with the TPU paged atte
 are donated (updated in place).
 
 Bytes: the step must read its weights and the live KV (rows x (context + 1) tokens, K and V, every
-layer). ``ratio`` = the compiled step's ``cost_analysis()["bytes accessed"]`` / those bytes (goal
-<= 1.25). XLA's cost model is an estimate, not a trace: it cannot see inside a Mosaic kernel and
-charges the custom call with its whole operands (every layer's entire KV pool, whatever the rows'
-lengths), and probes of single ops for the same v5e charge a 64-row bf16 product ~5x its weight's
-bytes (a prefetch copy of the weight and re-reads of it counted, in either weight layout) while the
-embedding gather is charged only its rows. The kernel's real KV reads are given by construction
-(``kernel_kv_bytes``: per row, its length rounded up to the kernel's block of pages, K and V, every
-layer: the pages it DMAs).
+layer). ``ratio`` = the compiled step's ``cost_analysis()["bytes accessed"]`` / those bytes. XLA's
+cost model is not an HBM count: it charges every operand and result whatever its memory space, so a
+weight the compiler prefetches into VMEM is charged for the copy (read and write) and again for the
+product that reads it on chip, and it charges a Pallas call only part of what it reads.
+``hbm_ratio`` (goal <= 1.25) = ``hbm_traffic``'s estimate of the step's HBM traffic from the compiled
+module / those bytes: top-level instructions read their HBM operands and write their HBM results,
+on-chip arrays count nothing, scatters write in place, gathers read their rows, the Pallas kernel reads
+its pools whole (an upper bound: here every page of the table). ``hbm_by_op_mb`` names the largest
+parts. The kernel's own KV reads from its blocking are ``kernel_kv_bytes`` (per row, its length
+rounded up to the kernel's block of pages, K and V, every layer: the pages it DMAs).
 """
 
 from __future__ import annotations
@@ -106,47 +108,82 @@ def compile_generate(engine, params):
 
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
                 "s64": 8, "u64": 8, "f64": 8}
+# No memory traffic of their own (aliases, control flow whose bodies are counted, async halves).
 _NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
-               "copy-done", "while", "conditional", "call")
+               "copy-done", "slice-done", "while", "conditional", "call", "opt-barrier")
+_IN_PLACE = ("scatter", "dynamic-update-slice")  # write their updates into their first operand's buffer
+_ROWS = ("gather", "dynamic-slice")  # read only the rows they return
 
 
-def _shape_bytes(text: str) -> int:
+def _hbm_bytes(shape: str, on_chip: bool = False) -> int:
+    """Bytes of the HBM arrays in an HLO shape (tuple or array); arrays in another memory space
+    (``S(n)``: VMEM, SMEM: on-chip) count nothing (``on_chip``: only those count)."""
     import re
 
     total = 0
-    for dtype, dims in re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\]", text):
+    for dtype, dims, layout in re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\](\{[^}]*\})?", shape):
+        if ("S(" in (layout or "")) != on_chip:
+            continue
         total += _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
     return total
 
 
-def traffic_by_op(hlo: str, top: int = 10) -> list[tuple[str, float]]:
-    """A rough attribution of a compiled module's memory traffic: per top-level instruction (fusions,
-    custom calls, copies, scatters; not the insides of fusions) its operands' and result's bytes,
-    summed by the JAX op that made it (``metadata op_name``, its last two path parts). MB, largest first.
-    Like XLA's cost model it counts a loop body once; unlike it, it charges a custom call its operands."""
+def hbm_traffic(hlo: str) -> tuple[int, list[tuple[str, float]]]:
+    """An estimate of a compiled TPU module's HBM traffic, and its largest parts by JAX op (MB).
+
+    Why not ``cost_analysis()["bytes accessed"]``: XLA's cost model counts every operand and result
+    whatever its memory space, so a weight the compiler prefetches into VMEM (``copy-start`` /
+    ``slice-start`` to ``S(1)``) is charged for the copy (read and write) and again for the product
+    that reads it on chip, and it charges a Pallas call only part of what it reads. Here each top-level
+    instruction (a fusion counted whole, not its insides; loop and branch bodies once) reads its
+    operands and writes its result in HBM, except: arrays on chip count nothing; a scatter or
+    dynamic-update-slice (or a fusion ending in one) writes in place, moving its updates, not the
+    buffer; a gather or dynamic-slice (or a fusion ending in one) reads the rows it returns; a custom
+    call (the Pallas kernel) reads its operands whole (for the kernel, the pools: every page of the
+    table, an upper bound of the live KV it DMAs)."""
     import re
 
+    ops_in: dict[str, set] = {}  # computation -> the ops in it (a fusion is classed by what it holds)
+    comp = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            comp = head.group(1)
+        op = re.match(r"^\s*(?:ROOT )?%[\w.\-]+ = .+? ([\w\-]+)\(", line)
+        if op:
+            ops_in.setdefault(comp, set()).add(op.group(1))
     sizes: dict[str, int] = {}
     by_op: dict[str, int] = {}
-    fused = False
+    comp = ""
     for line in hlo.splitlines():
-        head = re.match(r"^(ENTRY )?%?([\w.\-]+) .*\{$", line)
-        if head and " = " not in line:
-            fused = "fused" in head.group(2) or "computation" in head.group(2) and not head.group(1)
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            comp = head.group(1)
             continue
-        m = re.match(r"^\s*(ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$", line)
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$", line)
         if not m:
             continue
-        name, shape, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
-        sizes[name] = _shape_bytes(shape)
-        if fused or op in _NO_TRAFFIC:
+        name, shape, op, rest = m.groups()
+        sizes[name] = _hbm_bytes(shape)
+        if comp.startswith("fused") or op in _NO_TRAFFIC:
             continue
-        operands = re.findall(r"%([\w.\-]+)", rest.split("), ")[0])
-        moved = sizes[name] + sum(sizes.get(o, 0) for o in operands)
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        inside = ops_in.get(called.group(1), set()) if op == "fusion" and called else {op}
+        kind = next((k for k in (*_IN_PLACE, *_ROWS) if k in inside), op)
+        operands = [sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", rest.split(")")[0])]
+        if op in ("copy-start", "slice-start"):  # a prefetch into on-chip memory reads what it lands
+            moved = _hbm_bytes(shape, on_chip=True)
+        elif kind in _IN_PLACE and operands:
+            moved = 2 * (sum(operands) - max(operands))
+        elif kind in _ROWS and operands:
+            moved = 2 * sizes[name] + sum(operands) - max(operands)
+        else:
+            moved = sizes[name] + sum(operands)
         where = re.search(r'op_name="([^"]*)"', line)
         key = "/".join(where.group(1).split("/")[-2:]) if where else op
         by_op[key] = by_op.get(key, 0) + moved
-    return [(k, v / 1e6) for k, v in sorted(by_op.items(), key=lambda kv: -kv[1])[:top]]
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])
+    return sum(by_op.values()), [(k, round(v / 1e6, 1)) for k, v in top[:12]]
 
 
 def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
@@ -168,13 +205,14 @@ def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, pa
     writes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * 2  # the new token's K and V
     need = needed_bytes(cfg, weight_bytes, rows, context, 2)
     hlo = compiled.as_text()
+    hbm, by_op = hbm_traffic(hlo)
     return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": device.device_kind,
             "preset": preset, "layers": cfg.num_layers, "rows": rows, "context": context, "page_size": page,
             "decode_kernel": engine.kernels.summary(), "compile_s": compile_s,
             "mosaic_kernels": hlo.count("tpu_custom_call"),
             "weight_bytes": weight_bytes, "needed_bytes": need, "xla_bytes_accessed": xla_bytes,
             "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops,
-            "traffic_by_op_mb": traffic_by_op(hlo)}
+            "hbm_bytes_estimate": hbm, "hbm_ratio": hbm / need, "hbm_by_op_mb": by_op}
 
 
 # An H100 SXM as XLA:GPU's compiler sees it (xla::GpuTargetConfigProto, text format): what a
@@ -298,7 +336,8 @@ def main(argv: list[str]) -> dict:
           f"compiled in {r['compile_s']:.1f} s, {r['mosaic_kernels']} Mosaic kernels; bytes: XLA "
           f"{r['xla_bytes_accessed'] / 1e6:.1f} MB accessed (cost model) vs {r['needed_bytes'] / 1e6:.1f} MB needed "
           f"(weights {r['weight_bytes'] / 1e6:.1f}, live KV {(r['needed_bytes'] - r['weight_bytes']) / 1e6:.1f}; "
-          f"the kernel DMAs {r['kernel_kv_bytes'] / 1e6:.1f}) -> {r['ratio']:.3f}x")
+          f"the kernel DMAs {r['kernel_kv_bytes'] / 1e6:.1f}) -> {r['ratio']:.3f}x; HBM estimate "
+          f"{r['hbm_bytes_estimate'] / 1e6:.1f} MB -> {r['hbm_ratio']:.3f}x (largest: {r['hbm_by_op_mb'][:4]})")
     return emit(r)
 
 
