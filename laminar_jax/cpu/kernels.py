@@ -26,6 +26,7 @@ from laminar_jax.cpu.native import ops as native_ops
 from laminar_jax.model.products import Products
 from laminar_jax.rollout import kernels as seam
 from laminar_jax.rollout.attention import DecodeMeta, live_pages, write_kv
+from laminar_jax.rollout.sampling import first_argmax
 
 PLATFORM = "cpu"
 
@@ -150,7 +151,11 @@ def native_argmax_here(platform: str, tensor_parallel: bool) -> bool:
 
 
 def argmax_for(g: seam.Geometry) -> Optional[tuple[Callable, str]]:
-    return (native_ops.first_argmax, "native") if native_argmax_here(PLATFORM, g.tensor_parallel > 1) else None
+    """The native kernel where it serves, else sampling.first_argmax (XLA:CPU's jnp.argmax is a variadic
+    reduction that does not vectorise; the seam's default off the CPU is jnp.argmax)."""
+    if native_argmax_here(PLATFORM, g.tensor_parallel > 1):
+        return native_ops.first_argmax, "native"
+    return first_argmax, "xla"
 
 
 seam.register_attention(seam.AttentionKernel("cpu_kernel", cpu_kernel, _cpu_kernel_refuses, auto_rank=10),

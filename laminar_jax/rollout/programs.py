@@ -27,8 +27,10 @@ from laminar_jax.rollout.attention import (
     live_page_list,
     prefill_dense,
     prefill_packed,
+    copy_pages,
     scatter_pages,
     scatter_tokens,
+    take_pages,
     to_pool,
 )
 from laminar_jax.rollout.kernels import DecodeKernels
@@ -87,17 +89,17 @@ def _prompt_positions(page_size: int, page_rows, lengths, t: int):
     return page, jnp.broadcast_to(pos % page_size, page.shape)
 
 
-def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
+def _insert_impl(page_size: int, layout: str, state, k, v, prompt_len, last_token, slot, page_row, *init):
     page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
     page, off = page[0], off[0]
-    state = _scatter_prompt_kv(state, k, v, page, off)
+    state = _scatter_prompt_kv(state, k, v, page, off, layout)
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
 
 
-def _scatter_prompt_kv(state, k, v, page, off):
-    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools at (page, off) i32[..., T]."""
-    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False) for p, x in zip(state.v_pages, v))
+def _scatter_prompt_kv(state, k, v, page, off, layout: str):
+    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools (``layout``) at (page, off) i32[..., T]."""
+    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True, layout=layout) for p, x in zip(state.k_pages, k))
+    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False, layout=layout) for p, x in zip(state.v_pages, v))
     return state._replace(k_pages=kp, v_pages=vp)
 
 
@@ -122,14 +124,14 @@ def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, 
                                     spec.kernels.products)
     k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
     v = tuple(c[1][0].astype(spec.kv_dtype) for c in cache)
-    state = _scatter_prompt_kv(state, k, v, page, offset)
+    state = _scatter_prompt_kv(state, k, v, page, offset, spec.kernels.pool_layout)
     return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
 
 
-def _share_prompt_impl(state, src, dst, slot, page_row, num_cached, last_token, *init):
-    """Copy pages src[i] -> dst[i] in every layer's K and V pools, then set the slot."""
-    kp = tuple(p.at[dst].set(p[src]) for p in state.k_pages)
-    vp = tuple(p.at[dst].set(p[src]) for p in state.v_pages)
+def _share_prompt_impl(layout: str, state, src, dst, slot, page_row, num_cached, last_token, *init):
+    """Copy pages src[i] -> dst[i] in every layer's K and V pools (``layout``), then set the slot."""
+    kp = tuple(copy_pages(p, src, dst, key=True, layout=layout) for p in state.k_pages)
+    vp = tuple(copy_pages(p, src, dst, key=False, layout=layout) for p in state.v_pages)
     return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
 
 
@@ -137,15 +139,21 @@ def _deactivate_impl(state, slot):
     return state._replace(active=state.active.at[slot].set(False))
 
 
-def _read_pages_impl(state, page_row):
-    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the pool layouts undone)."""
-    return (from_pool(jnp.stack([p[page_row] for p in state.k_pages]), key=True),
-            from_pool(jnp.stack([p[page_row] for p in state.v_pages]), key=False))
+def _read_pages_impl(layout: str, state, page_row):
+    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the wire layout, whatever the
+    pools' ``layout``), still stored (the caller views the bits as the KV dtype)."""
+    def read(pools, key):
+        return from_pool(jnp.stack([take_pages(p, page_row, key=key, layout=layout) for p in pools]), key=key,
+                         layout=layout)
+    return read(state.k_pages, True), read(state.v_pages, False)
 
 
-def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    kp = tuple(scatter_pages(p, dst, to_pool(x, key=True), x.dtype) for p, x in zip(state.k_pages, k))  # kv_dtype
-    vp = tuple(scatter_pages(p, dst, to_pool(x, key=False), x.dtype) for p, x in zip(state.v_pages, v))
+def _write_slot_impl(layout: str, state, k, v, dst, slot, page_row, num_cached, last_token, *init):
+    """Pages k, v (f[L, n, page, Hkv, D] in the KV dtype: the wire layout) into pages dst of the pools."""
+    def write(pools, x, key):
+        return tuple(scatter_pages(p, dst, to_pool(y, key=key, layout=layout), y.dtype, key=key, layout=layout)
+                     for p, y in zip(pools, x))
+    kp, vp = write(state.k_pages, k, True), write(state.v_pages, v, False)
     state = state._replace(k_pages=kp, v_pages=vp)
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
@@ -270,7 +278,7 @@ def programs(spec: Spec, params_treedef) -> Programs:
     return Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
         prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: tpl.constrain(_insert_impl(
-            spec.page_size, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
+            spec.page_size, spec.kernels.pool_layout, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
             tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
@@ -279,11 +287,12 @@ def programs(spec: Spec, params_treedef) -> Programs:
             _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
 
 
-insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
+# The page copies take the pools' layout (static) first.
+insert_jit = jax.jit(_insert_impl, static_argnums=(0, 1), donate_argnums=(2,))
 deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
-read_pages_jit = jax.jit(_read_pages_impl)
-write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
-share_prompt_jit = jax.jit(_share_prompt_impl, donate_argnums=(0,))
+read_pages_jit = jax.jit(_read_pages_impl, static_argnums=(0,))
+write_slot_jit = jax.jit(_write_slot_impl, static_argnums=(0,), donate_argnums=(1,))
+share_prompt_jit = jax.jit(_share_prompt_impl, static_argnums=(0,), donate_argnums=(1,))
 attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
                      donate_argnums=(0,))
 
