@@ -354,5 +354,23 @@ def check_devices(cfg, layout: Layout, devices: Sequence[Any], arch) -> None:
                           + "\n  ".join(errors))
 
 
-__all__ = ["ACCELERATORS", "ITEM_KEYS", "report", "format_report", "fits_summary", "device_items", "kv_bytes",
+def check_server_devices(cfg, devices: Sequence[Any], arch, server: str = "rollout server") -> None:
+    """A rollout server's own start check (a Ray rollout actor, a rollout child process: they see
+    only their own devices): each device's share of one server (``rollout_items`` at TP width
+    len(devices)) against its budget, failing before the engine allocates or compiles anything,
+    naming the server, the device, the budget, the largest items and the key to change."""
+    from laminar_jax.configlib import ConfigError
+    from laminar_jax.placement import bytes_limits
+
+    limits = bytes_limits(devices)
+    if all(v is None for v in limits.values()):
+        return
+    items = rollout_items(cfg, arch, len(devices))
+    errors = fit_errors({d: items for d in range(len(devices))}, limits)
+    if errors:
+        raise ConfigError(f"placement: {server} does not fit its devices (launch/plan.py memory shows every item):"
+                          "\n  " + "\n  ".join(errors))
+
+
+__all__ = ["ACCELERATORS", "check_server_devices", "ITEM_KEYS", "report", "format_report", "fits_summary", "device_items", "kv_bytes",
            "check_devices", "fit_errors", "learner_items", "rollout_items", "host_items", "serving_dtype"]
