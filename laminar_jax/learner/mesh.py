@@ -115,6 +115,33 @@ def batch_sharding(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P(BATCH_AXES))
 
 
+def lookup_table_sharding(mesh: Mesh, vocab: int) -> NamedSharding:
+    """The embedding table as the token lookup reads it: its vocab rows over 'tensor' (where they
+    divide), each row whole, i.e. gathered over the batch axes. The table is stored split over FSDP
+    along the embed axis; a lookup of batch-sharded tokens into that layout makes a hidden-sharded
+    residual stream, which the partitioner then keeps by gathering every device's rows of the
+    activations (each device held the whole micro-batch's MLP intermediates and logit chunks) instead
+    of gathering the weights, as FSDP means to."""
+    t = mesh.shape["tensor"]
+    return NamedSharding(mesh, P("tensor" if t > 1 and vocab % t == 0 else None, None))
+
+
+def gathered_lookup(params: Any, mesh: Optional[Mesh]) -> Any:
+    """``params`` (a model's state, as the train step sees it) with the embedding table constrained to
+    `lookup_table_sharding` where the mesh splits the batch: the table is gathered once per pass
+    (the gradient goes back reduce-scattered), and the rows stay split over the batch axes."""
+    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
+        return params
+
+    def one(path, x):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if "embed_tokens" in keys and getattr(x, "ndim", 0) == 2:
+            return jax.lax.with_sharding_constraint(x, lookup_table_sharding(mesh, x.shape[0]))
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
 def replicated(mesh: Mesh) -> NamedSharding:
     return NamedSharding(mesh, P())
 
