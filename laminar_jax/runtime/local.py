@@ -16,10 +16,10 @@ import time
 from typing import Optional
 
 from laminar_jax.config import Config
-from laminar_jax.runtime.buffer_service import BufferService
+from laminar_jax.buffer.service import BufferService
 from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet
-from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.monitor.sink import Monitor
 from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with
 from laminar_jax.runtime.weights import WeightsPlane
 

@@ -50,7 +50,7 @@ class WeightsPlane:
         is in the store and on the relays (a resumed learner's numbers after its checkpoint are
         retracted first: it publishes them again with other weights). After a restart the replayed
         version is already published; a group re-publishes only if it never reached the store."""
-        from laminar_jax.runtime.ray_learner import GroupPublisherProxy, LearnerGroup
+        from laminar_jax.learner.group import GroupPublisherProxy, LearnerGroup
 
         if initial:
             # Versions the store holds beyond the restored learner were trained after its checkpoint

@@ -302,7 +302,7 @@ def _val_prompts(tmp_path, **kv):
 
 
 def _loggers(tmp_path, names):
-    from laminar_jax.runtime.loggers import make_loggers
+    from laminar_jax.monitor.loggers import make_loggers
 
     return make_loggers(names, str(tmp_path))
 
