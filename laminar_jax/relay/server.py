@@ -47,13 +47,13 @@ import time
 import uuid
 from typing import Any, Optional, Sequence
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, ManifestError, chunk_span, crc32_of, num_chunks
 from laminar_jax.relay.push import Downstream, NoRelayReachable, UpstreamStalled
 from laminar_jax.relay.ratelimit import make_limiter
 from laminar_jax.relay.gate import HandshakeGate
-from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
+from laminar_jax.net.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
 from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)

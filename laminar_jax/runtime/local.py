@@ -61,7 +61,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model.precision import cast_floating
     from laminar_jax.model.sharded import abstract_model
-    from laminar_jax.relay.auth import run_keys
+    from laminar_jax.net.auth import run_keys
     from laminar_jax.runtime.fleet import host_params
 
     cfg, resuming = resolve(cfg, run_dir)

@@ -159,7 +159,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
 
     from laminar_jax.learner.mesh import build_mesh
     from laminar_jax.model import build_model, load_tokenizer
-    from laminar_jax.relay.auth import run_keys
+    from laminar_jax.net.auth import run_keys
     from laminar_jax.runtime.ray_buffer import RestartingBuffer
 
     cfg, resuming = resolve(cfg, run_dir)

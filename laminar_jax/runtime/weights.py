@@ -25,7 +25,7 @@ class WeightsPlane:
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s
-        # The run's keys (relay/auth.py): the link key authenticates every relay message; the learner's
+        # The run's keys (net/auth.py): the link key authenticates every relay message; the learner's
         # private key signs versions and stays on the learner's side (servers get keys.for_hosts()).
         self.keys = keys
         self.handoff = handoff
