@@ -41,10 +41,24 @@ def _deepest(name: str) -> Optional[str]:
     return None
 
 
-def _imports(source: str, filename: str, package: str) -> list[tuple[str, int]]:
-    """(module imported, line) for every laminar_jax import in `source`, at any depth, in line order."""
+def _typing_only_lines(tree: ast.AST) -> set[int]:
+    """Lines inside `if TYPE_CHECKING:` blocks (imports there never run)."""
+    lines = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            lines |= {n.lineno for stmt in node.body for n in ast.walk(stmt) if hasattr(n, "lineno")}
+    return lines
+
+
+def _imports(source: str, filename: str, package: str, with_typing: bool = True) -> list[tuple[str, int]]:
+    """(module imported, line) for every laminar_jax import in `source`, at any depth, in line order;
+    without `with_typing`, those under `if TYPE_CHECKING:` are left out."""
     out = []
-    for node in ast.walk(ast.parse(source, filename)):
+    tree = ast.parse(source, filename)
+    skip = set() if with_typing else _typing_only_lines(tree)
+    for node in ast.walk(tree):
+        if getattr(node, "lineno", None) in skip:
+            continue
         if isinstance(node, ast.Import):
             out += [(a.name, node.lineno) for a in node.names]
         elif isinstance(node, ast.ImportFrom):
@@ -61,12 +75,12 @@ def _imports(source: str, filename: str, package: str) -> list[tuple[str, int]]:
     return sorted((name, line) for name, line in out if name == PKG or name.startswith(PKG + "."))
 
 
-def import_graph() -> dict[str, list[tuple[str, int]]]:
-    """module -> [(module it imports, line)], laminar_jax modules only."""
+def import_graph(with_typing: bool = True) -> dict[str, list[tuple[str, int]]]:
+    """module -> [(module it imports, line)], laminar_jax modules only (`with_typing`: see _imports)."""
     graph = {}
     for mod, (path, is_pkg) in MODULES.items():
         package = mod if is_pkg else mod.rpartition(".")[0]
-        edges = [(_deepest(name), line) for name, line in _imports(path.read_text(), str(path), package)]
+        edges = [(_deepest(name), line) for name, line in _imports(path.read_text(), str(path), package, with_typing)]
         graph[mod] = sorted({(t, line) for t, line in edges if t is not None and t != mod})
     return graph
 
@@ -142,7 +156,9 @@ def test_nothing_imports_a_benchmark():
 
 
 def test_no_import_circles_between_modules():
-    graph = {m: {t for t, _ in edges} for m, edges in import_graph().items()}
+    """Counting every import that runs; a type hint's import under `if TYPE_CHECKING:` (a part naming
+    the class that owns it) never runs and makes no circle."""
+    graph = {m: {t for t, _ in edges} for m, edges in import_graph(with_typing=False).items()}
     circles = _cycles(graph)
     assert not circles, "import circles (module-level and function-level imports):\n" + "\n".join(
         ", ".join(c) for c in circles)
@@ -193,3 +209,6 @@ def test_the_checks_see_a_circle_and_a_lazy_import():
     source = ("import importlib\n\n\ndef f():\n    from laminar_jax.model import hf\n"
               "    return importlib.import_module('laminar_jax.rollout.kernels')\n")
     assert _imports(source, "probe.py", "") == [("laminar_jax.model.hf", 5), ("laminar_jax.rollout.kernels", 6)]
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from laminar_jax.rollout import server\n"
+    assert _imports(typed, "probe.py", "") == [("laminar_jax.rollout.server", 3)]
+    assert _imports(typed, "probe.py", "", with_typing=False) == []

@@ -80,8 +80,8 @@ class Dispatcher:
     def pump(self, learner_version: int) -> int:
         """Dispatch as many new prompts as the mode and the queue's capacity allow."""
         with self.lock:
-            # Dropped (over-stale) prompts free their place: they will never be trained on.
-            effective = self.dispatched - self.ledger.counters["dropped"]
+            # Dropped (over-stale) and filtered (zero-signal) prompts free their place: never trained on.
+            effective = self.dispatched - self.ledger.untrained()
             allowance = dispatch_allowance(self.policy, learner_version, effective,
                                            self.prompts_per_step, self.max_staleness,
                                            self.max_inflight_batches)

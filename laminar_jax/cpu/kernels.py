@@ -143,8 +143,8 @@ def native_argmax_here(platform: str, tensor_parallel: bool) -> bool:
     """Whether an engine's sampling takes each row's argmax over the vocabulary from the native kernel
     (native_ops.first_argmax): on one CPU device with AVX2 or AVX-512, when it builds here. It picks
     the index that sampling.first_argmax picks, so no setting chooses between them; in XLA:CPU that
-    one materialises two arrays of the logits' size (f32[64, 32768]: 1.06 -> 0.23 ms alone;
-    [64, 151936]: 28.7 -> 1.1)."""
+    one materialises two arrays of the logits' size, a cost that grows with the vocabulary; the
+    kernel reads each row once."""
     return (platform == PLATFORM and not tensor_parallel and native_ops.first_argmax_is_faster()
             and native.available(native_ops.ARGMAX_LIBRARY) is None)
 

@@ -24,10 +24,10 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from laminar_jax.kernels import train_products
 from laminar_jax.learner.advantages import AdvantageInputs, AdvantageParams, compute_advantages, terminal_token_rewards
 from laminar_jax.learner.batch import TrainBatch
-from laminar_jax.learner.config import LearnerSection
+from laminar_jax.learner.config import SEQ_OFF_POLICY, LearnerSection
 from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tokens
-from laminar_jax.learner.losses import (
-    AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
+from laminar_jax.learner.losses import AggNorm, aggregate, agg_norm, kl_penalty, value_loss
+from laminar_jax.learner.losses_seq import correction, policy_loss
 from laminar_jax.learner.mesh import BATCH_AXES
 from laminar_jax.model.attention import AUTO, resolve_train_attention
 from laminar_jax.model.precision import cast_floating
@@ -146,7 +146,7 @@ def make_prepare_fn(section: LearnerSection, graphs: Graphs,
         actor_out = forward(graphs.actor, params["actor"], batch, section, shards, score=section.off_policy != "none",
                             remat="none", dtype=graphs.dtype("actor")) if need_actor else None
         prox = actor_out.logp if section.off_policy != "none" else batch.behaviour_logprobs
-        old = off_policy_correction(section.off_policy, prox, batch.behaviour_logprobs, section.tis_cap).logp_old
+        old = correction(section, prox, batch.behaviour_logprobs, mask, batch.segment_ids).out.logp_old
         values = _values(section, graphs, params, batch, actor_out, shards)
         ref = jnp.zeros_like(mask)
         if section.use_kl:
@@ -190,18 +190,20 @@ def make_loss_fn(section: LearnerSection, graphs: Graphs,
         mask = mb.loss_mask
         out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode,
                       dtype=graphs.dtype("actor"))
-        corr = off_policy_correction(section.off_policy, mb.prox_logprobs, mb.behaviour_logprobs, section.tis_cap)
-        pg = ppo_clip_loss(out.logp, mb.old_logprobs, mb.advantages, section.clip_eps_low, section.clip_eps_high,
-                           section.dual_clip_c)
+        corr = correction(section, mb.prox_logprobs, mb.behaviour_logprobs, mask, mb.segment_ids)
+        pg = policy_loss(section, out.logp, mb.old_logprobs, mb.advantages, mask, mb.segment_ids)
         tok_mean = lambda x: aggregate(x, mask, "token-mean", norm)
         seq_agg = lambda x: aggregate(x, mask, agg, norm, mb.seq_tokens)
-        pg_loss = seq_agg(pg.loss * corr.weight)
+        pg_loss = seq_agg(pg.loss * corr.out.weight)
         ent = seq_agg(out.entropy)
         total = pg_loss - section.entropy_coef * ent
         metrics = {"pg_loss": pg_loss, "entropy": tok_mean(out.entropy), "clipfrac": tok_mean(pg.clipped),
                    "dual_clipfrac": tok_mean(pg.dual_clipped), "ratio_mean": tok_mean(pg.ratio),
-                   "is_weight_mean": tok_mean(corr.weight),
+                   "is_weight_mean": tok_mean(corr.out.weight),
                    "approx_kl_old": tok_mean(jax.lax.stop_gradient(kl_penalty("k3", out.logp, mb.old_logprobs)))}
+        if section.off_policy in SEQ_OFF_POLICY:  # share of trajectories capped / dropped
+            name = "seq_capped_frac" if section.off_policy == "seq_tis" else "seq_masked_frac"
+            metrics[name] = aggregate(corr.flagged, mask, "seq-mean-token-mean", norm, mb.seq_tokens)
         if section.use_kl:
             kl = kl_penalty(section.kl_estimator, out.logp, mb.ref_logprobs)
             metrics["kl_ref"] = tok_mean(kl)

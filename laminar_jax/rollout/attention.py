@@ -79,8 +79,8 @@ def storage_dtype(kv_dtype) -> Any:
     """The dtype the KV pool is stored in: uint16 (the same bits) for 16-bit floats, else kv_dtype.
 
     Why: XLA:CPU has no bf16/f16 scatter or gather; it widens the whole operand to f32 and back
-    around each one, i.e. two copies of the entire KV pool per layer per step (measured: a bf16
-    decode step ~4x slower than f32). On uint16 they run in place. Only gathered pages (and the
+    around each one, i.e. two copies of the entire KV pool per layer per step. On uint16 they run
+    in place. Only gathered pages (and the
     tokens written) are bitcast to and from the float dtype, never the pool.
     """
     kv_dtype = jnp.dtype(kv_dtype)
@@ -104,9 +104,8 @@ def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
 # In the pools a page is K f[Hkv, D, page] and V f[Hkv, page, D]: decode attention contracts the
 # query [Hkv, G, D] with K over D and the probabilities [Hkv, G, page] with V over page, and in these
 # layouts both are batched matmuls with the batch axes (entry, KV head) leading and each operand's
-# contraction where XLA's dot wants it. With [page, Hkv, D] pages XLA:CPU fused a transpose into
-# every page gather: in a 64-row qwen2-100m decode step the 24 K/V gathers took 63 ms of CPU (fp32;
-# 39 ms bf16), and 42 ms (27 ms) in these layouts. ([Hkv, page, D] for both, tried before: no gain.)
+# contraction where XLA's dot wants it. With [page, Hkv, D] pages XLA:CPU fuses a transpose into
+# every page gather. ([Hkv, page, D] for both pools gains nothing over this split.)
 
 
 POOL_LAYOUT = "split"  # this layout's name (K [P, Hkv, D, page], V [P, Hkv, page, D]): what the engine allocates
@@ -170,7 +169,7 @@ def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) 
     q f[B, 1, H, D]; k, v f[B, S, Hkv, D]; mask bool[B, S] -> f[B, 1, H, D].
     out[b, h] = sum_s softmax_s(q[b, h] . k[b, s, h // G] / sqrt(D)) v[b, s, h // G], in float32.
     Written as broadcast-multiply-reduce instead of a batched einsum: for one query row the
-    contractions are tiny matrix-vector products, which XLA:CPU runs ~2x faster fused this way
+    contractions are tiny matrix-vector products, which XLA:CPU runs faster fused this way
     (and it reads K/V in their stored [S, Hkv, D] layout, with no transpose).
     """
     b, _, h, d = q.shape
@@ -319,8 +318,7 @@ def prefill_packed(q, k, v, layer_cache, *, segments: jax.Array, window: int):
 
     Why in windows: a query's prompt starts at most window - 1 tokens before it, so a chunk of
     ``window`` queries needs only its own and the previous chunk's keys. Attention over the whole
-    row cost O(N^2): at N = 256 the call took 35% longer than the same tokens padded in rows of 32
-    (qwen2-100m, 2 CPU cores); in chunks it is a batch of [window, 2 * window] products.
+    row costs O(N^2); in chunks it is a batch of [window, 2 * window] products, O(N * window).
     """
     del layer_cache
     n = q.shape[1]

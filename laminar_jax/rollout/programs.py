@@ -223,8 +223,8 @@ def call_noise(spec: Spec, state: DecodeState) -> Optional[jax.Array]:
     """f32[steps, S, V]: every Gumbel draw a multi-step call can use, drawn before its first step; or None.
 
     Why: drawn inside the scan, each step runs threefry's loop twice (the key's fold_in and the
-    bits, ~160 small ops beside the demo model's ~146 fusions) over a handful of rows; drawing
-    them once per call took 13-18% off the CPU of a call of the demo's engine (docs/BENCHMARKS.md).
+    bits, ~160 small ops beside the demo model's ~146 fusions) over a handful of rows, where a
+    small model's step costs its op count; drawn once per call, they are a few ops per call.
     A slot active at step t of the call has generated num_generated + t tokens before it
     (admission happens between calls), so its key there is fold_in(key_s, num_generated + t): the
     same draw as in-step, since threefry is elementwise in the keys. Rows that are inactive at a

@@ -103,8 +103,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax(x, axis=-1) (first index of the maximum; a NaN counts as the maximum), as i32.
 
     Why not jnp.argmax: XLA:CPU lowers it to a variadic (value, index) reduction that does not
-    vectorise, ~25 ms for f32[64, 32768]; a max, a compare and a min-reduction of indices take
-    ~1 ms and pick the same index.
+    vectorise; a max, a compare and a min-reduction of indices vectorise, an order of magnitude
+    faster over a vocabulary, and pick the same index.
     """
     top = jnp.max(x, axis=-1, keepdims=True)
     hit = (x == top) | jnp.isnan(x)

@@ -3,7 +3,7 @@ Fleet interface of runtime/fleet.py).
 
 Why: rollout servers that are threads of the learner's process share its interpreter lock and its
 XLA CPU pool. On a few cores the two roles then queue for both, and each role's Python costs more
-per token than it does alone (docs/BENCHMARKS.md). A child process has its own interpreter and its
+per token than it does alone. A child process has its own interpreter and its
 own pool; the roles meet only where they must: work and results through the buffer service, and
 weights through the relay.
 
