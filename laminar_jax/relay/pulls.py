@@ -8,7 +8,7 @@ import socket
 from typing import Optional
 
 from laminar_jax.relay.versions import HeldVersions
-from laminar_jax.relay.wire import Peer, error_frame
+from laminar_jax.net.wire import Peer, error_frame
 
 
 class PullService:

@@ -16,12 +16,12 @@ import hashlib
 import logging
 from typing import Any, Callable, Optional
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, chunk_span, crc32_of
 from laminar_jax.relay.store_check import StoreCheck
 from laminar_jax.relay.versions import HeldVersions, VersionBuf
-from laminar_jax.relay.wire import AuthError, Peer, WireError, error_frame
+from laminar_jax.net.wire import AuthError, Peer, WireError, error_frame
 
 log = logging.getLogger("laminar_jax.relay.server")
 

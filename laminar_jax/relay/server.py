@@ -37,7 +37,7 @@ import time
 import uuid
 from typing import Any, Optional, Sequence
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.forward import Forwarder
 from laminar_jax.relay.gate import HandshakeGate
@@ -48,7 +48,7 @@ from laminar_jax.relay.ratelimit import make_limiter
 from laminar_jax.relay.receive import PushReceiver
 from laminar_jax.relay.store_check import StoreCheck
 from laminar_jax.relay.versions import HeldVersions
-from laminar_jax.relay.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
+from laminar_jax.net.wire import AuthError, IdleTimeout, Peer, PeerClosed, WireError, error_frame
 from laminar_jax.threads import Worker
 
 log = logging.getLogger(__name__)

@@ -74,6 +74,7 @@ class RolloutSection:
     def validate_with_backends(self, prefix: str, extra: tuple[str, ...]) -> None:
         """validate(), also accepting the attention_impl names ``extra`` (Engine's caller-supplied backends)."""
         from laminar_jax.rollout.kernels import attention_names
+        from laminar_jax.rollout.sampling import validate_sampling
 
         backends = (*attention_names(), *extra)
         expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
@@ -131,11 +132,3 @@ class RolloutSection:
     @property
     def pages_per_seq(self) -> int:
         return -(-self.max_total_len // self.page_size)
-
-
-def validate_sampling(prefix: str, temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
-    """Shared checks for the config defaults and for per-request SamplingParams."""
-    expect(temperature >= 0.0, f"{prefix}.temperature", temperature, ">= 0 (0 = greedy)")
-    expect(top_k >= 0, f"{prefix}.top_k", top_k, ">= 0 (0 = off)")
-    expect(0.0 < top_p <= 1.0, f"{prefix}.top_p", top_p, "in (0, 1]")
-    expect(max_new_tokens >= 1, f"{prefix}.max_new_tokens", max_new_tokens, ">= 1")

@@ -136,7 +136,8 @@ class LLM:
                  max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 64,
                  tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
                  host_malloc: Optional[str] = "keep", **section_overrides):
-        from laminar_jax.model.hf import from_pretrained, load_hf_config
+        from laminar_jax.model.hf import load_hf_config
+        from laminar_jax.model.pretrained import from_pretrained
         from laminar_jax.process_settings import apply_host_malloc
         from laminar_jax.model.tokenizer import HFTokenizer
 

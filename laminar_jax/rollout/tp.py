@@ -57,7 +57,7 @@ def check_tp(cfg: TransformerConfig, tp: int) -> None:
 
 def param_shardings_list(params: Any, mesh: Mesh) -> list:
     """One NamedSharding per leaf of ``jax.tree.leaves(params)`` (params: the model's nnx.State)."""
-    from laminar_jax.learner.mesh import param_shardings
+    from laminar_jax.model.axes import param_shardings
 
     return jax.tree.leaves(param_shardings(params, mesh, TP_RULES))
 

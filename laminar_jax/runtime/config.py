@@ -51,7 +51,7 @@ class RuntimeSection:
       eval_correct_threshold: A response counts as correct (accuracy, pass@k) when its reward is >= this.
       loggers: Where scalars go besides metrics.jsonl: 'tensorboard' (tb/ in the run directory) and/or 'wandb' (Weights & Biases; pip install -e ".[wandb]"; WANDB_MODE=offline logs under the run directory).
       wandb_project: The Weights & Biases project of runs logged with loggers=['wandb', ...].
-      profile: Account for the process's CPU time in the RL window (decode, learner passes, publish, pulls, rewards, dispatch, Python and XLA threads, GIL wait; runtime/profile.py): the summary gets a 'profile' block. Local runtime only; the learner waits for each pass inside its phase.
+      profile: Account for the process's CPU time in the RL window (decode, learner passes, publish, pulls, rewards, dispatch, Python and XLA threads, GIL wait; monitor/profile.py): the summary gets a 'profile' block. Local runtime only; the learner waits for each pass inside its phase.
       learner_resource: Custom Ray resource each learner process also asks one unit of (e.g. 'learner_host', given to learner hosts by `ray start --resources`), which places learner processes on those hosts; None = anywhere with free resources.
     """
 

@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from laminar_jax.rollout.records import ServerStats
 from laminar_jax.runtime.fleet import poll_each, sample_stats, server_name, stats_failure
-from laminar_jax.runtime.loops import Failure, mark_replaced
+from laminar_jax.scheduler.loops import Failure, mark_replaced
 from laminar_jax.threads import Worker
 
 # What each side may call on the other (anything else is refused by name).

@@ -100,7 +100,7 @@ def test_ledger_filtered_state_ends_a_prompt_and_survives_a_checkpoint():
 
 def test_dispatcher_replaces_filtered_prompts_with_fresh_ones():
     """sync mode dispatches one batch per learner version; a filtered prompt frees its place."""
-    from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
+    from laminar_jax.buffer.dispatch import Dispatcher, WorkQueue
     from laminar_jax.scheduler.modes import get_policy
 
     class Prompt:  # a fake prompt source: the dispatcher reads these fields only

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import dataclasses
 import threading
 import time
 from typing import Optional
@@ -18,18 +17,7 @@ import numpy as np
 
 from laminar_jax.buffer import ExperienceStore, PromptLedger
 from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance, queue_room
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
-    """One sample to generate: a prompt and the index of the sample within its group. What the
-    reward needs (data_source, ground truth) stays in the sample's experience row."""
-
-    uid: str
-    prompt_uid: str
-    sample_index: int
-    prompt_ids: tuple[int, ...]
-    seed: int
+from laminar_jax.types import WorkItem
 
 
 class WorkQueue:

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
-from laminar_jax.runtime.dispatch import WorkItem
+from laminar_jax.types import WorkItem
 from laminar_jax.threads import Worker
 from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
 
@@ -40,8 +40,8 @@ class BufferService:
         from laminar_jax.buffer import ExperienceStore, PromptLedger
         from laminar_jax.data import RewardPool, build_prompt_source
         from laminar_jax.model import load_tokenizer
-        from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
-        from laminar_jax.runtime.rollout_worker import Board
+        from laminar_jax.buffer.dispatch import Dispatcher, WorkQueue
+        from laminar_jax.buffer.board import Board
         from laminar_jax.scheduler.modes import default_max_queued_prompts, get_policy
 
         self.cfg = cfg

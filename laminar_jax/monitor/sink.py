@@ -19,9 +19,9 @@ import numpy as np
 
 from laminar_jax.cpu.threads import cpu_async_dispatch, xla_cpu_pool_threads
 from laminar_jax.kernels import describe_train_attention
-from laminar_jax.runtime.console import Console
-from laminar_jax.runtime.loggers import make_loggers
-from laminar_jax.runtime.timeline import Timeline
+from laminar_jax.monitor.console import Console
+from laminar_jax.monitor.loggers import make_loggers
+from laminar_jax.monitor.timeline import Timeline
 
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
 TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
