@@ -27,8 +27,8 @@ def get_config(variant: str = ""):
     c.rollout.temperature = 1.0
     # 8 tokens per slot per generate() call: each call's Python (dispatch, reading outputs, admission)
     # is paid once per 8 tokens; laminar spent ~7% less CPU per trained token than at 4 (at 16, finished
-    # sequences held their slots longer and the gain was gone). docs/BENCHMARKS.md, "8 tokens per
-    # generate call".
+    # sequences held their slots longer and the gain was gone).
+    # docs/notes/2026-11-rl-loop-on-two-cores.md.
     c.rollout.decode_steps_per_call = 8
 
     c.learner.adv_estimator = "grpo"

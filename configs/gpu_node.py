@@ -16,7 +16,7 @@ Variants:
          in bfloat16, updates of lr 1e-6 round to nothing), so it cannot leave GPUs to the server:
          over 4 GPUs that state alone is 164 GB per GPU. The server's bfloat16 weights (8.2 GB per
          GPU) and a smaller page pool (2048 pages, 4.3 GB per GPU) fit beside it when XLA's pool
-         takes 95% of each GPU (runtime.gpu_memory_fraction): launch/plan.py memory gives 116 GB
+         takes 95% of each GPU (runtime.gpu_memory_fraction): launch/plan.py memory gives 120 GB
          of 134 GB.
   :0.5b  Qwen2.5-0.5B shapes, learner and one server colocated on whatever devices the host has
          (one GPU: the benchmark set-up).
@@ -86,7 +86,7 @@ def get_config(variant: str = ""):
         c.rollout.num_slots = 32
         c.rollout.num_pages = 2048 + 1
         c.learner.micro_batches = 64  # one packed 10K-token row per learner GPU per micro-batch
-        c.learner.logits_chunk_tokens = 1024
+        c.learner.logits_chunk_tokens = 512  # the log-prob chunk within the plan's 10% margin (launch/plan.py memory)
     elif variant == "0.5b":
         c.model.preset = "qwen2.5-0.5b"
         c.placement.learner_devices = None

@@ -31,7 +31,7 @@ def get_config(variant: str = ""):
     c.rollout.max_total_len = 2560
     # A decode step of this model is launch- and dispatch-bound on one GPU (3-4 ms at 64 rows on an
     # H200 against 0.2 ms of HBM time); 8 tokens per generate() call gave 1.42x the engine's tokens/s
-    # there (docs/BENCHMARKS.md, GPU figures).
+    # there (docs/BENCHMARKS.md, "Decode on a GPU: HBM roofline").
     c.rollout.decode_steps_per_call = 8
 
     c.learner.adv_estimator = "grpo"

@@ -20,7 +20,9 @@ from laminar_jax.model.products import Products
 _log = logging.getLogger(__name__)
 
 # platform -> the modules that register its kernels when imported (in order).
-PLUGINS: dict[str, tuple[str, ...]] = {"cpu": ("laminar_jax.cpu.kernels",)}
+PLUGINS: dict[str, tuple[str, ...]] = {"cpu": ("laminar_jax.cpu.kernels",),
+                                       "gpu": ("laminar_jax.rollout.kernels_gpu",),
+                                       "tpu": ("laminar_jax.rollout.kernels_tpu",)}
 
 
 def load_plugin(platform: str) -> tuple[str, ...]:

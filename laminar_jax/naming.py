@@ -48,8 +48,8 @@ def start_host_copies(leaves: list[Any]) -> list[Any]:
     to read the host values from (``np.asarray`` of one waits for its copy only).
 
     Device arrays go to their devices' pinned host memory where they have it: a DMA at the link's
-    speed, where a ``copy_to_host_async`` into unpinned memory took 25x as long (2 GB of f32
-    weights on an H100: 990 ms against 41 ms; `pinned_host_sharding`). Elsewhere the copies are
+    speed, where a ``copy_to_host_async`` into unpinned memory is staged by the host through
+    pageable memory, many times slower (`pinned_host_sharding`). Elsewhere the copies are
     started in place. Arrays on the CPU backend, or already in host memory, are returned as they
     are: ``np.asarray`` of one is a zero-copy view, so a copy there is pure overhead (about half of
     ``jax.device_get``'s time on CPU).
@@ -94,9 +94,10 @@ def _host_resident(x: Any) -> bool:
 def pinned_host_sharding(sharding: Any) -> Any:
     """`sharding` placed in its devices' pinned host memory, or None where they have none.
 
-    Why: a program that writes its outputs there moves them by DMA at the link's speed (a 0.5B
-    model's 2 GB of f32 weights: 39 ms on an H100), where ``copy_to_host_async`` of device arrays
-    into unpinned numpy memory took 990 ms (docs/BENCHMARKS.md, "Third lease")."""
+    Why: a program that writes its outputs there moves them by DMA at the link's speed, where
+    ``copy_to_host_async`` of device arrays into unpinned numpy memory is staged by the host, many
+    times slower: for a 0.5B model's f32 weights, slower than a learner step, which then held every
+    publishing step back."""
     if not all(_has_pinned_host(d) for d in sharding.device_set):
         return None
     return sharding.with_memory_kind("pinned_host")

@@ -4,9 +4,11 @@ the start-time check of a run).
 Learner device (its shard of each parameter on the learner mesh, by ``mesh.rules``, as the learner
 places it): the master parameters, AdamW's two moments and the gradients in ``model.param_dtype``
 (a second gradient copy while micro-batches accumulate), a frozen reference copy under a KL term;
-inside the step: the parameters' cast to ``model.dtype`` where it differs plus two layers gathered
-whole over the FSDP axis where it is > 1 (the one computing and the next, and the LM head; every
-layer without remat), the activations autodiff keeps for the
+inside the step: the parameters' cast to ``model.dtype`` where it differs plus, where the FSDP axis
+is > 1, two layers gathered whole (the one computing and the next; every layer without remat) and
+the vocab tables (the embedding, which the token lookup reads gathered so the activations stay
+split by rows, and an untied LM head), and the whole gradients of the tables and of one layer before
+their reduce-scatter (``gathered_grads``), the activations autodiff keeps for the
 device's worst-case micro-batch rows under ``learner.remat`` (every trajectory at
 ``rollout.max_total_len``, one per packed row; ``learner.memory``), one log-prob chunk's float32
 logits (three arrays of them: logits, softmax, gradient) and the collated batch twice (as placed and
@@ -53,6 +55,7 @@ ITEM_KEYS = {
     "gradients": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
     "ref_params": "learner.kl_coef (a reference copy is kept only for a KL term)",
     "compute_copy": "mesh.tensor (gathered layers are split over the tensor axis)",
+    "gathered_grads": "mesh.tensor (gathered layers are split over the tensor axis)",
     "activations": "learner.micro_batches (fewer rows per pass) or learner.remat",
     "logprob_chunks": "learner.logits_chunk_tokens",
     "batch": "runtime.prompts_per_step",
@@ -62,8 +65,8 @@ ITEM_KEYS = {
     "swap_staging": "placement.rollout_tp",
     "decode_temporaries": "rollout.num_slots",
 }
-LEARNER_ITEMS = ("master_params", "adam_moments", "gradients", "ref_params", "compute_copy", "activations",
-                 "logprob_chunks", "batch", "publish_snapshot")
+LEARNER_ITEMS = ("master_params", "adam_moments", "gradients", "ref_params", "compute_copy", "gathered_grads",
+                 "activations", "logprob_chunks", "batch", "publish_snapshot")
 ROLLOUT_ITEMS = ("serving_weights", "kv_pool", "swap_staging", "decode_temporaries")
 BATCH_FIELDS_2D = 14  # TrainBatch fields of shape [rows, seq] (4 bytes each)
 
@@ -168,10 +171,15 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
     ranks, tensor = axes["data"] * axes["fsdp"], axes["tensor"]
     # Layers' weights gathered whole over FSDP (split over the tensor axis only): the one computing
     # and the next; without remat every layer's, which its backward pass keeps as residuals.
+    # The vocab tables (the embedding, which the token lookup reads gathered, and an untied LM head)
+    # are gathered whole for the pass too, and the backward makes each gathered weight's gradient
+    # whole before its reduce-scatter: the tables' and one layer's at a time.
     per_layer = sum(math.prod(s) for s, _ in table if arch.vocab_size not in s) // max(1, arch.num_layers)
-    head = arch.vocab_size * arch.hidden_size
+    tables = (1 if arch.tie_word_embeddings else 2) * arch.vocab_size * arch.hidden_size
     layers = arch.num_layers if cfg.learner.remat == "none" else min(2, arch.num_layers)
-    gathered = (layers * per_layer + head) * c // tensor if axes["fsdp"] > 1 else 0  # nothing to gather unsharded
+    fsdp = axes["fsdp"] > 1  # nothing to gather unsharded
+    gathered = (layers * per_layer + tables) * c // tensor if fsdp else 0
+    gathered_grads = (per_layer + tables) * c // tensor if fsdp else 0
     rows = learner_rows_per_device(cfg, ranks)
     seq = pack_length(cfg)
     chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)
@@ -183,6 +191,7 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
         "gradients": (2 if cfg.learner.micro_batches > 1 else 1) * shard * p,
         "ref_params": shard * p if cfg.learner.use_kl else 0,
         "compute_copy": (shard * c if c != p else 0) + gathered,
+        "gathered_grads": gathered_grads,
         "activations": activations,
         "logprob_chunks": 3 * rows * chunk * (arch.vocab_size // tensor) * 4,
         "batch": 2 * math.ceil(trajectories / ranks) * seq * BATCH_FIELDS_2D * 4,
@@ -361,5 +370,23 @@ def check_devices(cfg, layout: Layout, devices: Sequence[Any], arch) -> None:
                           + "\n  ".join(errors))
 
 
-__all__ = ["ACCELERATORS", "ITEM_KEYS", "report", "format_report", "fits_summary", "device_items", "kv_bytes",
+def check_server_devices(cfg, devices: Sequence[Any], arch, server: str = "rollout server") -> None:
+    """A rollout server's own start check (a Ray rollout actor, a rollout child process: they see
+    only their own devices): each device's share of one server (``rollout_items`` at TP width
+    len(devices)) against its budget, failing before the engine allocates or compiles anything,
+    naming the server, the device, the budget, the largest items and the key to change."""
+    from laminar_jax.configlib import ConfigError
+    from laminar_jax.placement import bytes_limits
+
+    limits = bytes_limits(devices)
+    if all(v is None for v in limits.values()):
+        return
+    items = rollout_items(cfg, arch, len(devices))
+    errors = fit_errors({d: items for d in range(len(devices))}, limits)
+    if errors:
+        raise ConfigError(f"placement: {server} does not fit its devices (launch/plan.py memory shows every item):"
+                          "\n  " + "\n  ".join(errors))
+
+
+__all__ = ["ACCELERATORS", "check_server_devices", "ITEM_KEYS", "report", "format_report", "fits_summary", "device_items", "kv_bytes",
            "check_devices", "fit_errors", "learner_items", "rollout_items", "host_items", "serving_dtype"]

@@ -1,4 +1,4 @@
-"""Plain records that cross plane boundaries (rollout -> buffer -> learner).
+"""Plain records that cross plane boundaries (buffer -> rollout -> buffer -> learner, and eval).
 
 They hold host data only (numpy / Python scalars), so any plane can build, store, checkpoint
 or send them without importing another plane.
@@ -74,6 +74,18 @@ class Trajectory:
 GENERATED_FIELDS = ("response_ids", "behaviour_logprobs", "finish_reason")
 # What makes a row trainable: generated, scored, and stamped with its one weight version.
 REQUIRED_FIELDS = ("response_ids", "behaviour_logprobs", "version", "reward")
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItem:
+    """One sample to generate: a prompt and the index of the sample within its group. What the
+    reward needs (data_source, ground truth) stays in the sample's experience row."""
+
+    uid: str
+    prompt_uid: str
+    sample_index: int
+    prompt_ids: tuple[int, ...]
+    seed: int
 
 
 def to_row(traj: Trajectory) -> dict[str, Any]:

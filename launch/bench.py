@@ -15,8 +15,9 @@
   accel     the accelerator check (one GPU/TPU, < 8 min): decode vs the HBM roofline at 64 rows
             (0.5B, 1.5B), long-tail tok/s, learner MFU (1.5B) publishing and not, compile times,
             peak memory against the plan; --dry-run (what it would run), --tiny (all of it on CPU)
-  aot       a decode step with the TPU Pallas kernel compiled ahead of time for a TPU topology on
-            this machine (needs libtpu: the tpu extra), its bytes accessed against weights + live KV
+  aot       the engine's decode step (the seam's TPU Pallas kernel) compiled ahead of time for a TPU
+            topology on this machine (needs libtpu: the tpu extra), its bytes (XLA's cost model, an
+            HBM estimate) against weights + live KV
   memory    every shipped accelerator config, scaled down, on fake CPU devices: each device's
             measured peak bytes against the memory plan (--quick, --config; --tpu: TPU compiler figures)
 

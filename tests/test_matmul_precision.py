@@ -1,6 +1,6 @@
 """runtime.matmul_precision: the entry points' setting reaches every matrix product of the model the
 learner and the engine trace (as the products' precision attribute, the only thing the CPU shows;
-docs/BENCHMARKS.md, "Second lease", has what it changes on an H200); 'auto' is float32 products for a
+docs/notes/2026-11-gpu-leases.md has what it changes on an H200); 'auto' is float32 products for a
 float32 model and the backend's default for a bfloat16 one; an unknown name is a config error naming
 the key; the CPU's compiled programs are the same at every setting."""
 

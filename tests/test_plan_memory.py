@@ -93,6 +93,39 @@ def test_start_check_raises_a_config_error_before_compiling():
         check_devices(cfg, layout, [FakeDevice(72 * 10**9)] * 4 + [FakeDevice(40 * 2**30)] * 4, arch)
 
 
+def test_a_rollout_server_checks_its_own_devices():
+    """A server alone on its devices (a Ray rollout actor): its share of one server against each
+    device's budget, the error naming the server, the device, the budget, the largest items and the key."""
+    from laminar_jax.placement_memory import check_server_devices, rollout_items
+
+    cfg = finalize(repo_config("gpu_node"))
+    arch = arch_of(cfg)
+    need = sum(rollout_items(cfg, arch, 1).values())
+    check_server_devices(cfg, [FakeDevice(None)], arch)  # CPU: nothing reported, nothing checked
+    check_server_devices(cfg, [FakeDevice(need + 1)], arch, "rollout server s0")
+    with pytest.raises(ConfigError, match=r"rollout server s0 does not fit .*\n  device 0: needs .* of its 40.00 GiB "
+                                          r"budget .*largest: kv_pool .*change rollout.num_pages"):
+        check_server_devices(cfg, [FakeDevice(40 * 2**30)], arch, "rollout server s0")
+
+
+def test_rollout_host_fails_before_building_its_engine(monkeypatch):
+    """RolloutHost (the Ray rollout actor's body) runs the check first: a device too small for the
+    server fails with the plan's message, and no engine is built, no relay is asked for weights."""
+    import laminar_jax.placement
+    import laminar_jax.rollout
+    from laminar_jax.runtime.rollout_host import RolloutHost
+
+    monkeypatch.setattr(laminar_jax.placement, "bytes_limits", lambda devices: {0: 20 * 2**30})
+
+    def no_engine(*args, **kwargs):
+        raise AssertionError("the engine was built before the memory check")
+
+    monkeypatch.setattr(laminar_jax.rollout, "make_engine", no_engine)
+    with pytest.raises(ConfigError, match=r"(?s)rollout server \S+ does not fit.*device 0: needs .* of its 20.00 GiB "
+                                          r"budget.*largest: kv_pool"):
+        RolloutHost(finalize(repo_config("gpu_node")), 0, 0, ["127.0.0.1:1"], None, buffer=None, keys=None)
+
+
 def test_every_role_process_sets_the_allocator_fraction():
     from laminar_jax.gpu_allocator import allocator_env
 

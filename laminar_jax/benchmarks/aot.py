@@ -21,14 +21,16 @@ step: every layer through ``Transformer.forward_cached`` with the TPU paged atte
 are donated (updated in place).
 
 Bytes: the step must read its weights and the live KV (rows x (context + 1) tokens, K and V, every
-layer). ``ratio`` = the compiled step's ``cost_analysis()["bytes accessed"]`` / those bytes (goal
-<= 1.25). XLA's cost model is an estimate, not a trace: it cannot see inside a Mosaic kernel and
-charges the custom call with its whole operands (every layer's entire KV pool, whatever the rows'
-lengths), and probes of single ops for the same v5e charge a 64-row bf16 product ~5x its weight's
-bytes (a prefetch copy of the weight and re-reads of it counted, in either weight layout) while the
-embedding gather is charged only its rows. The kernel's real KV reads are given by construction
-(``kernel_kv_bytes``: per row, its length rounded up to the kernel's block of pages, K and V, every
-layer: the pages it DMAs).
+layer). ``ratio`` = the compiled step's ``cost_analysis()["bytes accessed"]`` / those bytes. XLA's
+cost model is not an HBM count: it charges every operand and result whatever its memory space, so a
+weight the compiler prefetches into VMEM is charged for the copy (read and write) and again for the
+product that reads it on chip, and it charges a Pallas call only part of what it reads.
+``hbm_ratio`` (goal <= 1.25) = ``hbm_traffic``'s estimate of the step's HBM traffic from the compiled
+module / those bytes: top-level instructions read their HBM operands and write their HBM results,
+on-chip arrays count nothing, scatters write in place, gathers read their rows, the Pallas kernel reads
+its pools whole (an upper bound: here every page of the table). ``hbm_by_op_mb`` names the largest
+parts. The kernel's own KV reads from its blocking are ``kernel_kv_bytes`` (per row, its length
+rounded up to the kernel's block of pages, K and V, every layer: the pages it DMAs).
 """
 
 from __future__ import annotations
@@ -40,29 +42,6 @@ import time
 from typing import Any
 
 import numpy as np
-
-
-def decode_step_fn(model, kernel, page_size: int, layer_pages: int):
-    """step(params, pools, tokens, positions, page_table, active) -> (next tokens, new pools); pools: one K
-    and one V pool of every layer's pages, ``layer_pages`` per layer (rollout/layered.py)."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from laminar_jax.rollout.attention import DecodeMeta
-    from laminar_jax.rollout.layered import layered_backend
-
-    graphdef, _ = nnx.split(model)
-
-    def step(params, pools, tokens, positions, page_table, active):
-        m = nnx.merge(graphdef, params)
-        meta = DecodeMeta(page_table=page_table, positions=positions, active=active, page_size=page_size,
-                          kv_dtype=pools[0].dtype)
-        logits, new = m.forward_cached(tokens[:, None], positions[:, None], pools,
-                                       layered_backend(kernel, meta, layer_pages))
-        return jnp.argmax(logits[:, -1], axis=-1).astype(jnp.int32), new
-
-    return step
 
 
 def needed_bytes(cfg, weight_bytes: int, rows: int, context: int, itemsize: int) -> int:
@@ -79,57 +58,161 @@ def kernel_bytes(cfg, rows: int, context: int, pages_per_seq: int, page: int, it
     return 2 * cfg.num_layers * rows * tokens * cfg.num_kv_heads * cfg.head_dim * itemsize
 
 
-def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
-                    topology: str = "v5e:2x2") -> dict[str, Any]:
+def tpu_engine(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
+               topology: str = "v5e:2x2", attention_impl: str = "auto"):
+    """(engine, abstract params, topology device): a rollout Engine of ``preset`` (bf16) on one chip of a
+    compile-only TPU topology, its kernels chosen by the seam for 'tpu' (the Pallas kernel where it serves),
+    one decode step per call, a page table that holds ``context + 1`` tokens per row."""
     import dataclasses
 
-    import jax
     import jax.numpy as jnp
     from flax import nnx
     from jax.experimental import topologies
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     from laminar_jax.model import PRESETS, Transformer
-    from laminar_jax.rollout import head_major, kernels_tpu
+    from laminar_jax.rollout import RolloutSection, make_engine
+    from laminar_jax.rollout.tp import tp_mesh
 
     cfg = PRESETS[preset]
     if layers:
         cfg = dataclasses.replace(cfg, num_layers=layers)
-    ok, why = kernels_tpu.supports(head_major.DecodeGeometry("tpu", jnp.bfloat16, page, cfg.head_dim, cfg.num_heads,
-                                                             cfg.num_kv_heads, 1))
-    if not ok:
-        raise ValueError(f"{preset}: the TPU decode kernel cannot serve it: {why}")
     topo = topologies.get_topology_desc(topology_name=topology, platform="tpu")
-    mesh = Mesh(np.array(topo.devices[:1]), ("x",))  # one chip; Mosaic reads the chip from the mesh's device
-    rep = NamedSharding(mesh, P())
-    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
-    _, params = nnx.split(model)
     pages_per_seq = -(-(context + 1) // page)
-    num_pages = rows * pages_per_seq + 1
-    abstract = lambda shape, dtype: jax.ShapeDtypeStruct(shape, dtype, sharding=rep)  # noqa: E731
-    pool = abstract(head_major.pool_shape(num_pages * cfg.num_layers, page, cfg.num_kv_heads, cfg.head_dim),
-                    jnp.bfloat16)
-    args = (jax.tree.map(lambda x: abstract(x.shape, x.dtype), params), (pool, pool),
-            abstract((rows,), jnp.int32), abstract((rows,), jnp.int32), abstract((rows, pages_per_seq), jnp.int32),
-            abstract((rows,), jnp.bool_))
-    step = jax.jit(decode_step_fn(model, kernels_tpu.make_decode(), page, num_pages), donate_argnums=(1,))
+    section = RolloutSection(num_slots=rows, page_size=page, num_pages=rows * pages_per_seq + 1,
+                             max_prompt_len=min(context, 256), max_total_len=pages_per_seq * page,
+                             max_new_tokens=1, decode_steps_per_call=1, attention_impl=attention_impl,
+                             temperature=0.0, dtype="bfloat16")
+    model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16))
+    # One chip (a TP-1 mesh): Mosaic reads the chip from the mesh's device.
+    engine, params = make_engine(model, section, mesh=tp_mesh(topo.devices[:1]))
+    return engine, params, topo.devices[0]
+
+
+def compile_generate(engine, params):
+    """The engine's generate program (one decode step for every slot: the forward through the seam's
+    kernels, the token written into the donated pools, sampling) lowered and compiled from shapes."""
+    import jax
+
+    from laminar_jax.rollout import programs as prg
+
+    leaves, treedef = jax.tree.flatten(params)
+    shardings = engine.param_shardings(params)
+    leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
+    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                         jax.eval_shape(engine._zero_state), engine.state_shardings)
+    rows, n_chunks = engine.schedule.rows(list(range(engine.num_slots)))
+    generate = prg.programs(engine._spec, treedef).generate
+    with jax.set_mesh(engine.mesh):
+        return generate.lower(leaves, state, rows, n_chunks, engine.schedule.live_buckets[-1]).compile()
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f32": 4,
+                "s64": 8, "u64": 8, "f64": 8}
+# No memory traffic of their own (aliases, control flow whose bodies are counted, async halves).
+_NO_TRAFFIC = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all", "partition-id",
+               "copy-done", "slice-done", "while", "conditional", "call", "opt-barrier")
+_IN_PLACE = ("scatter", "dynamic-update-slice")  # write their updates into their first operand's buffer
+_ROWS = ("gather", "dynamic-slice")  # read only the rows they return
+
+
+def _hbm_bytes(shape: str, on_chip: bool = False) -> int:
+    """Bytes of the HBM arrays in an HLO shape (tuple or array); arrays in another memory space
+    (``S(n)``: VMEM, SMEM: on-chip) count nothing (``on_chip``: only those count)."""
+    import re
+
+    total = 0
+    for dtype, dims, layout in re.findall(r"\b(pred|[suf]\d+|bf16)\[([\d,]*)\](\{[^}]*\})?", shape):
+        if ("S(" in (layout or "")) != on_chip:
+            continue
+        total += _DTYPE_BYTES.get(dtype, 4) * int(np.prod([int(d) for d in dims.split(",") if d] or [1]))
+    return total
+
+
+def hbm_traffic(hlo: str) -> tuple[int, list[tuple[str, float]]]:
+    """An estimate of a compiled TPU module's HBM traffic, and its largest parts by JAX op (MB).
+
+    Why not ``cost_analysis()["bytes accessed"]``: XLA's cost model counts every operand and result
+    whatever its memory space, so a weight the compiler prefetches into VMEM (``copy-start`` /
+    ``slice-start`` to ``S(1)``) is charged for the copy (read and write) and again for the product
+    that reads it on chip, and it charges a Pallas call only part of what it reads. Here each top-level
+    instruction (a fusion counted whole, not its insides; loop and branch bodies once) reads its
+    operands and writes its result in HBM, except: arrays on chip count nothing; a scatter or
+    dynamic-update-slice (or a fusion ending in one) writes in place, moving its updates, not the
+    buffer; a gather or dynamic-slice (or a fusion ending in one) reads the rows it returns; a custom
+    call (the Pallas kernel) reads its operands whole (for the kernel, the pools: every page of the
+    table, an upper bound of the live KV it DMAs)."""
+    import re
+
+    ops_in: dict[str, set] = {}  # computation -> the ops in it (a fusion is classed by what it holds)
+    comp = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            comp = head.group(1)
+        op = re.match(r"^\s*(?:ROOT )?%[\w.\-]+ = .+? ([\w\-]+)\(", line)
+        if op:
+            ops_in.setdefault(comp, set()).add(op.group(1))
+    sizes: dict[str, int] = {}
+    by_op: dict[str, int] = {}
+    comp = ""
+    for line in hlo.splitlines():
+        head = re.match(r"^(?:ENTRY )?%([\w.\-]+) \(.*\{$", line)
+        if head:
+            comp = head.group(1)
+            continue
+        m = re.match(r"^\s*(?:ROOT )?%([\w.\-]+) = (.+?) ([\w\-]+)\((.*)$", line)
+        if not m:
+            continue
+        name, shape, op, rest = m.groups()
+        sizes[name] = _hbm_bytes(shape)
+        if comp.startswith("fused") or op in _NO_TRAFFIC:
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", rest)
+        inside = ops_in.get(called.group(1), set()) if op == "fusion" and called else {op}
+        kind = next((k for k in (*_IN_PLACE, *_ROWS) if k in inside), op)
+        operands = [sizes.get(o, 0) for o in re.findall(r"%([\w.\-]+)", rest.split(")")[0])]
+        if op in ("copy-start", "slice-start"):  # a prefetch into on-chip memory reads what it lands
+            moved = _hbm_bytes(shape, on_chip=True)
+        elif kind in _IN_PLACE and operands:
+            moved = 2 * (sum(operands) - max(operands))
+        elif kind in _ROWS and operands:
+            moved = 2 * sizes[name] + sum(operands) - max(operands)
+        else:
+            moved = sizes[name] + sum(operands)
+        where = re.search(r'op_name="([^"]*)"', line)
+        key = "/".join(where.group(1).split("/")[-2:]) if where else op
+        by_op[key] = by_op.get(key, 0) + moved
+    top = sorted(by_op.items(), key=lambda kv: -kv[1])
+    return sum(by_op.values()), [(k, round(v / 1e6, 1)) for k, v in top[:12]]
+
+
+def tpu_decode_step(preset: str, rows: int, context: int, *, layers: int = 0, page: int = 16,
+                    topology: str = "v5e:2x2", attention_impl: str = "auto") -> dict[str, Any]:
+    import jax
+
+    engine, params, device = tpu_engine(preset, rows, context, layers=layers, page=page, topology=topology,
+                                        attention_impl=attention_impl)
+    cfg = engine.model_cfg
     t0 = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = step.lower(*args).compile()
+    compiled = compile_generate(engine, params)
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost
     xla_bytes, flops = float(cost.get("bytes accessed", 0.0)), float(cost.get("flops", 0.0))
     weight_bytes = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(params))
+    pages_per_seq = engine.pages_per_seq
     kv = kernel_bytes(cfg, rows, context, pages_per_seq, page, 2)
     writes = 2 * cfg.num_layers * rows * cfg.num_kv_heads * cfg.head_dim * 2  # the new token's K and V
     need = needed_bytes(cfg, weight_bytes, rows, context, 2)
     hlo = compiled.as_text()
-    return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": topo.devices[0].device_kind,
+    hbm, by_op = hbm_traffic(hlo)
+    return {"bench": "aot", "platform": "tpu", "topology": topology, "device_kind": device.device_kind,
             "preset": preset, "layers": cfg.num_layers, "rows": rows, "context": context, "page_size": page,
-            "compile_s": compile_s, "mosaic_kernels": hlo.count("tpu_custom_call"),
+            "decode_kernel": engine.kernels.summary(), "compile_s": compile_s,
+            "mosaic_kernels": hlo.count("tpu_custom_call"),
             "weight_bytes": weight_bytes, "needed_bytes": need, "xla_bytes_accessed": xla_bytes,
-            "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops}
+            "kernel_kv_bytes": kv, "token_write_bytes": writes, "ratio": xla_bytes / need, "flops": flops,
+            "hbm_bytes_estimate": hbm, "hbm_ratio": hbm / need, "hbm_by_op_mb": by_op}
 
 
 # An H100 SXM as XLA:GPU's compiler sees it (xla::GpuTargetConfigProto, text format): what a
@@ -253,7 +336,8 @@ def main(argv: list[str]) -> dict:
           f"compiled in {r['compile_s']:.1f} s, {r['mosaic_kernels']} Mosaic kernels; bytes: XLA "
           f"{r['xla_bytes_accessed'] / 1e6:.1f} MB accessed (cost model) vs {r['needed_bytes'] / 1e6:.1f} MB needed "
           f"(weights {r['weight_bytes'] / 1e6:.1f}, live KV {(r['needed_bytes'] - r['weight_bytes']) / 1e6:.1f}; "
-          f"the kernel DMAs {r['kernel_kv_bytes'] / 1e6:.1f}) -> {r['ratio']:.3f}x")
+          f"the kernel DMAs {r['kernel_kv_bytes'] / 1e6:.1f}) -> {r['ratio']:.3f}x; HBM estimate "
+          f"{r['hbm_bytes_estimate'] / 1e6:.1f} MB -> {r['hbm_ratio']:.3f}x (largest: {r['hbm_by_op_mb'][:4]})")
     return emit(r)
 
 

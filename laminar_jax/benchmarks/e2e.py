@@ -27,7 +27,7 @@ splits it (loop_efficiency()): cores the run kept busy over the engine alone's, 
 alone's CPU per generated token over the whole loop's (learner included); `bound` is the figure
 with every core busy at the loop's own CPU cost per generated token.
 
---profile: every mode runs with runtime.profile=True (runtime/profile.py); a CPU-time table per
+--profile: every mode runs with runtime.profile=True (monitor/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
 printed, the JSON gets a `profile` block per mode and the 2-core bound on laminar/sync derived from
 it: laminar can at most keep both cores busy at the CPU cost per trained token it measured, so
@@ -273,7 +273,7 @@ def main(argv: list[str]) -> dict:
     if not args.no_engine_alone and args.workload == "demo":  # agentic servers wait on environments
         alone = engine_alone(mode_config("laminar", model_dir, budget, out, args), budget)
 
-    from laminar_jax.runtime.timeline import plot_curves
+    from laminar_jax.monitor.timeline import plot_curves
 
     plot = plot_curves(os.path.join(out, "reward_vs_wallclock.png"),
                        {m: r["reward_curve"] for m, r in results.items()}, "seconds of RL", "batch mean reward")
@@ -344,7 +344,7 @@ def main(argv: list[str]) -> dict:
 
 
 def print_profile(mode: str, p: dict) -> None:
-    """One mode's CPU-time table (runtime/profile.py's report), with the load average now."""
+    """One mode's CPU-time table (monitor/profile.py's report), with the load average now."""
     load = ", ".join(f"{x:.2f}" for x in os.getloadavg())
     print(f"\nCPU profile of {mode}: {p['process_cpu_s']:.1f} s process + {p['children_cpu_s']:.1f} s reward "
           f"processes over {p['wall_s']:.1f} s ({p['cores_busy']:.2f} cores), {p['trained_tokens']} trained tokens, "

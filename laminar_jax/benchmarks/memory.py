@@ -68,6 +68,8 @@ def scaled_config(name: str, variant: str):
     c.learner.seq_len_buckets, c.learner.logits_chunk_tokens = (160,), 64
     c.learner.micro_batches, c.learner.mini_batches, c.learner.ppo_epochs = 2, 1, 1
     c.learner.attention_chunk = 32
+    if c.learner.attention_impl in ("auto", "tokamax", "splash"):  # the accelerator's kernels keep what 'flash'
+        c.learner.attention_impl = "flash"  # keeps, and the plan traces 'flash' for them (learner/memory.py)
     c.learner.remat = "none"  # XLA:CPU's buffer assignment keeps what remat would free (see the module doc)
     c.learner.compile_ahead = "none"
     c.runtime.prompts_per_step, c.runtime.samples_per_prompt = 2, 4
@@ -113,13 +115,21 @@ def unsharded(devices, arch, sharded_on: set[int]) -> int:
 
     index = {d: i for i, d in enumerate(devices)}
     whole = {shape for shape, _ in param_table(arch) if len(shape) == 2}
+    arrays = jax.live_arrays()
+    # A shard's `data` is a single-device live array over a multi-device array's own buffer: a view,
+    # not a copy (a TP-split vocab table's [vocab / tp, hidden] shard may have a weight matrix's shape);
+    # a whole matrix replicated over the devices still counts, through the multi-device array.
+    views = {s.data.unsafe_buffer_pointer() for a in arrays if len(a.sharding.device_set) > 1
+             for s in a.addressable_shards}
     seen = set()
-    for a in jax.live_arrays():
+    for a in arrays:
         if a.shape not in whole:
             continue
         for s in a.addressable_shards:
-            if index[s.device] in sharded_on and s.data.shape == a.shape:
-                seen.add((index[s.device], s.data.unsafe_buffer_pointer()))
+            ptr = s.data.unsafe_buffer_pointer()
+            view = len(a.sharding.device_set) == 1 and ptr in views
+            if index[s.device] in sharded_on and s.data.shape == a.shape and not view:
+                seen.add((index[s.device], ptr))
                 if os.environ.get("LAMINAR_BENCH_PHASES"):
                     print(f"unsharded: {a.shape} {a.dtype} {a.sharding} on device {index[s.device]}", file=sys.stderr)
     return len(seen)

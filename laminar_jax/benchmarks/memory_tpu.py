@@ -70,7 +70,8 @@ def decode_program(cfg, arch, devices):
     from laminar_jax.model.transformer import Transformer
     from laminar_jax.placement_memory import serving_dtype
     from laminar_jax.rollout import tp as tpl
-    from laminar_jax.rollout.engine import Engine, _programs
+    from laminar_jax.rollout import programs as prg
+    from laminar_jax.rollout.engine import Engine
     from laminar_jax.runtime.fleet import server_section
 
     dtype = jnp.dtype(serving_dtype(cfg))
@@ -89,7 +90,7 @@ def decode_program(cfg, arch, devices):
     rows = jax.ShapeDtypeStruct((engine.num_slots,), np.int32, sharding=rep)
     chunks = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
     bucket = engine.live_buckets[-1]  # every slot's pages live: the largest program
-    return _programs(engine._spec, treedef).generate.lower(leaves, state, rows, chunks, bucket)
+    return prg.programs(engine._spec, treedef).generate.lower(leaves, state, rows, chunks, bucket)
 
 
 def main(argv: list[str]) -> dict:

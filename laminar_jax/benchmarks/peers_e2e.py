@@ -46,7 +46,7 @@ import numpy as np
 from laminar_jax.cpu import host_malloc
 from laminar_jax.benchmarks.e2e import parse_override
 from laminar_jax.benchmarks.machine import emit, usable_cores
-from laminar_jax.benchmarks.peers import run_worker_process, worker_env
+from laminar_jax.benchmarks.workers import run_worker_process, worker_env
 
 SYSTEMS = ("trl", "sync", "laminar")
 FLEETS = ("threads", "processes")
@@ -159,7 +159,7 @@ def prepare_checkpoint(out_dir: str, sft_steps: int) -> str:
     from laminar_jax.benchmarks.e2e import demo_config, warm_start
     from laminar_jax.config import finalize
     from laminar_jax.model.export import write_generation_config, write_tokenizer_files
-    from laminar_jax.model.hf import from_pretrained
+    from laminar_jax.model.pretrained import from_pretrained
 
     warm_start(out_dir, sft_steps)
     section = finalize(demo_config()).model

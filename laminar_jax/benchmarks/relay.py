@@ -256,7 +256,7 @@ def bench_auth(total_mb: int, link_rate: int, reps: int) -> dict:
                            io_timeout_s=120.0)
     free = RelaySection(keep_in_memory=1, io_timeout_s=120.0)
     tcp = dataclasses.replace(free, local_transport="tcp")
-    from laminar_jax.relay.auth import RunKeys
+    from laminar_jax.net.auth import RunKeys
 
     keys = {"plain": None, "auth": RunKeys.generate()}
     figures = {m: {"chain2_s": [], "hop_s": [], "pull_tcp_gbps": [], "pull_map_gbps": []} for m in keys}
@@ -309,7 +309,7 @@ def bench_polls(polls: int, reps: int) -> dict:
     ~50 ms), on one kept authenticated connection against a fresh connection per poll (the client
     closed after each poll, as before connections were kept). Client and relay threads are both in
     this process, so process CPU counts both sides. Modes alternate per repeat."""
-    from laminar_jax.relay.auth import RunKeys
+    from laminar_jax.net.auth import RunKeys
 
     key = RunKeys.generate()
     cfg = RelaySection(io_timeout_s=60.0)

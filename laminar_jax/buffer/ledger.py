@@ -1,6 +1,7 @@
 """Prompt ledger: every dispatched prompt is tracked until its trajectories are consumed.
 
-States: dispatched -> consumed (or dropped, which also ends it). A prompt that is dispatched but
+States: dispatched -> consumed (or dropped: over-stale, or filtered: a zero-signal group removed
+by dynamic sampling, consumed without training; both also end it). A prompt that is dispatched but
 not consumed when the run stops is *in flight*; on resume it is dispatched again (its old partial
 samples were never consumed, so nothing is repeated). Exactly-once per epoch: a uid already
 consumed is refused.
@@ -16,7 +17,7 @@ from typing import Any, Optional
 @dataclasses.dataclass
 class _Entry:
     prompt: dict  # JSON-serialisable prompt record, enough to dispatch it again
-    state: str  # 'dispatched' | 'consumed' | 'dropped'
+    state: str  # 'dispatched' | 'consumed' | 'dropped' | 'filtered'
     dispatches: int = 1
 
 
@@ -32,8 +33,8 @@ class PromptLedger:
         # the monitor asks for them every step, and a scan of every entry ever dispatched grew with
         # the run (8 ms a step at 80,000 prompts).
         self._dispatched: dict[str, None] = {}
-        self._states: dict[str, int] = {"dispatched": 0, "consumed": 0, "dropped": 0}
-        self.counters = {"dispatched": 0, "redispatched": 0, "consumed": 0, "dropped": 0,
+        self._states: dict[str, int] = {"dispatched": 0, "consumed": 0, "dropped": 0, "filtered": 0}
+        self.counters = {"dispatched": 0, "redispatched": 0, "consumed": 0, "dropped": 0, "filtered": 0,
                          "duplicate_consumes": 0}
 
     def dispatch(self, uid: str, prompt: dict) -> None:
@@ -55,6 +56,15 @@ class PromptLedger:
 
     def drop(self, uid: str) -> None:
         self._finish(uid, "dropped")
+
+    def filter(self, uid: str) -> None:
+        """Consumed without training: its group carried no signal (dynamic sampling)."""
+        self._finish(uid, "filtered")
+
+    def untrained(self) -> int:
+        """Prompts ended without training (dropped or filtered): their places may be dispatched again."""
+        with self._lock:
+            return self.counters["dropped"] + self.counters["filtered"]
 
     def _finish(self, uid: str, state: str) -> None:
         with self._lock:
@@ -83,6 +93,7 @@ class PromptLedger:
         with self._lock:
             return {"total": len(self._entries), "in_flight": self._states["dispatched"],
                     "consumed": self._states["consumed"], "dropped": self._states["dropped"],
+                    "filtered": self._states["filtered"],
                     "duplicated": self.counters["duplicate_consumes"]}
 
     def state_dict(self) -> dict[str, Any]:

@@ -6,7 +6,6 @@ Everything here is a function of plain data, shared by the real buffer and the s
 from __future__ import annotations
 
 import dataclasses
-import heapq
 from typing import Optional, Sequence
 
 
@@ -20,6 +19,7 @@ class GroupMeta:
       version: Oldest weight version among the members (staleness is judged on it).
       num_tokens: Total tokens (prompt + response) over the members.
       seq: Arrival order of the group's completion (FIFO key).
+      rewards: The members' rewards, where the store has them (dynamic sampling reads them).
     """
 
     group: str
@@ -27,12 +27,17 @@ class GroupMeta:
     version: int
     num_tokens: int
     seq: int
+    rewards: tuple[float, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class Selection:
+    """take: the batch (all or nothing); drop: over-stale groups; filtered: zero-signal groups
+    (dynamic sampling). Dropped and filtered groups are never trained on."""
+
     take: tuple[GroupMeta, ...]
     drop: tuple[GroupMeta, ...]
+    filtered: tuple[GroupMeta, ...] = ()
 
 
 def staleness(learner_version: int, gen_version: int) -> int:
@@ -49,61 +54,44 @@ def select_fifo(groups: Sequence[GroupMeta], n_groups: int, learner_version: int
     admission control keeps staleness bounded so they are rare). Returns an empty ``take`` unless
     ``n_groups`` fresh groups are available: a batch is all-or-nothing.
     """
-    ordered = sorted(groups, key=lambda g: g.seq)
-    fresh, stale = [], []
-    for g in ordered:
-        if max_staleness is not None and staleness(learner_version, g.version) > max_staleness:
-            stale.append(g)
-        else:
-            fresh.append(g)
-    drop = tuple(stale) if on_stale == "drop" else ()
+    fresh, drop = _split_stale(groups, learner_version, max_staleness, on_stale)
     if len(fresh) < n_groups:
         return Selection((), drop)
     return Selection(tuple(fresh[:n_groups]), drop)
 
 
-def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
-    """Partition item indices into k bins with near-equal length sums (largest differencing method).
-
-    Used to balance tokens across data-parallel ranks / micro-batches (AsyncFlow's
-    sequence-length-balanced sampler). Each bin gets len(lengths)//k or one more items only when
-    counts divide evenly; otherwise counts may differ by the greedy merge. Deterministic.
-    """
-    if k <= 0:
-        raise ValueError(f"k={k}: must be >= 1")
-    # Each heap entry is a k-tuple of (sum, items) bins sorted by sum descending; the key is the spread.
-    heap = []
-    for i, length in enumerate(lengths):
-        bins = [(int(length), [i])] + [(0, []) for _ in range(k - 1)]
-        heapq.heappush(heap, (-int(length), i, bins))
-    counter = len(lengths)
-    while len(heap) > 1:
-        _, _, a = heapq.heappop(heap)
-        _, _, b = heapq.heappop(heap)
-        # Pair a's largest with b's smallest, etc.
-        merged = [(a[j][0] + b[k - 1 - j][0], a[j][1] + b[k - 1 - j][1]) for j in range(k)]
-        merged.sort(key=lambda x: -x[0])
-        counter += 1
-        heapq.heappush(heap, (-(merged[0][0] - merged[-1][0]), counter, merged))
-    if not heap:
-        return [[] for _ in range(k)]
-    return [sorted(items) for _, items in heap[0][2]]
+def _split_stale(groups: Sequence[GroupMeta], learner_version: int, max_staleness: Optional[int],
+                 on_stale: str) -> tuple[list[GroupMeta], tuple[GroupMeta, ...]]:
+    """(fresh groups oldest first, the stale ones to drop: none with on_stale='skip')."""
+    fresh, stale = [], []
+    for g in sorted(groups, key=lambda g: g.seq):
+        if max_staleness is not None and staleness(learner_version, g.version) > max_staleness:
+            stale.append(g)
+        else:
+            fresh.append(g)
+    return fresh, tuple(stale) if on_stale == "drop" else ()
 
 
-def balanced_microbatches(token_counts: Sequence[int], num_micro: int) -> list[list[int]]:
-    """Token-balanced split of rows into ``num_micro`` micro-batches of equal row count.
+def zero_signal(g: GroupMeta) -> bool:
+    """Every member of a group of two or more scored the same reward: GRPO/RLOO give it advantage 0."""
+    return len(g.rows) > 1 and len(g.rewards) == len(g.rows) and max(g.rewards) == min(g.rewards)
 
-    Equal counts keep shapes static for the jitted step; within that constraint the token sums are
-    balanced greedily (longest row to the lightest bin that still has room).
-    """
-    n = len(token_counts)
-    if num_micro <= 0 or n % num_micro:
-        raise ValueError(f"{n} rows cannot be split into {num_micro} equal micro-batches")
-    cap = n // num_micro
-    bins: list[list[int]] = [[] for _ in range(num_micro)]
-    sums = [0] * num_micro
-    for i in sorted(range(n), key=lambda i: -token_counts[i]):
-        j = min((b for b in range(num_micro) if len(bins[b]) < cap), key=lambda b: (sums[b], b))
-        bins[j].append(i)
-        sums[j] += token_counts[i]
-    return [sorted(b) for b in bins]
+
+def select_with_signal(groups: Sequence[GroupMeta], n_groups: int, learner_version: int, budget: int,
+                       max_staleness: Optional[int] = None, on_stale: str = "drop") -> Selection:
+    """`select_fifo` with DAPO's dynamic sampling: walking the fresh groups oldest first until
+    ``n_groups`` are taken, a zero-signal group is filtered instead, while fewer than ``budget`` have
+    been (the bound on refills; past it zero-signal groups are taken like any other). Filtered groups
+    leave at once, batch full or not, so that fresh prompts can replace them; the groups after the
+    n-th taken one stay for the next batch."""
+    fresh, drop = _split_stale(groups, learner_version, max_staleness, on_stale)
+    take: list[GroupMeta] = []
+    filtered: list[GroupMeta] = []
+    for g in fresh:
+        if len(take) == n_groups:
+            break
+        if zero_signal(g) and len(filtered) < budget:
+            filtered.append(g)
+        else:
+            take.append(g)
+    return Selection(tuple(take) if len(take) == n_groups else (), drop, tuple(filtered))

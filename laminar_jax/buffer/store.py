@@ -39,7 +39,7 @@ class ExperienceStore:
         self._field_seq: dict[int, dict[str, int]] = {}  # row -> field -> write order
         self._next_row = 0
         self._seq = 0
-        self.counters = {"rows_put": 0, "groups_dropped_stale": 0, "rows_consumed": 0}
+        self.counters = {"rows_put": 0, "groups_dropped_stale": 0, "groups_filtered": 0, "rows_consumed": 0}
 
     # ---- producers -------------------------------------------------------------------------
     def add_row(self, uid: str, group: str, fields: Optional[dict[str, Any]] = None) -> int:
@@ -107,7 +107,8 @@ class ExperienceStore:
             versions = [int(self._rows[r].get("version", 0)) for r in rows]
             tokens = sum(len(self._rows[r].get("prompt_ids", ())) + len(self._rows[r].get("response_ids", ()))
                          for r in rows)
-            out.append(GroupMeta(group, tuple(rows), min(versions), tokens, seq))
+            rewards = tuple(float(self._rows[r]["reward"]) for r in rows if self._rows[r].get("reward") is not None)
+            out.append(GroupMeta(group, tuple(rows), min(versions), tokens, seq, rewards))
         return out
 
     def _bump(self) -> int:
@@ -147,8 +148,8 @@ class ExperienceStore:
             ) -> list[dict[str, Any]]:
         """Block until ``n_groups`` complete, unconsumed groups are selectable; return their rows.
 
-        ``select(groups, n)`` is the sampling policy (FIFO by default). Dropped groups are marked
-        consumed for this consumer and counted. Raises BufferTimeout naming what it waited for.
+        ``select(groups, n)`` is the sampling policy (FIFO by default). Dropped and filtered groups
+        are marked consumed for this consumer and counted. Raises BufferTimeout naming what it waited for.
         """
         select = select or (lambda gs, n: select_fifo(gs, n, learner_version=0))
         deadline = time.monotonic() + timeout
@@ -159,6 +160,9 @@ class ExperienceStore:
                 for g in sel.drop:
                     consumed.update(g.rows)
                     self.counters["groups_dropped_stale"] += 1
+                for g in sel.filtered:
+                    consumed.update(g.rows)
+                    self.counters["groups_filtered"] += 1
                 if sel.take:
                     rows = [r for g in sel.take for r in g.rows]
                     consumed.update(rows)

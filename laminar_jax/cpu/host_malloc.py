@@ -5,8 +5,8 @@ XLA:CPU allocates every execution's temporaries and outputs with malloc and free
 execution ends. glibc serves a large block (above its mmap threshold, which tops out at 32 MB)
 with a fresh mmap, and returns the free top of a heap to the OS once it exceeds the trim
 threshold. Either way the next execution writes into pages the kernel must fault in and zero
-again. In an RL run of the CPU demo that was ~11 million page faults per 90 s, and 17% of the
-process's CPU time in the kernel (docs/BENCHMARKS.md, "The host allocator").
+again, so a process that runs many small programs spends a large share of its CPU time in the
+kernel faulting in and zeroing the same buffers.
 
 'keep' (the default) tells glibc to serve every block from its heaps (no mmap: M_MMAP_MAX = 0) and
 to keep freed memory (M_TRIM_THRESHOLD at its maximum), so a step's buffers reuse the pages the

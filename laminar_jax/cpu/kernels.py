@@ -26,6 +26,7 @@ from laminar_jax.cpu.native import ops as native_ops
 from laminar_jax.model.products import Products
 from laminar_jax.rollout import kernels as seam
 from laminar_jax.rollout.attention import DecodeMeta, live_pages, write_kv
+from laminar_jax.rollout.sampling import first_argmax
 
 PLATFORM = "cpu"
 
@@ -143,14 +144,18 @@ def native_argmax_here(platform: str, tensor_parallel: bool) -> bool:
     """Whether an engine's sampling takes each row's argmax over the vocabulary from the native kernel
     (native_ops.first_argmax): on one CPU device with AVX2 or AVX-512, when it builds here. It picks
     the index that sampling.first_argmax picks, so no setting chooses between them; in XLA:CPU that
-    one materialises two arrays of the logits' size (f32[64, 32768]: 1.06 -> 0.23 ms alone;
-    [64, 151936]: 28.7 -> 1.1)."""
+    one materialises two arrays of the logits' size, a cost that grows with the vocabulary; the
+    kernel reads each row once."""
     return (platform == PLATFORM and not tensor_parallel and native_ops.first_argmax_is_faster()
             and native.available(native_ops.ARGMAX_LIBRARY) is None)
 
 
 def argmax_for(g: seam.Geometry) -> Optional[tuple[Callable, str]]:
-    return (native_ops.first_argmax, "native") if native_argmax_here(PLATFORM, g.tensor_parallel > 1) else None
+    """The native kernel where it serves, else sampling.first_argmax (XLA:CPU's jnp.argmax is a variadic
+    reduction that does not vectorise; the seam's default off the CPU is jnp.argmax)."""
+    if native_argmax_here(PLATFORM, g.tensor_parallel > 1):
+        return native_ops.first_argmax, "native"
+    return first_argmax, "xla"
 
 
 seam.register_attention(seam.AttentionKernel("cpu_kernel", cpu_kernel, _cpu_kernel_refuses, auto_rank=10),

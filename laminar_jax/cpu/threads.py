@@ -5,10 +5,9 @@ XLA's CPU client sizes its one intra-op pool (the `tf_XLAEigen` threads) when th
 one thread per core, or `PJRT_NPROC` when that is set. JAX hands each CPU computation to it
 asynchronously unless async dispatch is off, in which case the calling thread runs it (ops that
 the executor finds independent may still go to the pool). At the CPU demo's shapes most ops take
-microseconds, and handing them between threads costs CPU: a small train step took ~19 CPU-ms with
-one pool thread against 23-28 with two, and a run of the demo with one pool thread and no async
-dispatch ~13% less CPU per trained token, at ~10% fewer tokens per second on 2 cores
-(docs/BENCHMARKS.md, "XLA's CPU threads"). The defaults are XLA's.
+microseconds, and handing them between threads costs CPU: one pool thread without async dispatch
+spends less CPU per trained token, while the second pool thread buys tokens per second, so the
+trade depends on the figure a run is for. The defaults are XLA's.
 
 Entry points call `apply_cpu_threads()` once, before anything touches a JAX device.
 """

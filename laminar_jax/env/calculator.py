@@ -19,7 +19,6 @@ import re
 from typing import Any
 
 from laminar_jax.env.base import Environment, StepResult
-from laminar_jax.env.registry import register_env
 from laminar_jax.env.tools import ToolCallError, parse_tool_calls
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
@@ -94,6 +93,3 @@ class CalculatorEnv(Environment):
             return StepResult(format_number(evaluate(call.arguments["expression"])), 0.0, False)
         except ValueError as e:
             return StepResult(f"error: {e}", 0.0, False)
-
-
-register_env("calculator", CalculatorEnv)

@@ -18,7 +18,6 @@ from typing import Optional
 from laminar_jax.env.base import Environment, StepResult
 from laminar_jax.env.calculator import answer_matches
 from laminar_jax.env.bwrap import check_sandbox
-from laminar_jax.env.registry import register_env
 from laminar_jax.env.sandbox import SandboxLimits, Scratch, run_python
 from laminar_jax.env.tools import ToolCallError, parse_tool_calls
 
@@ -59,6 +58,3 @@ class PythonEnv(Environment):
         if self.scratch is not None:
             self.scratch.close()
             self.scratch = None
-
-
-register_env("python", PythonEnv)

@@ -29,14 +29,29 @@ def register_env(name: str, factory: EnvFactory) -> None:
     _REGISTRY[name] = factory
 
 
+# The built-in environments, imported on first use so that `laminar_jax.env` stays cheap to import;
+# they do not import this module (a name registered with register_env takes precedence).
+BUILTINS = ("calculator", "latency", "python")
+
+
 def registered() -> list[str]:
-    _builtins()
-    return sorted(_REGISTRY)
+    return sorted(set(_REGISTRY) | set(BUILTINS))
 
 
-def _builtins() -> None:
-    # Imported on first use so that `laminar_jax.env` stays cheap to import.
-    from laminar_jax.env import calculator, latency, python_sandbox  # noqa: F401
+def _factory(name: str) -> Optional[EnvFactory]:
+    """The factory registered as `name`, else the built-in of that name, else None."""
+    if name in _REGISTRY:
+        return _REGISTRY[name]
+    if name == "calculator":
+        from laminar_jax.env.calculator import CalculatorEnv
+        return CalculatorEnv
+    if name == "latency":
+        from laminar_jax.env.latency import LatencyEnv
+        return LatencyEnv
+    if name == "python":
+        from laminar_jax.env.python_sandbox import PythonEnv
+        return PythonEnv
+    return None
 
 
 def select_env(record: dict[str, Any], default: Optional[str] = None,
@@ -62,11 +77,11 @@ def select_env(record: dict[str, Any], default: Optional[str] = None,
 
 def accepts(name: str, keyword: str) -> bool:
     """Whether registered environment `name` names `keyword` among its parameters (False for unknown names)."""
-    _builtins()
-    if name not in _REGISTRY:
+    factory = _factory(name)
+    if factory is None:
         return False
     try:
-        params = inspect.signature(_REGISTRY[name]).parameters
+        params = inspect.signature(factory).parameters
     except (TypeError, ValueError):
         return False
     return keyword in params
@@ -74,10 +89,9 @@ def accepts(name: str, keyword: str) -> bool:
 
 def make_env(name: str, **kwargs: Any) -> Environment:
     """Build a registered environment; unknown names and keyword arguments are refused by name."""
-    _builtins()
-    if name not in _REGISTRY:
-        raise ValueError(f"environment {name!r} is not registered (have {sorted(_REGISTRY)})")
-    factory = _REGISTRY[name]
+    factory = _factory(name)
+    if factory is None:
+        raise ValueError(f"environment {name!r} is not registered (have {registered()})")
     try:
         params = inspect.signature(factory).parameters
     except (TypeError, ValueError):

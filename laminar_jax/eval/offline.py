@@ -57,7 +57,7 @@ def load_run_policy(run_dir: str, version: Optional[int] = None):
 
 
 def load_hf_policy(path: str, fallback_tokenizer: str):
-    from laminar_jax.model.hf import from_pretrained
+    from laminar_jax.model.pretrained import from_pretrained
 
     tok = path if os.path.isfile(os.path.join(path, "tokenizer.json")) else fallback_tokenizer
     return from_pretrained(path), None, tok

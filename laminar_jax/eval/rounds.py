@@ -22,7 +22,7 @@ from typing import Optional, Sequence
 
 from laminar_jax.eval.metrics import EvalSample, round_metrics, versions_seen
 from laminar_jax.rollout.sampling import SamplingParams
-from laminar_jax.runtime.dispatch import WorkItem
+from laminar_jax.types import WorkItem
 
 
 @dataclasses.dataclass(frozen=True)

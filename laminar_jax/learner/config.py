@@ -9,7 +9,9 @@ from laminar_jax.configlib import expect
 
 AdvEstimator = Literal["gae", "grpo", "rloo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-OffPolicy = Literal["none", "tis", "decoupled"]
+OffPolicy = Literal["none", "tis", "decoupled", "seq_tis", "seq_mask"]
+RatioLevel = Literal["token", "sequence"]
+SEQ_OFF_POLICY = ("seq_tis", "seq_mask")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,6 +51,12 @@ class LearnerSection:
       kl_mode: 'loss' (KL term in the loss), 'reward' (-kl_coef*KL folded into per-token rewards) or 'none'.
       off_policy: 'none' (behaviour log-probs act as the old policy), 'tis' (proximal as old policy, loss times min(pi_prox/pi_behav, tis_cap)) or 'decoupled' (proximal for clipping, weight pi_prox/pi_behav, tokens with weight > tis_cap dropped).
       tis_cap: Cap of the behaviour importance weight ('tis' truncates at it, 'decoupled' masks tokens above it).
+      ratio_level: 'token' (PPO: one ratio pi/pi_old per token, clipped per token) or 'sequence' (GSPO: one ratio per trajectory, s_i = exp(mean over its response tokens of log pi/pi_old), the geometric mean of its token ratios, clipped as a whole to [1 - clip_eps_low, 1 + clip_eps_high]; needs loss_agg='seq-mean-token-mean' and a critic-free estimator, 'grpo' or 'rloo'). Formulas: learner/losses_seq.py.
+      seq_is_ratio: How off_policy='seq_tis' / 'seq_mask' measure a trajectory's behaviour-to-proximal ratio rho_i from its token ratios pi_prox/pi_behav: 'product' (their product, the sequence likelihood ratio: verl's rollout_is='sequence' and its seq_sum_k1 rejection) or 'geometric' (their geometric mean, the product to the power 1/|y_i|: verl's seq_mean_k1 rejection; a per-token scale, so one band suits short and long responses).
+      seq_is_high: Upper end of the sequence band: off_policy='seq_tis' weights each trajectory's loss by min(rho_i, seq_is_high) (truncated sequence-level IS); 'seq_mask' drops trajectories with rho_i > seq_is_high. With seq_is_ratio='geometric' a useful band is narrow (e.g. 1.01).
+      seq_is_low: Lower end of the band for off_policy='seq_mask' (trajectories with rho_i < seq_is_low are dropped); None = 1/seq_is_high. Only with 'seq_mask' ('seq_tis' truncates from above only).
+      dynamic_sampling: DAPO's dynamic sampling: a complete group whose rewards are all equal (no advantage signal for 'grpo'/'rloo') is dropped before training and its prompt marked filtered in the ledger (consumed without training); fresh prompts are dispatched in its place until the batch is full.
+      dynamic_sampling_max_retries: Bound on dynamic sampling's refills: while one batch fills, at most this many batches' worth (x runtime.prompts_per_step) of zero-signal groups are dropped (verl's max_num_gen_batches); past it, zero-signal groups fill the batch as they come (they train with advantage 0) and are counted as zero_signal_groups_kept.
       temperature: Sampling temperature the rollout used; log-probs are computed from logits / temperature.
       loss_agg: 'token-mean', 'seq-mean-token-mean' or 'seq-mean-token-sum' over a mini-batch.
       micro_batches: Gradient-accumulation micro-batches per optimizer update (lax.scan).
@@ -71,9 +79,9 @@ class LearnerSection:
       pack_shrink: Packed rows as short as the step allows: the smallest seq_len_bucket below pack_length that holds the step's longest trajectory, else pack_length. Row attention costs the square of the row's length, so a long-tail task's common steps, whose longest trajectory is short, train on many short rows instead of a few long ones (the demo: 20-33% off a learner step whose trajectories fit 64 tokens, rows of 64 against 192). Each such length is one more set of row-count shapes for learner warm-up to compile. False (default: end to end on the demo, sync trained 10% faster and laminar no faster, for a cold start ~90 s longer): rows of exactly pack_length.
       pack_rows_per_doubling: Row-count buckets of a packed batch per doubling: 1 = powers of two (each mini-batch 1, 2, 4, 8, ... rows, times row_multiple / mini_batches), 2 = those and the midpoints (3, 6, 12, ...), more = finer. A batch takes the smallest bucket its fullest mini-batch fits, so finer buckets pad fewer rows and give learner warm-up more shapes to compile (one prepare pass and one update program each).
       mini_batch_draw: How a packed step's trajectories are drawn into its mini-batches. 'stratified': longest first, each run of mini_batches trajectories is dealt one to each mini-batch at random, so every mini-batch is still a random draw and all need about the same number of rows (fewer padded rows). 'random': consecutive parts of a random permutation. Unpacked batches shuffle rows freely either way.
-      compile_ahead: 'all': learner warm-up compiles the prepare pass and the update program for every batch shape a step can take (each seq_len_bucket; packed: each row bucket at each row length), so no training step pays XLA compilation. 'none': each shape compiles when a step first needs it, so a start compiles only the shapes the run meets (a long-tail task's rare large row buckets never), and that step waits for its compile (with the persistent compilation cache holding it: tracing, lowering and the cache read, ~1 s a shape on 2 CPU cores).
+      compile_ahead: 'all': learner warm-up compiles the prepare pass and the update program for every batch shape a step can take (each seq_len_bucket; packed: each row bucket at each row length), so no training step pays XLA compilation. 'none': each shape compiles when a step first needs it, so a start compiles only the shapes the run meets (a long-tail task's rare large row buckets never), and that step waits for its compile (with the persistent compilation cache holding it: tracing, lowering and the cache read).
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
-      publish_snapshot: Publish from a snapshot of the policy weights that a small program writes into the devices' pinned host memory (a DMA at the link's speed: 2 GB of a 0.5B model's f32 weights in 39 ms on an H100, against 990 ms for the copy of device arrays into unpinned numpy memory), so the next step's donating update need not wait and the publish only wraps host memory. Devices without pinned host memory snapshot into device memory (one more copy of the actor weights) and the host copy reads that. None = on where the learner's devices are accelerators, off on CPU (there the host copy is a view).
+      publish_snapshot: Publish from a snapshot of the policy weights that a small program writes into the devices' pinned host memory (a DMA at the link's speed, where copying device arrays into unpinned numpy memory is staged by the host and many times slower), so the next step's donating update need not wait and the publish only wraps host memory. Devices without pinned host memory snapshot into device memory (one more copy of the actor weights) and the host copy reads that. None = on where the learner's devices are accelerators, off on CPU (there the host copy is a view).
       seed: Seed of the learner RNG and of the mini-batch shuffles.
     """
 
@@ -105,6 +113,12 @@ class LearnerSection:
     kl_mode: Literal["loss", "reward", "none"] = "none"
     off_policy: OffPolicy = "none"
     tis_cap: float = 2.0
+    ratio_level: RatioLevel = "token"
+    seq_is_ratio: Literal["geometric", "product"] = "product"
+    seq_is_high: float = 2.0
+    seq_is_low: Optional[float] = None
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_retries: int = 10
     temperature: float = 1.0
     loss_agg: LossAgg = "token-mean"
     micro_batches: int = 1
@@ -155,6 +169,7 @@ class LearnerSection:
         expect(self.value_clip is None or self.value_clip > 0, f"{prefix}.value_clip", self.value_clip, "> 0 or None")
         expect(self.kl_coef >= 0.0, f"{prefix}.kl_coef", self.kl_coef, ">= 0")
         expect(self.tis_cap >= 1.0, f"{prefix}.tis_cap", self.tis_cap, ">= 1")
+        self._validate_corrections(prefix)
         expect(self.temperature > 0, f"{prefix}.temperature", self.temperature, "> 0")
         for name in ("micro_batches", "mini_batches", "ppo_epochs", "max_consecutive_skips", "keep_checkpoints"):
             v = getattr(self, name)
@@ -179,6 +194,41 @@ class LearnerSection:
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")
         expect(self.publish_timeout_s > 0, f"{prefix}.publish_timeout_s", self.publish_timeout_s, "> 0")
+
+
+    def _validate_corrections(self, prefix: str) -> None:
+        """Sequence-level corrections and dynamic sampling, and the settings they cannot combine with."""
+        p = prefix
+        offs = ("none", "tis", "decoupled") + SEQ_OFF_POLICY
+        expect(self.off_policy in offs, f"{p}.off_policy", self.off_policy, f"one of {list(offs)}")
+        expect(self.ratio_level in ("token", "sequence"), f"{p}.ratio_level", self.ratio_level,
+               "one of ['token', 'sequence']")
+        expect(self.seq_is_ratio in ("geometric", "product"), f"{p}.seq_is_ratio", self.seq_is_ratio,
+               "one of ['geometric', 'product']")
+        expect(self.seq_is_high >= 1.0, f"{p}.seq_is_high", self.seq_is_high, ">= 1")
+        if self.seq_is_low is not None:
+            expect(0.0 < self.seq_is_low <= 1.0, f"{p}.seq_is_low", self.seq_is_low, "in (0, 1] or None")
+            expect(self.off_policy == "seq_mask", f"{p}.seq_is_low", self.seq_is_low,
+                   f"None with {p}.off_policy={self.off_policy!r} (a lower band end acts only with 'seq_mask'; "
+                   "'seq_tis' truncates from above)")
+        if self.ratio_level == "sequence":
+            # GSPO's ratio is one number per trajectory: it needs one advantage per trajectory, and its
+            # objective averages over sequences.
+            expect(self.adv_estimator in ("grpo", "rloo"), f"{p}.ratio_level", self.ratio_level,
+                   f"'token' with {p}.adv_estimator={self.adv_estimator!r} (a sequence-level ratio needs one "
+                   "advantage per trajectory; GAE's differ per token)")
+            expect(self.critic == "none", f"{p}.ratio_level", self.ratio_level,
+                   f"'token' with {p}.critic={self.critic!r} (GSPO is critic-free: the value model would be "
+                   "trained and never used)")
+            expect(self.loss_agg == "seq-mean-token-mean", f"{p}.ratio_level", self.ratio_level,
+                   f"'token' with {p}.loss_agg={self.loss_agg!r} (GSPO's objective is the mean over sequences: "
+                   "set loss_agg='seq-mean-token-mean')")
+        expect(self.dynamic_sampling_max_retries >= 1, f"{p}.dynamic_sampling_max_retries",
+               self.dynamic_sampling_max_retries, ">= 1")
+        if self.dynamic_sampling:
+            expect(self.adv_estimator in ("grpo", "rloo"), f"{p}.dynamic_sampling", self.dynamic_sampling,
+                   f"False with {p}.adv_estimator={self.adv_estimator!r} (equal rewards leave a group without "
+                   "signal only for the group estimators 'grpo' and 'rloo'; GAE's critic still learns from it)")
 
 
 DEFAULT_RULES: tuple[str, ...] = (

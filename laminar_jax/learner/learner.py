@@ -461,7 +461,7 @@ def balance_ranks(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: in
     `ranks` contiguous blocks the data-parallel ranks receive carry near-equal token counts (equal
     row counts, longest row to the lightest rank; learner.balance_tokens). Membership of every
     mini-batch is unchanged, so the update is the same up to summation order."""
-    from laminar_jax.buffer.policies import balanced_microbatches
+    from laminar_jax.learner.balance import balanced_microbatches
 
     out = []
     for j in range(len(perm) // rows):

@@ -1,4 +1,5 @@
-"""Device mesh ('data', 'fsdp', 'tensor'), logical-axis rules -> shardings, and host->device placement."""
+"""Device mesh ('data', 'fsdp', 'tensor') and host->device placement; logical-axis rules -> shardings
+are model/axes.py's (re-exported here for the learner's callers)."""
 
 from __future__ import annotations
 
@@ -6,10 +7,10 @@ from typing import Any, Optional, Sequence
 
 import jax
 import numpy as np
-from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from laminar_jax.learner.config import MeshSection
+from laminar_jax.model.axes import logical_to_spec, param_shardings, parse_rules, sharding_of  # noqa: F401
 
 AXES = ("data", "fsdp", "tensor")
 BATCH_AXES = ("data", "fsdp")
@@ -32,60 +33,6 @@ def build_mesh(section: MeshSection, devices: Optional[Sequence[jax.Device]] = N
     devices = list(jax.devices() if devices is None else devices)
     shape = resolve_mesh_shape(section, len(devices))
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), AXES)
-
-
-def parse_rules(rules: Sequence[str]) -> dict[str, Optional[str]]:
-    """('embed=fsdp', 'norm=') -> {'embed': 'fsdp', 'norm': None}."""
-    out: dict[str, Optional[str]] = {}
-    for r in rules:
-        name, _, axis = r.partition("=")
-        out[name.strip()] = axis.strip() or None
-    return out
-
-
-def logical_to_spec(logical: Sequence[Optional[str]], shape: Sequence[int], rules: dict[str, Optional[str]],
-                    mesh: Mesh) -> P:
-    """Map one parameter's logical axes to a PartitionSpec.
-
-    A dimension stays replicated when it has no rule, when it does not divide by the mesh axis
-    size, or when the mesh axis is already used by an earlier dimension.
-    """
-    used: set[str] = set()
-    out = []
-    for name, dim in zip(logical, shape):
-        axis = rules.get(name) if name is not None else None
-        if axis is None or axis in used or dim % mesh.shape[axis] or mesh.shape[axis] == 1:
-            out.append(None)
-        else:
-            out.append(axis)
-            used.add(axis)
-    return P(*out)
-
-
-def param_shardings(params: nnx.State, mesh: Mesh, rules: Sequence[str]) -> Any:
-    """Pytree of NamedSharding matching `params` (an nnx.State of Params with logical axis metadata)."""
-    table = parse_rules(rules)
-
-    def one(var):
-        shape = var.get_value().shape
-        logical = getattr(var, "out_sharding", None) or (None,) * len(shape)
-        return var.replace(NamedSharding(mesh, logical_to_spec(logical, shape, table, mesh)))
-
-    return jax.tree.map(one, params, is_leaf=lambda x: isinstance(x, nnx.Variable))
-
-
-def sharding_of(model: nnx.Module, mesh: Mesh, rules: Sequence[str]):
-    """(state path, leaf) -> NamedSharding of that parameter on ``mesh`` (a model's loader takes it,
-    model.sharded.load_model: every tensor goes straight to its shards). ``model`` may be abstract."""
-    shardings = nnx.to_pure_dict(param_shardings(nnx.state(model), mesh, rules))
-
-    def one(path: tuple, leaf) -> NamedSharding:
-        node = shardings
-        for k in path:
-            node = node[k]
-        return node
-
-    return one
 
 
 def state_shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Mesh) -> Any:
@@ -113,6 +60,33 @@ def state_shardings_like(tree: Any, params: Any, params_shardings: Any, mesh: Me
 def batch_sharding(mesh: Mesh) -> NamedSharding:
     """Leading (row) dimension split over ('data', 'fsdp'); everything else replicated."""
     return NamedSharding(mesh, P(BATCH_AXES))
+
+
+def lookup_table_sharding(mesh: Mesh, vocab: int) -> NamedSharding:
+    """The embedding table as the token lookup reads it: its vocab rows over 'tensor' (where they
+    divide), each row whole, i.e. gathered over the batch axes. The table is stored split over FSDP
+    along the embed axis; a lookup of batch-sharded tokens into that layout makes a hidden-sharded
+    residual stream, which the partitioner then keeps by gathering every device's rows of the
+    activations (each device held the whole micro-batch's MLP intermediates and logit chunks) instead
+    of gathering the weights, as FSDP means to."""
+    t = mesh.shape["tensor"]
+    return NamedSharding(mesh, P("tensor" if t > 1 and vocab % t == 0 else None, None))
+
+
+def gathered_lookup(params: Any, mesh: Optional[Mesh]) -> Any:
+    """``params`` (a model's state, as the train step sees it) with the embedding table constrained to
+    `lookup_table_sharding` where the mesh splits the batch: the table is gathered once per pass
+    (the gradient goes back reduce-scattered), and the rows stay split over the batch axes."""
+    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
+        return params
+
+    def one(path, x):
+        keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
+        if "embed_tokens" in keys and getattr(x, "ndim", 0) == 2:
+            return jax.lax.with_sharding_constraint(x, lookup_table_sharding(mesh, x.shape[0]))
+        return x
+
+    return jax.tree_util.tree_map_with_path(one, params)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

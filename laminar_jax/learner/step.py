@@ -24,11 +24,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from laminar_jax.kernels import train_products
 from laminar_jax.learner.advantages import AdvantageInputs, AdvantageParams, compute_advantages, terminal_token_rewards
 from laminar_jax.learner.batch import TrainBatch
-from laminar_jax.learner.config import LearnerSection
+from laminar_jax.learner.config import SEQ_OFF_POLICY, LearnerSection
 from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tokens
-from laminar_jax.learner.losses import (
-    AggNorm, aggregate, agg_norm, kl_penalty, off_policy_correction, ppo_clip_loss, value_loss)
-from laminar_jax.learner.mesh import BATCH_AXES
+from laminar_jax.learner.losses import AggNorm, aggregate, agg_norm, kl_penalty, value_loss
+from laminar_jax.learner.losses_seq import correction, policy_loss
+from laminar_jax.learner.mesh import BATCH_AXES, gathered_lookup
 from laminar_jax.model.attention import AUTO, resolve_train_attention
 from laminar_jax.model.precision import cast_floating
 
@@ -76,7 +76,7 @@ def _attention(name: str) -> str:
 
 def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
             score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None,
-            dtype: Any = None) -> ForwardOut:
+            dtype: Any = None, mesh: Optional[Mesh] = None) -> ForwardOut:
     """Merge the model inside the trace and score the batch's targets.
 
     dtype: the compute dtype. The (float32 master) params are cast to it here, once, before the
@@ -87,8 +87,11 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     Layers run under `remat` (default `section.remat`; passes without a gradient use 'none'); log-probs/entropy come from the final hidden states in chunks
     of `section.logits_chunk_tokens` tokens per device (`shards` row shards), never as full
     f32[B, T, V] logits when the chunk is smaller than the batch. score=False: values only.
+    mesh: the learner's mesh; the embedding table is then read gathered over the batch axes
+    (`mesh.gathered_lookup`), so the activations stay split by rows.
     """
-    model = nnx.merge(graphdef, params if dtype is None else cast_floating(params, dtype))
+    params = gathered_lookup(params if dtype is None else cast_floating(params, dtype), mesh)
+    model = nnx.merge(graphdef, params)
     remat = section.remat if remat is None else remat
     products = train_products(jax.default_backend())  # the kernel seam's weight products for this platform
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
@@ -120,12 +123,12 @@ def make_optimizer(section: LearnerSection) -> optax.GradientTransformation:
 
 
 def _values(section: LearnerSection, graphs: Graphs, params: dict, batch: TrainBatch,
-            actor_out: Optional[ForwardOut], shards: int) -> Optional[jax.Array]:
+            actor_out: Optional[ForwardOut], shards: int, mesh: Optional[Mesh] = None) -> Optional[jax.Array]:
     if section.critic == "shared":
         return actor_out.values
     if section.critic == "separate":
         return forward(graphs.critic, params["critic"], batch, section, shards, score=False,
-                       dtype=graphs.dtype("critic")).values
+                       dtype=graphs.dtype("critic"), mesh=mesh).values
     return None
 
 
@@ -144,13 +147,14 @@ def make_prepare_fn(section: LearnerSection, graphs: Graphs,
         mask = batch.loss_mask
         need_actor = section.off_policy != "none" or section.critic == "shared"
         actor_out = forward(graphs.actor, params["actor"], batch, section, shards, score=section.off_policy != "none",
-                            remat="none", dtype=graphs.dtype("actor")) if need_actor else None
+                            remat="none", dtype=graphs.dtype("actor"), mesh=mesh) if need_actor else None
         prox = actor_out.logp if section.off_policy != "none" else batch.behaviour_logprobs
-        old = off_policy_correction(section.off_policy, prox, batch.behaviour_logprobs, section.tis_cap).logp_old
-        values = _values(section, graphs, params, batch, actor_out, shards)
+        old = correction(section, prox, batch.behaviour_logprobs, mask, batch.segment_ids).out.logp_old
+        values = _values(section, graphs, params, batch, actor_out, shards, mesh)
         ref = jnp.zeros_like(mask)
         if section.use_kl:
-            ref = forward(graphs.ref, ref_params, batch, section, shards, remat="none", dtype=graphs.dtype("ref")).logp
+            ref = forward(graphs.ref, ref_params, batch, section, shards, remat="none", dtype=graphs.dtype("ref"),
+                          mesh=mesh).logp
         token_rewards = terminal_token_rewards(batch.rewards, mask, batch.seq_ids)
         if section.kl_mode == "reward" and section.kl_coef != 0.0:
             token_rewards = token_rewards - section.kl_coef * kl_penalty(section.kl_estimator, old, ref) * mask
@@ -176,11 +180,12 @@ def trajectory_tokens(seq_ids: jax.Array, mask: jax.Array, s: int) -> jax.Array:
     return counts[slot] * mask
 
 
-def make_loss_fn(section: LearnerSection, graphs: Graphs,
-                 shards: int = 1) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
+def make_loss_fn(section: LearnerSection, graphs: Graphs, shards: int = 1,
+                 mesh: Optional[Mesh] = None) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
     """loss(params, micro_batch, norm) -> (scalar, metrics); norm spans the whole mini-batch.
 
     shards: row shards of the batch (see `batch_shards`), for the per-device logits chunk size.
+    mesh: the learner's mesh (see `forward`); None traces without sharding constraints.
     """
     agg = section.loss_agg
     # The entropy is always reported; it is differentiated only when it is in the loss.
@@ -189,25 +194,27 @@ def make_loss_fn(section: LearnerSection, graphs: Graphs,
     def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm):
         mask = mb.loss_mask
         out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode,
-                      dtype=graphs.dtype("actor"))
-        corr = off_policy_correction(section.off_policy, mb.prox_logprobs, mb.behaviour_logprobs, section.tis_cap)
-        pg = ppo_clip_loss(out.logp, mb.old_logprobs, mb.advantages, section.clip_eps_low, section.clip_eps_high,
-                           section.dual_clip_c)
+                      dtype=graphs.dtype("actor"), mesh=mesh)
+        corr = correction(section, mb.prox_logprobs, mb.behaviour_logprobs, mask, mb.segment_ids)
+        pg = policy_loss(section, out.logp, mb.old_logprobs, mb.advantages, mask, mb.segment_ids)
         tok_mean = lambda x: aggregate(x, mask, "token-mean", norm)
         seq_agg = lambda x: aggregate(x, mask, agg, norm, mb.seq_tokens)
-        pg_loss = seq_agg(pg.loss * corr.weight)
+        pg_loss = seq_agg(pg.loss * corr.out.weight)
         ent = seq_agg(out.entropy)
         total = pg_loss - section.entropy_coef * ent
         metrics = {"pg_loss": pg_loss, "entropy": tok_mean(out.entropy), "clipfrac": tok_mean(pg.clipped),
                    "dual_clipfrac": tok_mean(pg.dual_clipped), "ratio_mean": tok_mean(pg.ratio),
-                   "is_weight_mean": tok_mean(corr.weight),
+                   "is_weight_mean": tok_mean(corr.out.weight),
                    "approx_kl_old": tok_mean(jax.lax.stop_gradient(kl_penalty("k3", out.logp, mb.old_logprobs)))}
+        if section.off_policy in SEQ_OFF_POLICY:  # share of trajectories capped / dropped
+            name = "seq_capped_frac" if section.off_policy == "seq_tis" else "seq_masked_frac"
+            metrics[name] = aggregate(corr.flagged, mask, "seq-mean-token-mean", norm, mb.seq_tokens)
         if section.use_kl:
             kl = kl_penalty(section.kl_estimator, out.logp, mb.ref_logprobs)
             metrics["kl_ref"] = tok_mean(kl)
             if section.kl_mode == "loss":
                 total = total + section.kl_coef * seq_agg(kl)
-        values = _values(section, graphs, params, mb, out, shards)
+        values = _values(section, graphs, params, mb, out, shards, mesh)
         if values is not None:
             vl, vclip = value_loss(values, mb.old_values, mb.returns, section.value_clip)
             vf = seq_agg(vl)
@@ -246,7 +253,7 @@ def split_micro(batch: TrainBatch, m: int, mesh: Optional[Mesh]) -> TrainBatch:
 def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] = None):
     """grads(params, batch) -> (grads, metrics): summed over micro-batches (lax.scan); with the
     mini-batch-wide AggNorm the sum equals the gradient of the mini-batch loss."""
-    loss_fn = make_loss_fn(section, graphs, batch_shards(mesh))
+    loss_fn = make_loss_fn(section, graphs, batch_shards(mesh), mesh)
     m = section.micro_batches
 
     def grads(params: dict, batch: TrainBatch):

@@ -11,7 +11,8 @@ Public API:
 
 from laminar_jax.model.arch import TransformerConfig, UnsupportedArchitecture
 from laminar_jax.model.attention import CacheBackend, dense_attention, gqa_attention
-from laminar_jax.model.hf import MissingTensorError, from_pretrained, load_hf_config, save_pretrained
+from laminar_jax.model.hf import MissingTensorError, load_hf_config, save_pretrained
+from laminar_jax.model.pretrained import from_pretrained
 from laminar_jax.model.presets import PRESETS
 from laminar_jax.model.tokenizer import BuiltinTokenizer, HFTokenizer, load_tokenizer
 from laminar_jax.model.transformer import ModelOutput, Transformer

@@ -123,23 +123,6 @@ def load_hf_config(path: str) -> TransformerConfig:
         return from_hf_config(json.load(f), source=cfg_file)
 
 
-def from_pretrained(path: str, dtype: Any = jnp.float32, param_dtype: Any = None,
-                    value_head: bool = False, seed: int = 0, shardings=None) -> Transformer:
-    """Load a local HF directory (config.json + *.safetensors, sharded or not) as a Transformer.
-
-    ``model(tokens_i32[B, T])`` returns f32[B, T, vocab] logits. A value head, when asked for and
-    absent from the checkpoint, is freshly initialised from ``seed``. Tensors are read one at a
-    time onto ``shardings(path, abstract_leaf)`` (default: the default device); see model/sharded.py.
-    """
-    from laminar_jax.model.config import ModelSection
-    from laminar_jax.model.sharded import load_model
-
-    dtype = _as_dtype(dtype)
-    param_dtype = dtype if param_dtype is None else _as_dtype(param_dtype)
-    section = ModelSection(path=path, dtype=dtype, param_dtype=param_dtype, value_head=value_head, seed=seed)
-    return load_model(section, shardings)
-
-
 def save_pretrained(model: Transformer, path: str, dtype: Optional[str] = None,
                     max_shard_bytes: int = 4 << 30, include_value_head: bool = False) -> None:
     """Write `model` as a HF directory that transformers / vLLM load as the same architecture."""

@@ -41,8 +41,7 @@ class Linear(nnx.Module):
     """y = x . W^T + b with W stored [out, in] (HF's and torch's layout), named ``weight``.
 
     Why [out, in]: the product then contracts both operands' minor axis, which XLA:CPU's small-row
-    kernels run faster than the [in, out] layout (12 layers of qwen2-100m's weight products, fp32:
-    -21% at 4 rows, -26% at 16, -19% at 32, -3% at 64; docs/BENCHMARKS.md, "The weights' layout");
+    kernels run faster than the [in, out] layout (they need not transpose the weight operand), and
     a decode step is mostly such products. HF checkpoints also load and export without a transpose.
     Low-precision (bf16/f16) products accumulate in float32 and the result is cast back to dtype;
     whether the product itself comes out in float32 or in dtype, and whether products of few rows
@@ -284,8 +283,8 @@ class Transformer(nnx.Module):
         if self.cfg.tie_word_embeddings and products.takes(h, self.embed_tokens.embedding[...]):
             return products.on_kernel(h.astype(self.dtype), self.embed_tokens.embedding[...].astype(self.dtype))
         if self.cfg.tie_word_embeddings and _low_precision(self.dtype):
-            # E[V, D] . h[N, D] -> [V, N], transposed: on XLA:CPU the bf16 (f32-accumulating) kernel
-            # takes this operand order ~7x faster than h . E^T.
+            # E[V, D] . h[N, D] -> [V, N], transposed: XLA:CPU's bf16 (f32-accumulating) kernel
+            # takes this operand order several times faster than h . E^T.
             e = self.embed_tokens.embedding[...].astype(self.dtype)
             flat = h.reshape(-1, h.shape[-1]).astype(self.dtype)
             out = jax.lax.dot_general(e, flat, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)

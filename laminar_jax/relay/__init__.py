@@ -29,7 +29,7 @@ Interfaces (import from here or from the named module):
 - ``chain.start_local_chain(n, config) -> LocalChain`` (``.addresses``, ``.kill(i)``, ``.stop()``):
   n ``python -m laminar_jax.relay.worker`` processes, relay i forwarding to relays i+1, i+2, ...
 - ``config.RelaySection``: the plane's config section.
-- ``auth.run_keys(run_dir) -> RunKeys``: the run's link key (``relay.key``) and the learner's Ed25519
+- ``laminar_jax.net.auth.run_keys(run_dir) -> RunKeys``: the run's link key (``relay.key``) and the learner's Ed25519
   keypair (``learner.key``, ``learner.pub``), all 0600, reused on resume. Pass it as ``keys=`` to
   Publisher, and ``keys.for_hosts()`` (no private key) to RelayServer, RelayClient and
   ``start_local_chain``: connections are then authenticated (HMAC per frame, nonces against replay)

@@ -11,9 +11,9 @@ import threading
 import time
 from typing import Optional, Sequence
 
-from laminar_jax.relay.auth import RunKeys, check_keys
+from laminar_jax.net.auth import RunKeys, check_keys
 from laminar_jax.relay.config import RelaySection
-from laminar_jax.relay.wire import RemoteError, WireError, connect
+from laminar_jax.net.wire import RemoteError, WireError, connect
 
 _REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -20,11 +20,11 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import Manifest, views
 from laminar_jax.relay.store import VersionNotFound
-from laminar_jax.relay.wire import AuthError, Peer, RemoteError, WireError, client_handshake, connect
+from laminar_jax.net.wire import AuthError, Peer, RemoteError, WireError, client_handshake, connect
 
 
 class RelayClient:

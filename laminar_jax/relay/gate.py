@@ -29,9 +29,9 @@ import threading
 import time
 from typing import Callable, Optional
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.config import RelaySection
-from laminar_jax.relay.wire import MAGIC, PREFIX_BYTES, AuthError, Peer, WireError
+from laminar_jax.net.wire import MAGIC, PREFIX_BYTES, AuthError, Peer, WireError
 
 log = logging.getLogger(__name__)
 PRE_AUTH_MAX_HEADER = 1 << 20  # a connection's first header, read before its tag can be checked

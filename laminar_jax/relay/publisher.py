@@ -88,7 +88,7 @@ class Publisher:
         authenticates the connections, the private key signs each version and chunk.
         ``handoff``: a relay.handoff.Handoff that gets each version's host copy once the store
         has committed it (at once without a store), for rollout servers in this process."""
-        from laminar_jax.relay.auth import check_keys
+        from laminar_jax.net.auth import check_keys
         from laminar_jax.relay.store import WeightStore
 
         config.validate("relay")

@@ -28,9 +28,9 @@ from typing import Any, Optional, Protocol, Sequence
 
 import numpy as np
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.manifest import Manifest, chunk_segments, chunk_span, crc32_of, first_array, num_chunks
-from laminar_jax.relay.wire import Peer, RemoteError, WireError, connect
+from laminar_jax.net.wire import Peer, RemoteError, WireError, connect
 
 
 class NoRelayReachable(ConnectionError):

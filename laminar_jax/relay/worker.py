@@ -25,7 +25,7 @@ import threading
 from typing import Optional
 
 from laminar_jax.configlib import from_config_dict
-from laminar_jax.relay.auth import RunKeys
+from laminar_jax.net.auth import RunKeys
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.server import RelayServer
 
@@ -46,7 +46,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def read_keys(args: argparse.Namespace) -> Optional[RunKeys]:
-    from laminar_jax.relay.auth import LEARNER_PUB_FILE, load_key, load_public_key
+    from laminar_jax.net.auth import LEARNER_PUB_FILE, load_key, load_public_key
 
     if args.key_file:
         pub = args.public_key_file or os.path.join(os.path.dirname(os.path.abspath(args.key_file)), LEARNER_PUB_FILE)

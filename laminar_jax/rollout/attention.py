@@ -1,8 +1,9 @@
 """Cache backends plugged into ``Transformer.forward_cached`` (see laminar_jax.model.attention).
 
-Per layer the paged cache is ``(k_pages, v_pages)``: K pool f[P, Hkv, D, page], V pool
-f[P, Hkv, page, D] (see "Pool layouts" below; pages leave the engine as f[n, page, Hkv, D]). Decode backends
-have the signature
+Per layer the paged cache is ``(k_pages, v_pages)`` in the layout the decode attention declares:
+K pool f[P, Hkv, D, page], V pool f[P, Hkv, page, D] for the portable backends here ('split'), K and
+V f[Hkv, P, page, D] for the Pallas kernels ('head_major'); see "pool layouts" below (pages leave the
+engine as f[n, page, Hkv, D] whatever the layout). Decode backends have the signature
 
     backend(q, k, v, layer_cache, *, meta: DecodeMeta) -> (out, new_layer_cache)
 
@@ -15,8 +16,8 @@ backends here serve every platform; ``live_pages`` (the default off the CPU plug
 attends over a compacted list of only the pages live slots have filled, so its cost follows the
 live context (sum over slots), not num_slots x max_total_len or the pool size. ``gather_dense``
 gathers every page of each slot's table into a dense f[B, S, Hkv, D] view; ``pool_scan`` reads
-every page of the pool once. Platform kernels (laminar_jax/cpu/kernels.py, Pallas kernels) register
-with the seam and convert with ``from_pool`` / ``to_pool`` where they want another page layout.
+every page of the pool once. Platform kernels (laminar_jax/cpu/kernels.py, the Pallas kernels of
+rollout/kernels_gpu.py and kernels_tpu.py) register with the seam, naming the pool layout they read.
 """
 
 from __future__ import annotations
@@ -54,6 +55,10 @@ class DecodeMeta(NamedTuple):
     page_size: int
     live: Optional[LivePages] = None  # set by the engine for backends with ``needs_live_pages``
     kv_dtype: Any = jnp.float32  # the values' dtype; pools of 16-bit floats are stored as uint16 (storage_dtype)
+    # One pool of every layer's pages (rollout/layered.py): this layer's pages are first_page ..
+    # first_page + layer_pages - 1 (first_page i32[], its null page); layer_pages 0: the pool is one layer's.
+    first_page: Any = 0
+    layer_pages: int = 0
 
 
 def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
@@ -75,22 +80,25 @@ def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
 
 
 
-def storage_dtype(kv_dtype) -> Any:
-    """The dtype the KV pool is stored in: uint16 (the same bits) for 16-bit floats, else kv_dtype.
+def storage_dtype(kv_dtype, layout: str = "split") -> Any:
+    """The dtype a KV pool of ``layout`` is stored in: in the CPU layout ('split') uint16 (the same
+    bits) for 16-bit floats, else kv_dtype.
 
     Why: XLA:CPU has no bf16/f16 scatter or gather; it widens the whole operand to f32 and back
-    around each one, i.e. two copies of the entire KV pool per layer per step (measured: a bf16
-    decode step ~4x slower than f32). On uint16 they run in place. Only gathered pages (and the
-    tokens written) are bitcast to and from the float dtype, never the pool.
+    around each one, i.e. two copies of the entire KV pool per layer per step. On uint16 they run in place. Only gathered pages (and the
+    tokens written) are bitcast to and from the float dtype, never the pool. Accelerator layouts
+    keep the float dtype: their kernels read it as is, and a bitcast would sit between them and it.
     """
     kv_dtype = jnp.dtype(kv_dtype)
-    return jnp.dtype(jnp.uint16) if jnp.issubdtype(kv_dtype, jnp.floating) and kv_dtype.itemsize == 2 else kv_dtype
+    if layout == POOL_LAYOUT and jnp.issubdtype(kv_dtype, jnp.floating) and kv_dtype.itemsize == 2:
+        return jnp.dtype(jnp.uint16)
+    return kv_dtype
 
 
-def as_stored(x: jax.Array, kv_dtype) -> jax.Array:
-    """Values in kv_dtype -> their representation in the pool (storage_dtype)."""
+def as_stored(x: jax.Array, kv_dtype, layout: str = "split") -> jax.Array:
+    """Values in kv_dtype -> their representation in a pool of ``layout`` (storage_dtype)."""
     x = x.astype(kv_dtype)
-    store = storage_dtype(kv_dtype)
+    store = storage_dtype(kv_dtype, layout)
     return jax.lax.bitcast_convert_type(x, store) if store != x.dtype else x
 
 
@@ -101,67 +109,119 @@ def from_stored(x: jax.Array, kv_dtype) -> jax.Array:
 
 # ---------------------------------------------------------------- pool layouts
 # A page of tokens is f[page, Hkv, D] outside the engine (prefill's output, exported sequences).
-# In the pools a page is K f[Hkv, D, page] and V f[Hkv, page, D]: decode attention contracts the
-# query [Hkv, G, D] with K over D and the probabilities [Hkv, G, page] with V over page, and in these
-# layouts both are batched matmuls with the batch axes (entry, KV head) leading and each operand's
-# contraction where XLA's dot wants it. With [page, Hkv, D] pages XLA:CPU fused a transpose into
-# every page gather: in a 64-row qwen2-100m decode step the 24 K/V gathers took 63 ms of CPU (fp32;
-# 39 ms bf16), and 42 ms (27 ms) in these layouts. ([Hkv, page, D] for both, tried before: no gain.)
+# The engine allocates its pools in the layout its decode attention declares
+# (``DecodeKernels.pool_layout``); every function below that touches a pool takes that layout.
+#
+# 'split' (the portable kernels and the CPU's): a page is K f[Hkv, D, page] and V f[Hkv, page, D]:
+# decode attention contracts the query [Hkv, G, D] with K over D and the probabilities
+# [Hkv, G, page] with V over page, and in these layouts both are batched matmuls with the batch axes
+# (entry, KV head) leading and each operand's contraction where XLA's dot wants it. With
+# [page, Hkv, D] pages XLA:CPU fuses a transpose into every page gather. ([Hkv, page, D] for both
+# pools gains nothing over this split.)
+# 'head_major' (the Pallas kernels, rollout/head_major.py): K and V f[Hkv, P, page, D].
+#
+# Page ids are global indices into the pool a function is given: a pool may hold more pages than
+# one layer's rollout.num_pages (several layers' pages in one array), and nothing here assumes
+# where a layer's pages start.
+
+POOL_LAYOUT = "split"  # the portable kernels' layout (K [P, Hkv, D, page], V [P, Hkv, page, D])
+HEAD_MAJOR = "head_major"  # K and V [Hkv, P, page, D]
+
+# Per layout, where each axis of a (K, V) pool comes from in the token layout
+# (pages, page, Hkv, D) = (0, 1, 2, 3).
+_LAYOUTS = {POOL_LAYOUT: ((0, 2, 3, 1), (0, 2, 1, 3)), HEAD_MAJOR: ((2, 0, 1, 3), (2, 0, 1, 3))}
+POOL_LAYOUTS = tuple(_LAYOUTS)
 
 
-POOL_LAYOUT = "split"  # this layout's name (K [P, Hkv, D, page], V [P, Hkv, page, D]): what the engine allocates
-
-# Where each axis of a pool's page comes from in the token layout (page, Hkv, D) = (0, 1, 2).
-_PAGE_AXES = {True: (1, 2, 0), False: (1, 0, 2)}  # key: K [Hkv, D, page]; value: V [Hkv, page, D]
-
-
-def pool_shape(num_pages: int, page: int, hkv: int, d: int, *, key: bool) -> tuple[int, ...]:
-    dims = (page, hkv, d)
-    return (num_pages, *(dims[a] for a in _PAGE_AXES[key]))
+def _axes(layout: str, key: bool) -> tuple[int, ...]:
+    if layout not in _LAYOUTS:
+        raise ValueError(f"KV pool layout {layout!r}: one of {list(_LAYOUTS)}")
+    return _LAYOUTS[layout][0 if key else 1]
 
 
-def to_pool(x: jax.Array, *, key: bool) -> jax.Array:
-    """Pages f[..., page, Hkv, D] -> the pool's layout (K: [..., Hkv, D, page], V: [..., Hkv, page, D])."""
-    lead = x.ndim - 3
-    return jnp.transpose(x, (*range(lead), *(lead + a for a in _PAGE_AXES[key])))
+def pool_shape(num_pages: int, page: int, hkv: int, d: int, *, key: bool, layout: str = POOL_LAYOUT
+               ) -> tuple[int, ...]:
+    """The shape of a K (``key``) or V pool of ``num_pages`` pages in ``layout``: the one source of it."""
+    dims = (num_pages, page, hkv, d)
+    return tuple(dims[a] for a in _axes(layout, key))
 
 
-def from_pool(x: jax.Array, *, key: bool) -> jax.Array:
-    """The inverse of to_pool: pool-layout pages -> f[..., page, Hkv, D]."""
-    lead = x.ndim - 3
-    return jnp.transpose(x, (*range(lead), *(lead + int(a) for a in np.argsort(_PAGE_AXES[key]))))
+def page_axis(layout: str, *, key: bool) -> int:
+    """The pool's page axis (the one page ids index)."""
+    return _axes(layout, key).index(0)
+
+
+def head_axis(layout: str) -> int:
+    """The pools' KV-head axis (tensor parallelism splits it; the same for K and V)."""
+    return _axes(layout, True).index(2)
+
+
+def to_pool(x: jax.Array, *, key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
+    """Pages f[..., n, page, Hkv, D] -> the pool's layout (the n pages where the pool has its page axis)."""
+    lead = x.ndim - 4
+    return jnp.transpose(x, (*range(lead), *(lead + a for a in _axes(layout, key))))
+
+
+def from_pool(x: jax.Array, *, key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
+    """The inverse of to_pool: n pages in the pool's layout -> f[..., n, page, Hkv, D]."""
+    lead = x.ndim - 4
+    return jnp.transpose(x, (*range(lead), *(lead + int(a) for a in np.argsort(_axes(layout, key)))))
+
+
+def take_pages(pages: jax.Array, idx: jax.Array, *, key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
+    """The pool's pages ``idx`` (i32[n]), still stored, in the pool's layout with n pages."""
+    return jnp.take(pages, idx, axis=page_axis(layout, key=key), mode="clip")
 
 
 def gather_pages(pages: jax.Array, idx: jax.Array, kv_dtype) -> jax.Array:
-    """pages[idx] (a stored pool [P, ...], idx i32[...]) as kv_dtype values, in the pool's layout."""
+    """pages[idx] (a stored 'split' pool [P, ...], idx i32[...]) as kv_dtype values, in the pool's layout."""
     return from_stored(pages[idx], kv_dtype)
 
 
-def scatter_pages(pages: jax.Array, idx, values: jax.Array, kv_dtype) -> jax.Array:
-    """pages.at[idx].set(values): whole pages, values already in the pool's layout."""
-    return pages.at[idx].set(as_stored(values, kv_dtype))
+def scatter_pages(pages: jax.Array, idx, values: jax.Array, kv_dtype, *, key: bool = True,
+                  layout: str = POOL_LAYOUT) -> jax.Array:
+    """Whole pages ``idx`` (i32[n]) of the pool set to ``values`` (n pages already in the pool's layout)."""
+    at = (slice(None),) * page_axis(layout, key=key) + (idx,)
+    return pages.at[at].set(as_stored(values, kv_dtype, layout))
+
+
+def copy_pages(pages: jax.Array, src, dst, *, key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
+    """Pages ``src`` copied onto pages ``dst`` (i32[n] each), bits as stored."""
+    at = (slice(None),) * page_axis(layout, key=key) + (dst,)
+    return pages.at[at].set(take_pages(pages, src, key=key, layout=layout))
 
 
 def scatter_tokens(pages: jax.Array, page: jax.Array, offset: jax.Array, values: jax.Array, kv_dtype, *,
-                   key: bool) -> jax.Array:
+                   key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
     """Write token values f[..., Hkv, D] at (page, offset) (i32[...] each) of a K or V pool."""
-    within = [slice(None)] * 3
-    within[_PAGE_AXES[key].index(0)] = offset  # the page's token axis
-    return pages.at[(page, *within)].set(as_stored(values, kv_dtype))
+    axes = _axes(layout, key)
+    pa, ta = axes.index(0), axes.index(1)
+    page, offset = jnp.broadcast_arrays(page, offset)
+    at = [slice(None)] * 4
+    at[pa], at[ta] = page, offset
+    vals = as_stored(values, kv_dtype, layout)
+    if axes.index(3) < axes.index(2):  # the pool holds D before Hkv
+        vals = jnp.swapaxes(vals, -1, -2)
+    if abs(pa - ta) == 1:  # adjacent index arrays: their dims stand where the pair stands, not first
+        nb, before = page.ndim, min(pa, ta)
+        vals = jnp.moveaxis(vals, tuple(range(nb, nb + before)), tuple(range(before)))
+    return pages.at[tuple(at)].set(vals)
 
 
-def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta, *, key: bool) -> jax.Array:
+def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta, *, key: bool,
+                layout: str = POOL_LAYOUT) -> jax.Array:
     """Write one token per slot into a K or V pool; new f[B, Hkv, D]. Inactive slots hit page 0."""
     b = new.shape[0]
     page = meta.page_table[jnp.arange(b), meta.positions // meta.page_size]
-    page = jnp.where(meta.active, page, 0)
-    return scatter_tokens(pages, page, meta.positions % meta.page_size, new, meta.kv_dtype, key=key)
+    page = jnp.where(meta.active, page, meta.first_page)
+    return scatter_tokens(pages, page, meta.positions % meta.page_size, new, meta.kv_dtype, key=key, layout=layout)
 
 
-def write_kv(layer_cache, k: jax.Array, v: jax.Array, meta: DecodeMeta) -> tuple[jax.Array, jax.Array]:
+def write_kv(layer_cache, k: jax.Array, v: jax.Array, meta: DecodeMeta,
+             layout: str = POOL_LAYOUT) -> tuple[jax.Array, jax.Array]:
     """The decode step's token (k, v f[B, 1, Hkv, D]) written into one layer's (K, V) pools."""
-    return (write_token(layer_cache[0], k[:, 0], meta, key=True),
-            write_token(layer_cache[1], v[:, 0], meta, key=False))
+    return (write_token(layer_cache[0], k[:, 0], meta, key=True, layout=layout),
+            write_token(layer_cache[1], v[:, 0], meta, key=False, layout=layout))
 
 
 def decode_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array) -> jax.Array:
@@ -247,7 +307,11 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     the pool size (rollout.num_pages), not num_slots x max_total_len.
     """
     k_pages, v_pages = write_kv(layer_cache, k, v, meta)
-    m, l, acc = _page_partials(q, from_stored(k_pages, meta.kv_dtype), from_stored(v_pages, meta.kv_dtype), meta)
+    kp, vp = k_pages, v_pages
+    if meta.layer_pages:  # one pool of every layer: read this layer's pages only (the others are not its own)
+        kp, vp = (jax.lax.dynamic_slice_in_dim(x, meta.first_page, meta.layer_pages, axis=0) for x in (kp, vp))
+        meta = meta._replace(page_table=meta.page_table - meta.first_page, first_page=0)
+    m, l, acc = _page_partials(q, from_stored(kp, meta.kv_dtype), from_stored(vp, meta.kv_dtype), meta)
     m, l, acc = m[meta.page_table], l[meta.page_table], acc[meta.page_table]  # [B, n, Hkv, G(, D)]
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # exact 0 for masked entries

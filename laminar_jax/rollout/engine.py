@@ -59,7 +59,7 @@ from laminar_jax.model.hf import is_stacked
 from laminar_jax.model.precision import cast_floating
 from laminar_jax.rollout import programs as prg
 from laminar_jax.rollout import tp as tpl
-from laminar_jax.rollout.attention import POOL_LAYOUT, pool_shape, storage_dtype
+from laminar_jax.rollout.attention import pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
 from laminar_jax.rollout.layered import refill_stacked
@@ -112,9 +112,9 @@ class Engine:
             geometry=Geometry(model_cfg.num_heads, model_cfg.num_kv_heads, model_cfg.head_dim, self.page_size,
                               jnp.dtype(kv_dtype), self.tp, self.pages_per_seq),
             largest_weight=model_cfg.largest_weight(), extra_attention=attention_backends)
-        if self.kernels.pool_layout != POOL_LAYOUT:
-            raise ValueError(f"rollout.attention_impl={self.kernels.attention!r} reads KV pools laid out "
-                             f"{self.kernels.pool_layout!r}; this engine allocates {POOL_LAYOUT!r} pools")
+        if mesh is not None:  # a kernel XLA cannot partition runs once per shard (rollout/kernels.py)
+            self.kernels = self.kernels.over_mesh(mesh, tpl.TP_AXIS)
+        self.pool_layout = self.kernels.pool_layout  # the KV pools' layout: the one its attention reads
         self.schedule = DecodeSchedule.of(section, platform, self.kernels.needs_live_pages)
         _log.info("engine %s on %s: decode kernels %s, %d steps per call%s", section.server_id, platform,
                   self.kernels.summary(), self.schedule.steps_per_call,
@@ -128,6 +128,7 @@ class Engine:
                               self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
                               self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1],
                               layer_pages=section.num_pages)
+        self._pools = prg.pool_geom(self._spec)  # the page copies' static view of the one K and V pool
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     @property
@@ -236,7 +237,7 @@ class Engine:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
 
     def _state_shardings(self, mesh) -> DecodeState:
-        kv = tpl.pool_sharding(mesh)  # one pool of every layer's pages (rollout/layered.py)
+        kv = tpl.pool_sharding(mesh, self.pool_layout)  # one pool of every layer's pages (rollout/layered.py)
         rep = tpl.replicated(mesh)
         return DecodeState(kv, kv, *([rep] * (len(DecodeState._fields) - 2)))
 
@@ -253,11 +254,11 @@ class Engine:
 
     def _zero_state(self) -> DecodeState:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
-        store = storage_dtype(self.kv_dtype)  # bf16 pools live as uint16 bits (see storage_dtype)
+        store = storage_dtype(self.kv_dtype, self.pool_layout)  # CPU bf16 pools live as uint16 bits (see storage_dtype)
 
         def zeros(key):  # every layer's pages in one pool, layer l's from l * num_pages (rollout/layered.py)
             shape = pool_shape(self.section.num_pages * c.num_layers, self.page_size, c.num_kv_heads, c.head_dim,
-                               key=key)
+                               key=key, layout=self.pool_layout)
             return jnp.zeros(shape, store)
         return DecodeState(
             k_pages=zeros(True), v_pages=zeros(False),
@@ -306,7 +307,7 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = prompt_len - 1
-        return self._settle(prg.insert_jit(self._spec.page_size, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
+        return self._settle(prg.insert_jit(self._spec.page_size, self._pools, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
                                         prefix.last_token, np.int32(slot), page_row(self.pages_per_seq, pages),
                                         *init_arrays(self._key_shape, init)))
 
@@ -397,7 +398,7 @@ class Engine:
             src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
             cached[i], last[i] = len(x) - 1, x[-1]
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
-        return self._settle(prg.share_prompt_jit(self.model_cfg.num_layers, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
+        return self._settle(prg.share_prompt_jit(self._pools, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
                                               cached, last, *init_columns(self._key_shape, inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
@@ -443,7 +444,7 @@ class Engine:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
         row = page_row(self.pages_per_seq, self.slot_pages[slot])
-        k, v = jax.device_get(prg.read_pages_jit(decode_state, row, self.model_cfg.num_layers))
+        k, v = jax.device_get(prg.read_pages_jit(self._pools, decode_state, row))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
@@ -466,7 +467,7 @@ class Engine:
         else:  # each device receives only its KV heads of the imported pages
             kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
                       for x in (k, v))
-        return self._settle(prg.write_slot_jit(decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
+        return self._settle(prg.write_slot_jit(self._pools, decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
                                             np.int32(last_token), *init_arrays(self._key_shape, init)))
 
     # ---------------------------------------------------------------- multi-turn (rollout/extend.py)

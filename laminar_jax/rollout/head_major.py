@@ -5,9 +5,10 @@ JAX's paged decode kernels for GPU (``pallas.ops.gpu.paged_attention``, Triton) 
 f[Hkv, P, page, D]: a grid step owns one KV head and walks that head's pages, so the head axis
 leads. The engine's CPU pools (rollout/attention.py, "pool layouts") keep K [P, Hkv, D, page] and
 V [P, Hkv, page, D]; converting between the two per step would copy the whole pool, so a kernel
-that reads this layout declares it (``POOL_LAYOUT``) and the engine allocates its pools so.
+that reads this layout declares it (``POOL_LAYOUT``) and the engine allocates its pools so (the
+layout's shape, storage and indexing live with the others in rollout/attention.py, "pool layouts").
 Outside the engine pages stay f[n, page, Hkv, D] (``to_pool`` / ``from_pool`` convert), as for the
-CPU layout.
+CPU layout, so a sequence exported from one layout imports into the other.
 
 Decode backends here keep the contract of ``attention.live_pages``:
 ``backend(q, k, v, layer_cache, *, meta) -> (out, (k_pages, v_pages))``, q f[B, 1, H, D],
@@ -24,9 +25,10 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from laminar_jax.rollout.attention import DecodeMeta, as_stored, from_stored
+from laminar_jax.rollout import attention
+from laminar_jax.rollout.attention import DecodeMeta, from_stored
 
-POOL_LAYOUT = "head_major"  # K and V pools f[Hkv, P, page, D]
+POOL_LAYOUT = attention.HEAD_MAJOR  # K and V pools f[Hkv, P, page, D], stored in the KV dtype
 
 
 class DecodeGeometry(NamedTuple):
@@ -57,34 +59,22 @@ def as_geometry(g: Any, platform: str) -> DecodeGeometry:
 
 
 def pool_shape(num_pages: int, page: int, hkv: int, d: int, *, key: bool = True) -> tuple[int, ...]:
-    del key  # K and V share the layout
-    return (hkv, num_pages, page, d)
+    return attention.pool_shape(num_pages, page, hkv, d, key=key, layout=POOL_LAYOUT)
 
 
 def to_pool(x: jax.Array, *, key: bool = True) -> jax.Array:
     """Pages f[n, page, Hkv, D] -> the head-major layout f[Hkv, n, page, D]."""
-    del key
-    return jnp.transpose(x, (2, 0, 1, 3))
+    return attention.to_pool(x, key=key, layout=POOL_LAYOUT)
 
 
 def from_pool(x: jax.Array, *, key: bool = True) -> jax.Array:
     """The inverse of to_pool: f[Hkv, n, page, D] -> f[n, page, Hkv, D]."""
-    del key
-    return jnp.transpose(x, (1, 2, 0, 3))
-
-
-def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta) -> jax.Array:
-    """Write one token per row (new f[B, Hkv, D]) into a head-major pool; inactive rows hit page 0."""
-    b = new.shape[0]
-    page = meta.page_table[jnp.arange(b), meta.positions // meta.page_size]
-    page = jnp.where(meta.active, page, 0)
-    offset = meta.positions % meta.page_size
-    # pages[:, page[b], offset[b], :] = new[b]: the two adjacent index arrays leave B at axis 1 ([Hkv, B, D]).
-    return pages.at[:, page, offset, :].set(jnp.swapaxes(as_stored(new, meta.kv_dtype), 0, 1))
+    return attention.from_pool(x, key=key, layout=POOL_LAYOUT)
 
 
 def write_kv(layer_cache, k: jax.Array, v: jax.Array, meta: DecodeMeta) -> tuple[jax.Array, jax.Array]:
-    return write_token(layer_cache[0], k[:, 0], meta), write_token(layer_cache[1], v[:, 0], meta)
+    """The token written into one layer's head-major pools (inactive rows into its null page, first_page)."""
+    return attention.write_kv(layer_cache, k, v, meta, layout=POOL_LAYOUT)
 
 
 def lengths(meta: DecodeMeta) -> jax.Array:
@@ -126,15 +116,16 @@ def shard_over_kv_heads(backend, mesh: jax.sharding.Mesh, axis: str):
     pool = P(axis, None, None, None)
 
     def run(q, k, v, layer_cache, *, meta: DecodeMeta):
-        def local(q, k, v, kp, vp, table, positions, active):
-            m = meta._replace(page_table=table, positions=positions, active=active, live=None)
+        def local(q, k, v, kp, vp, table, positions, active, first_page):
+            m = meta._replace(page_table=table, positions=positions, active=active, live=None, first_page=first_page)
             return backend(q, k, v, (kp, vp), meta=m)
 
         smap = getattr(jax, "shard_map", None)
         if smap is None:  # jax < 0.7 keeps it under experimental
             from jax.experimental.shard_map import shard_map as smap
-        fn = smap(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
+        fn = smap(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P(), P()),
                   out_specs=(heads, (pool, pool)), check_vma=False)
-        return fn(q, k, v, layer_cache[0], layer_cache[1], meta.page_table, meta.positions, meta.active)
+        return fn(q, k, v, layer_cache[0], layer_cache[1], meta.page_table, meta.positions, meta.active,
+                  jnp.asarray(meta.first_page, jnp.int32))
 
     return run

@@ -30,21 +30,28 @@ Registering an accelerator kernel (a module listed in ``laminar_jax.kernels.PLUG
     seam.register_attention(seam.AttentionKernel("pallas_gpu_paged", decode_fn, refuses, auto_rank=10), "gpu")
     seam.PLUGIN_ATTENTION["pallas_gpu_paged"] = "gpu"  # (in this module, so configs may name it unloaded)
 
-A kernel that reads another pool layout than the engine's (``attention.POOL_LAYOUT``) declares it
-in ``pool_layout``; the engine refuses a layout it does not allocate.
+A kernel that reads another pool layout than the portable one (``attention.POOL_LAYOUT``) declares
+it in ``pool_layout`` (the engine allocates its pools in that layout; pages leave it in one wire
+layout whatever the pools'), and a kernel that is one custom call XLA cannot partition sets
+``per_shard``: under tensor parallelism the engine runs it per KV-head shard (``over_mesh``).
+
+The Pallas kernels register so (rollout/kernels_gpu.py on 'gpu', rollout/kernels_tpu.py on 'tpu',
+both head-major and per-shard, ranked above ``live_pages``). Tests run them on the CPU in interpret
+mode by passing ``make_decode(interpret=True)`` as an extra backend under their name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable, NamedTuple, Optional
 
+import jax
 import jax.numpy as jnp
 
 from laminar_jax.kernels import load_plugin, train_products
 from laminar_jax.model.products import Products
 from laminar_jax.rollout.attention import POOL_LAYOUT, DecodeBackend, gather_dense, gather_gqa, live_pages, pool_scan
-from laminar_jax.rollout.sampling import first_argmax
 
 AUTO = "auto"
 
@@ -73,12 +80,13 @@ class AttentionKernel(NamedTuple):
     refuses: Optional[Callable[[Geometry], Optional[str]]] = None  # why it cannot serve a geometry, or None
     auto_rank: int = 0  # 'auto' takes the highest-ranked kernel that serves; < 0: only when named
     needs_live_pages: bool = False  # the engine computes DecodeMeta.live (and its buckets) for it
-    pool_layout: str = POOL_LAYOUT  # the KV pools' layout it reads
+    pool_layout: str = POOL_LAYOUT  # the KV pools' layout it reads (the engine allocates its pools so)
+    per_shard: bool = False  # one custom call XLA cannot partition: under TP it runs per KV-head shard
 
 
 # Attention kernels that plugins register, with their platform: config validation and error
 # messages know them without loading the plugin.
-PLUGIN_ATTENTION: dict[str, str] = {"cpu_kernel": "cpu"}
+PLUGIN_ATTENTION: dict[str, str] = {"cpu_kernel": "cpu", "pallas_gpu_paged": "gpu", "pallas_tpu_paged": "tpu"}
 # Weight-product policies only a plugin serves, with its platform.
 PLUGIN_PRODUCTS: dict[str, str] = {"native": "cpu"}
 PRODUCT_POLICIES = ("auto", "native", "xla")
@@ -127,12 +135,21 @@ class DecodeKernels:
     attention: str  # the decode attention's name
     attend: DecodeBackend
     products: Products  # the engine programs' weight products
-    argmax: Callable  # sampling's first maximum per row (sampling.first_argmax or a kernel picking the same index)
+    argmax: Callable  # sampling's first maximum per row (xla_argmax, or a kernel picking the same index)
     argmax_name: str
     platform: str
     needs_live_pages: bool = False
     reason: str = ""  # why 'auto' passed over a faster kernel ('' when nothing was passed over)
     pool_layout: str = POOL_LAYOUT  # the KV pools' layout the attention reads
+    per_shard: bool = False  # the attention runs per tensor-parallel shard (see over_mesh)
+
+    def over_mesh(self, mesh, axis: str) -> "DecodeKernels":
+        """These kernels for an engine on ``mesh`` (TP over ``axis``): a per-shard attention wrapped to run
+        on each shard's KV heads (head_major.shard_over_kv_heads); the others as they are (GSPMD
+        partitions them). Equal meshes give equal kernels, so equal engines share compiled programs."""
+        if not self.per_shard or mesh.shape.get(axis, 1) == 1:
+            return self
+        return dataclasses.replace(self, attend=_per_shard(self.attend, mesh, axis))
 
     @property
     def products_name(self) -> str:
@@ -157,7 +174,8 @@ def choose_attention(name: str, platform: str, geometry: Geometry, extra: Option
     offered = _offered(platform)
     for key, fn in (extra or {}).items():
         offered[key] = AttentionKernel(key, fn, auto_rank=-1, needs_live_pages=getattr(fn, "needs_live_pages", False),
-                                       pool_layout=getattr(fn, "pool_layout", POOL_LAYOUT))
+                                       pool_layout=getattr(fn, "pool_layout", POOL_LAYOUT),
+                                       per_shard=getattr(fn, "per_shard", False))
     if name != AUTO:
         kernel = offered.get(name)
         home = PLUGIN_ATTENTION.get(name)
@@ -195,12 +213,20 @@ def choose_products(policy: str, platform: str, geometry: Geometry, largest_weig
     return train_products(platform), ""
 
 
+def xla_argmax(x: jax.Array) -> jax.Array:
+    """jnp.argmax over the last axis as i32: the index sampling.first_argmax defines (the first maximum,
+    a NaN counting as the maximum) in one variadic reduction, which accelerators fuse into one pass
+    over the logits (first_argmax's max, compare and min take several: it is XLA:CPU's form)."""
+    return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
+
 def choose_argmax(platform: str, geometry: Geometry) -> tuple[Callable, str]:
-    """Sampling's argmax: a platform kernel that picks the index sampling.first_argmax picks, else that one."""
+    """Sampling's argmax: a platform's choice (the CPU plugin's), else jnp.argmax; each picks the index
+    sampling.first_argmax picks."""
     load_plugin(platform)
     chooser = _ARGMAX.get(platform)
     picked = chooser(geometry) if chooser is not None else None
-    return picked if picked is not None else (first_argmax, "xla")
+    return picked if picked is not None else (xla_argmax, "xla")
 
 
 def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform: str, geometry: Geometry,
@@ -214,7 +240,14 @@ def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform
     argmax, argmax_name = choose_argmax(platform, geometry)
     reason = "; ".join(r for r in (why_attention, why_products) if r)
     return DecodeKernels(kernel.name, kernel.fn, products, argmax, argmax_name, platform, kernel.needs_live_pages,
-                         reason, kernel.pool_layout)
+                         reason, kernel.pool_layout, kernel.per_shard)
+
+
+@functools.lru_cache(maxsize=64)
+def _per_shard(attend: DecodeBackend, mesh, axis: str) -> DecodeBackend:
+    from laminar_jax.rollout.head_major import shard_over_kv_heads
+
+    return shard_over_kv_heads(attend, mesh, axis)
 
 
 def resolve_backend(name: str, *, platform: str, tensor_parallel: bool, page_size: int, head_dim: int,

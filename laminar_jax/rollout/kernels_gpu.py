@@ -27,6 +27,7 @@ from typing import Optional
 import jax.numpy as jnp
 
 from laminar_jax.rollout import head_major
+from laminar_jax.rollout import kernels as seam
 from laminar_jax.rollout.attention import DecodeMeta
 
 NAME = "pallas_gpu_paged"
@@ -77,9 +78,21 @@ def refuses(geometry) -> Optional[str]:
     return None if ok else why
 
 
+def _gpu_paged_attention():
+    """JAX's GPU paged attention module (its path has held from jax 0.4 to 0.11; a move is an ImportError,
+    so the plugin is skipped and 'auto' falls back)."""
+    try:
+        from jax.experimental.pallas.ops.gpu import paged_attention
+    except ImportError:  # a later layout of the ops package
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention_kernel as paged_attention
+    return paged_attention
+
+
 def make_decode(*, interpret: bool = False, num_warps: int = 4, num_stages: int = 2):
-    """The decode backend (``head_major`` contract) over JAX's GPU paged attention."""
-    from jax.experimental.pallas.ops.gpu import paged_attention as gpu_paged
+    """The decode backend (``head_major`` contract) over JAX's GPU paged attention.
+
+    ``interpret``: run it in Pallas's interpreter (tests on the CPU); never set on a GPU."""
+    gpu_paged = _gpu_paged_attention()
 
     def pallas_gpu_paged(q, k, v, layer_cache, *, meta: DecodeMeta):
         k_pages, v_pages = head_major.write_kv(layer_cache, k, v, meta)
@@ -93,5 +106,12 @@ def make_decode(*, interpret: bool = False, num_warps: int = 4, num_stages: int 
         return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
 
     pallas_gpu_paged.pool_layout = POOL_LAYOUT
+    pallas_gpu_paged.per_shard = True
     return pallas_gpu_paged
+
+
+# The seam loads this module for 'gpu' (laminar_jax.kernels.PLUGINS): 'auto' takes the kernel on a GPU
+# wherever refuses() lets it, above the portable live_pages.
+seam.register_attention(seam.AttentionKernel(NAME, make_decode(), refuses, auto_rank=10, pool_layout=POOL_LAYOUT,
+                                             per_shard=True), "gpu")
 

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from laminar_jax.rollout import head_major
+from laminar_jax.rollout import kernels as seam
 from laminar_jax.rollout.attention import DecodeMeta
 
 NAME = "pallas_tpu_paged"
@@ -65,13 +66,25 @@ def refuses(geometry) -> Optional[str]:
     return None if ok else why
 
 
+def _tpu_paged_attention():
+    """JAX's TPU paged attention function (guarded: a moved module is an ImportError, so the plugin is
+    skipped and 'auto' falls back)."""
+    try:
+        from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+    except ImportError:
+        from jax.experimental.pallas.ops.tpu.paged_attention.paged_attention_kernel import paged_attention
+    return paged_attention
+
+
 def make_decode(*, interpret: bool = False, megacore_mode: Optional[str] = None):
     """The decode backend (``head_major`` contract) over JAX's TPU paged attention.
 
+    ``interpret``: run it in Pallas's TPU interpreter (tests on the CPU); never set on a TPU.
     ``megacore_mode``: None on one TensorCore per chip (v5e, v6e); 'kv_head' or 'batch' splits the
     grid over v4/v5p's two cores (the kernel may hang if set without megacore)."""
     from jax.experimental.pallas import tpu as pltpu
-    from jax.experimental.pallas.ops.tpu.paged_attention import paged_attention
+
+    paged_attention = _tpu_paged_attention()
 
     def pallas_tpu_paged(q, k, v, layer_cache, *, meta: DecodeMeta):
         k_pages, v_pages = head_major.write_kv(layer_cache, k, v, meta)
@@ -89,4 +102,11 @@ def make_decode(*, interpret: bool = False, megacore_mode: Optional[str] = None)
         return out.reshape(b, 1, h, d).astype(q.dtype), (k_pages, v_pages)
 
     pallas_tpu_paged.pool_layout = POOL_LAYOUT
+    pallas_tpu_paged.per_shard = True
     return pallas_tpu_paged
+
+
+# The seam loads this module for 'tpu' (laminar_jax.kernels.PLUGINS): 'auto' takes the kernel on a TPU
+# wherever refuses() lets it, above the portable live_pages.
+seam.register_attention(seam.AttentionKernel(NAME, make_decode(), refuses, auto_rank=10, pool_layout=POOL_LAYOUT,
+                                             per_shard=True), "tpu")

@@ -18,7 +18,7 @@ The page allocator, page tables and exported sequences speak of one layer's page
 from __future__ import annotations
 
 import functools
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -27,17 +27,27 @@ import numpy as np
 from laminar_jax.rollout.attention import DecodeMeta
 
 
-def layer_meta(meta: DecodeMeta, offset: jax.Array) -> DecodeMeta:
-    """``meta`` for the layer whose pages start at global page ``offset`` (i32[], traced)."""
+class PoolGeom(NamedTuple):
+    """The one K and one V pool of every layer (static): the layout the decode kernels declare
+    (rollout/attention.py; the page axis is not always axis 0), the layers, and pages per layer
+    (given, never read off a pool's shape)."""
+
+    layout: str
+    num_layers: int
+    layer_pages: int
+
+
+def layer_meta(meta: DecodeMeta, offset: jax.Array, layer_pages: int) -> DecodeMeta:
+    """``meta`` for the layer whose ``layer_pages`` pages start at global page ``offset`` (i32[], traced)."""
     live = meta.live if meta.live is None else meta.live._replace(page=meta.live.page + offset)
-    return meta._replace(page_table=meta.page_table + offset, live=live)
+    return meta._replace(page_table=meta.page_table + offset, live=live, first_page=offset, layer_pages=layer_pages)
 
 
 def layered_backend(attend: Callable, meta: DecodeMeta, layer_pages: int) -> Callable:
     """The model's cache backend ``(q, k, v, pools, layer) -> (out, pools)`` over one-pool-for-all-
     layers ``pools``, from a decode backend ``attend(q, k, v, pools, *, meta)``."""
     def backend(q, k, v, pools, layer):
-        return attend(q, k, v, pools, meta=layer_meta(meta, layer * layer_pages))
+        return attend(q, k, v, pools, meta=layer_meta(meta, layer * layer_pages, layer_pages))
     return backend
 
 

@@ -96,9 +96,7 @@ def size_section(cfg: TransformerConfig, kv_memory_gb: float, dtype: str, max_nu
     if len(stop_token_ids) > MAX_STOP_IDS:
         raise ValueError(f"{len(stop_token_ids)} EOS/stop ids; at most {MAX_STOP_IDS} supported")
     # One call of every slot, and row buckets below it. Chunks (decode_chunk) loop over the slots in a
-    # while loop, whose bf16 products XLA:CPU runs about half as fast as straight-line code: qwen2-100m,
-    # 64 sequences in chunks of 32, bf16 672 tok/s against 1,194 without (float32 727 and 716; 2-core
-    # Zen 5, docs/BENCHMARKS.md).
+    # while loop, whose bf16 products XLA:CPU runs about half as fast as straight-line code.
     chunk = overrides.get("decode_chunk", 0)
     section = RolloutSection(num_slots=max_num_seqs, page_size=page_size, num_pages=pages + 1,
                              max_prompt_len=prompt, max_total_len=total, max_new_tokens=min(256, total - prompt),
@@ -121,9 +119,8 @@ class LLM:
     max_model_len: cap on prompt + generated tokens (default: min(max_position_embeddings, 4096)).
     max_prompt_len: longest prompt (default: max_model_len - 1).
     page_size: tokens per KV page. 64 by default: decode attention then runs a quarter as many page
-      entries, each a larger product (qwen2-100m, 32 concurrent long-tail requests on 2 CPU cores: +5-8%
-      tokens/s in float32, +8-16% in bfloat16 against 16-token pages; docs/BENCHMARKS.md). vLLM's CPU
-      backend defaults to 128-token blocks.
+      entries, each a larger product, and a few large products cost less than many tiny ones. vLLM's
+      CPU backend defaults to 128-token blocks.
     tokenizer: a tokenizer.json path or HF directory; default: the model directory's, if present.
     warmup: compile the prefill buckets and the live-page buckets now instead of on first use.
     matmul_precision: float32 products in float32 or the backend's rounding, as
@@ -139,7 +136,8 @@ class LLM:
                  max_model_len: Optional[int] = None, max_prompt_len: Optional[int] = None, page_size: int = 64,
                  tokenizer: Optional[str] = None, warmup: bool = False, matmul_precision: str = "auto",
                  host_malloc: Optional[str] = "keep", **section_overrides):
-        from laminar_jax.model.hf import from_pretrained, load_hf_config
+        from laminar_jax.model.hf import load_hf_config
+        from laminar_jax.model.pretrained import from_pretrained
         from laminar_jax.process_settings import apply_host_malloc
         from laminar_jax.model.tokenizer import HFTokenizer
 

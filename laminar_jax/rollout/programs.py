@@ -27,12 +27,14 @@ from laminar_jax.rollout.attention import (
     live_page_list,
     prefill_dense,
     prefill_packed,
+    copy_pages,
     scatter_pages,
     scatter_tokens,
+    take_pages,
     to_pool,
 )
 from laminar_jax.rollout.kernels import DecodeKernels
-from laminar_jax.rollout.layered import every_layer, kv_buffer_backend, layered_backend
+from laminar_jax.rollout.layered import PoolGeom, every_layer, kv_buffer_backend, layered_backend
 from laminar_jax.rollout.paged import DecodeState, StepOutput
 from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens, token_keys
 
@@ -52,6 +54,11 @@ class Spec(NamedTuple):
     vocab_size: int = 0  # the logits' width (sizes call_noise)
     longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
     layer_pages: int = 0  # pages per layer in the one pool of all layers (rollout/layered.py)
+
+
+def pool_geom(spec: Spec) -> PoolGeom:
+    """The spec's pools: its kernels' layout, every layer's pages, ``layer_pages`` each."""
+    return PoolGeom(spec.kernels.pool_layout, spec.num_layers, spec.layer_pages)
 
 
 def engine_model(spec: Spec, params):
@@ -89,20 +96,20 @@ def _prompt_positions(page_size: int, page_rows, lengths, t: int):
     return page, jnp.broadcast_to(pos % page_size, page.shape)
 
 
-def _insert_impl(page_size: int, state, k, v, prompt_len, last_token, slot, page_row, *init):
-    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
-    page, off = page[0], off[0]
-    state = _scatter_prompt_kv(state, k, v, page, off)
+def _insert_impl(page_size: int, pools: PoolGeom, state, k, v, prompt_len, last_token, slot, page_row, *init):
+    """A prompt's KV (f[L, T, Hkv, D] each) into the slot's pages of every layer, then set the slot."""
+    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k.shape[1])
+    state = _scatter_prompt_kv(pools, state, k, v, page[0], off[0])
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
 
 
-def _scatter_prompt_kv(state, k, v, page, off):
+def _scatter_prompt_kv(pools: PoolGeom, state, k, v, page, off):
     """Prompt KV (f[L, ..., T, Hkv, D] in kv_dtype) into the pools at one layer's (page, off) i32[..., T]."""
-    num_layers = k.shape[0]
-    layer_pages = state.k_pages.shape[0] // num_layers
-    pages, off = every_layer(page, num_layers, layer_pages), jnp.broadcast_to(off, (num_layers, *off.shape))
-    return state._replace(k_pages=scatter_tokens(state.k_pages, pages, off, k, k.dtype, key=True),
-                          v_pages=scatter_tokens(state.v_pages, pages, off, v, v.dtype, key=False))
+    pages = every_layer(page, pools.num_layers, pools.layer_pages)
+    off = jnp.broadcast_to(off, pages.shape)
+    return state._replace(
+        k_pages=scatter_tokens(state.k_pages, pages, off, k, k.dtype, key=True, layout=pools.layout),
+        v_pages=scatter_tokens(state.v_pages, pages, off, v, v.dtype, key=False, layout=pools.layout))
 
 
 def _prefill_kv(spec: Spec, model, tokens, positions, prefill):
@@ -131,15 +138,15 @@ def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, 
     model = engine_model(spec, params)
     backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
     k, v = _prefill_kv(spec, model, tokens[None], positions[None], backend)
-    state = _scatter_prompt_kv(state, k[:, 0], v[:, 0], page, offset)
+    state = _scatter_prompt_kv(pool_geom(spec), state, k[:, 0], v[:, 0], page, offset)
     return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
 
 
-def _share_prompt_impl(num_layers: int, state, src, dst, slot, page_row, num_cached, last_token, *init):
+def _share_prompt_impl(pools: PoolGeom, state, src, dst, slot, page_row, num_cached, last_token, *init):
     """Copy pages src[i] -> dst[i] of every layer in the K and V pools, then set the slot."""
-    num_layers, layer_pages = _layers(state, num_layers)
-    src, dst = (every_layer(x, num_layers, layer_pages).reshape(-1) for x in (src, dst))
-    kp, vp = (p.at[dst].set(p[src]) for p in (state.k_pages, state.v_pages))
+    src, dst = (every_layer(x, pools.num_layers, pools.layer_pages).reshape(-1) for x in (src, dst))
+    kp = copy_pages(state.k_pages, src, dst, key=True, layout=pools.layout)
+    vp = copy_pages(state.v_pages, src, dst, key=False, layout=pools.layout)
     return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
 
 
@@ -147,21 +154,25 @@ def _deactivate_impl(state, slot):
     return state._replace(active=state.active.at[slot].set(False))
 
 
-def _layers(state, num_layers) -> tuple[int, int]:
-    """(layers, pages per layer) of the state's one pool of all layers."""
-    return num_layers, state.k_pages.shape[0] // num_layers
+def _read_pages_impl(pools: PoolGeom, state, page_row):
+    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the wire layout, whatever the
+    pools' layout), still stored (the caller views the bits as the KV dtype)."""
+    idx = every_layer(page_row, pools.num_layers, pools.layer_pages).reshape(-1)
+
+    def read(pool, key):
+        x = from_pool(take_pages(pool, idx, key=key, layout=pools.layout), key=key, layout=pools.layout)
+        return x.reshape(pools.num_layers, -1, *x.shape[1:])
+    return read(state.k_pages, True), read(state.v_pages, False)
 
 
-def _read_pages_impl(state, page_row, num_layers: int):
-    """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the pool layouts undone)."""
-    idx = every_layer(page_row, *_layers(state, num_layers))
-    return from_pool(state.k_pages[idx], key=True), from_pool(state.v_pages[idx], key=False)
+def _write_slot_impl(pools: PoolGeom, state, k, v, dst, slot, page_row, num_cached, last_token, *init):
+    """Pages k, v (f[L, n, page, Hkv, D] in the KV dtype: the wire layout) into pages dst of every layer."""
+    idx = every_layer(dst, pools.num_layers, pools.layer_pages).reshape(-1)
 
-
-def _write_slot_impl(state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    idx = every_layer(dst, *_layers(state, k.shape[0]))  # k, v f[L, n, page, Hkv, D] in kv_dtype
-    state = state._replace(k_pages=scatter_pages(state.k_pages, idx, to_pool(k, key=True), k.dtype),
-                           v_pages=scatter_pages(state.v_pages, idx, to_pool(v, key=False), v.dtype))
+    def write(pool, x, key):
+        x = to_pool(x.reshape(-1, *x.shape[2:]), key=key, layout=pools.layout)
+        return scatter_pages(pool, idx, x, k.dtype, key=key, layout=pools.layout)
+    state = state._replace(k_pages=write(state.k_pages, k, True), v_pages=write(state.v_pages, v, False))
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
@@ -237,8 +248,8 @@ def call_noise(spec: Spec, state: DecodeState) -> Optional[jax.Array]:
     """f32[steps, S, V]: every Gumbel draw a multi-step call can use, drawn before its first step; or None.
 
     Why: drawn inside the scan, each step runs threefry's loop twice (the key's fold_in and the
-    bits, ~160 small ops beside the demo model's ~146 fusions) over a handful of rows; drawing
-    them once per call took 13-18% off the CPU of a call of the demo's engine (docs/BENCHMARKS.md).
+    bits, ~160 small ops beside the demo model's ~146 fusions) over a handful of rows, where a
+    small model's step costs its op count; drawn once per call, they are a few ops per call.
     A slot active at step t of the call has generated num_generated + t tokens before it
     (admission happens between calls), so its key there is fold_in(key_s, num_generated + t): the
     same draw as in-step, since threefry is elementwise in the keys. Rows that are inactive at a
@@ -284,7 +295,7 @@ def programs(spec: Spec, params_treedef) -> Programs:
     return Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
         prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: tpl.constrain(_insert_impl(
-            spec.page_size, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
+            spec.page_size, pool_geom(spec), state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
             tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
@@ -293,10 +304,11 @@ def programs(spec: Spec, params_treedef) -> Programs:
             _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
 
 
-insert_jit = jax.jit(_insert_impl, static_argnums=(0,), donate_argnums=(1,))
+# The page copies take the pools' geometry (layout, layers, pages per layer; static) first.
+insert_jit = jax.jit(_insert_impl, static_argnums=(0, 1), donate_argnums=(2,))
 deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
-read_pages_jit = jax.jit(_read_pages_impl, static_argnums=(2,))
-write_slot_jit = jax.jit(_write_slot_impl, donate_argnums=(0,))
+read_pages_jit = jax.jit(_read_pages_impl, static_argnums=(0,))
+write_slot_jit = jax.jit(_write_slot_impl, static_argnums=(0,), donate_argnums=(1,))
 share_prompt_jit = jax.jit(_share_prompt_impl, static_argnums=(0,), donate_argnums=(1,))
 attach_jit = jax.jit(lambda state, slot, *rest: _deactivate_impl(_set_slot(state, slot, *rest), slot),
                      donate_argnums=(0,))

@@ -30,7 +30,15 @@ import jax
 import jax.numpy as jnp
 
 from laminar_jax.model import token_logprobs
-from laminar_jax.rollout.config import validate_sampling
+from laminar_jax.configlib import expect
+
+
+def validate_sampling(prefix: str, temperature: float, top_k: int, top_p: float, max_new_tokens: int) -> None:
+    """Shared checks for the config defaults and for per-request SamplingParams."""
+    expect(temperature >= 0.0, f"{prefix}.temperature", temperature, ">= 0 (0 = greedy)")
+    expect(top_k >= 0, f"{prefix}.top_k", top_k, ">= 0 (0 = off)")
+    expect(0.0 < top_p <= 1.0, f"{prefix}.top_p", top_p, "in (0, 1]")
+    expect(max_new_tokens >= 1, f"{prefix}.max_new_tokens", max_new_tokens, ">= 1")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +103,8 @@ def first_argmax(x: jax.Array) -> jax.Array:
     """jnp.argmax(x, axis=-1) (first index of the maximum; a NaN counts as the maximum), as i32.
 
     Why not jnp.argmax: XLA:CPU lowers it to a variadic (value, index) reduction that does not
-    vectorise, ~25 ms for f32[64, 32768]; a max, a compare and a min-reduction of indices take
-    ~1 ms and pick the same index.
+    vectorise; a max, a compare and a min-reduction of indices vectorise, an order of magnitude
+    faster over a vocabulary, and pick the same index.
     """
     top = jnp.max(x, axis=-1, keepdims=True)
     hit = (x == top) | jnp.isnan(x)

@@ -6,7 +6,7 @@ Megatron layout, expressed as shardings and left to GSPMD to partition:
   - the embedding (and an untied LM head) over the vocabulary ('vocab'),
   - norms replicated.
 So each device computes its own heads' attention against its own KV heads, and the layer does one
-all-reduce after o and one after down. The KV pools (K f[P, Hkv, D, page], V f[P, Hkv, page, D])
+all-reduce after o and one after down. The KV pools (in the layout the decode attention reads)
 are split on Hkv, which is why the KV-head count must divide by the TP width. The page table and
 the per-slot sampling state are replicated: every device runs the same host-visible bookkeeping.
 
@@ -57,7 +57,7 @@ def check_tp(cfg: TransformerConfig, tp: int) -> None:
 
 def param_shardings_list(params: Any, mesh: Mesh) -> list:
     """One NamedSharding per leaf of ``jax.tree.leaves(params)`` (params: the model's nnx.State)."""
-    from laminar_jax.learner.mesh import param_shardings
+    from laminar_jax.model.axes import param_shardings
 
     return jax.tree.leaves(param_shardings(params, mesh, TP_RULES))
 
@@ -67,9 +67,13 @@ def kv_sharding(mesh: Mesh, ndim: int = 5) -> NamedSharding:
     return NamedSharding(mesh, P(*([None] * (ndim - 2)), TP_AXIS, None))
 
 
-def pool_sharding(mesh: Mesh) -> NamedSharding:
-    """A KV pool (K f[P, Hkv, D, page], V f[P, Hkv, page, D]; see rollout.attention) split on Hkv."""
-    return NamedSharding(mesh, P(None, TP_AXIS, None, None))
+def pool_sharding(mesh: Mesh, layout: str = "split") -> NamedSharding:
+    """A KV pool of ``layout`` (rollout.attention, "pool layouts") split on its KV-head axis."""
+    from laminar_jax.rollout.attention import head_axis
+
+    spec = [None] * 4
+    spec[head_axis(layout)] = TP_AXIS
+    return NamedSharding(mesh, P(*spec))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

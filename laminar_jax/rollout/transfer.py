@@ -1,6 +1,6 @@
 """Moving a live sequence between processes over TCP, authenticated with the run key.
 
-Same framing and handshake as the relay (relay/wire.py, relay/auth.py): with a key, the listener
+Same framing and handshake as the relay (net/wire.py, net/auth.py): with a key, the listener
 sends a nonce challenge and every frame carries HMAC tags over header and payload, so a peer
 without the key is dropped at its first message, before any payload byte is read.
 
@@ -20,8 +20,8 @@ import socket
 import time
 from typing import Callable, Optional
 
-from laminar_jax.relay import auth
-from laminar_jax.relay.wire import (AuthError, Peer, WireError, client_handshake, error_frame, parse_address,
+from laminar_jax.net import auth
+from laminar_jax.net.wire import (AuthError, Peer, WireError, client_handshake, error_frame, parse_address,
                                     server_handshake)
 from laminar_jax.rollout.records import SequenceState
 

@@ -10,7 +10,7 @@ dead learner from its checkpoint and replays, and shuts every plane down. It tal
   weights  the weight plane (store, relays, publisher; `attach(learner)`);
   monitor  the metrics sink, fed plain `RunStats` records.
 
-The repack loop and the health loop (runtime/loops.py) run beside it as supervised workers, over
+The repack loop and the health loop (scheduler/loops.py) run beside it as supervised workers, over
 the same interfaces. Which transport carries the calls is chosen once, by the runtime that builds
 the Driver (runtime/local.py, runtime/ray_runtime.py); the Driver never knows it.
 """
@@ -23,9 +23,9 @@ import time
 from typing import Callable, Optional, Sequence
 
 from laminar_jax.eval.schedule import Evaluation
-from laminar_jax.runtime import profile
-from laminar_jax.runtime.loops import HealthLoop, RepackLoop
-from laminar_jax.runtime.monitor import RunStats
+from laminar_jax.monitor import profile
+from laminar_jax.scheduler.loops import HealthLoop, RepackLoop
+from laminar_jax.monitor.sink import RunStats
 from laminar_jax.runtime.rollout_worker import InjectedFault
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import WorkerGroup

@@ -18,7 +18,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from laminar_jax.runtime.loops import Failure, mark_replaced
+from laminar_jax.scheduler.loops import Failure, mark_replaced
 from laminar_jax.runtime.rollout_worker import (RolloutWorker, episode_feed, host_params, params_on_device,  # noqa: F401
                                                 pull_timeout)
 from laminar_jax.scheduler.modes import get_policy

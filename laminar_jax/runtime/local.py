@@ -16,10 +16,10 @@ import time
 from typing import Optional
 
 from laminar_jax.config import Config
-from laminar_jax.runtime.buffer_service import BufferService
+from laminar_jax.buffer.service import BufferService
 from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet
-from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.monitor.sink import Monitor
 from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with
 from laminar_jax.runtime.weights import WeightsPlane
 
@@ -61,7 +61,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model.precision import cast_floating
     from laminar_jax.model.sharded import abstract_model
-    from laminar_jax.relay.auth import run_keys
+    from laminar_jax.net.auth import run_keys
     from laminar_jax.runtime.fleet import host_params
 
     cfg, resuming = resolve(cfg, run_dir)

@@ -68,7 +68,7 @@ def resolve(cfg: Config, run_dir: str) -> tuple[Config, bool]:
     """(cfg with runtime.run_dir = run_dir and learner.checkpoint_dir resolved (default
     <run_dir>/checkpoints, absolute), whether that directory holds a checkpoint). The run dir and a
     local checkpoint dir are created owner-only (0700); one another user owns is refused."""
-    from laminar_jax.relay.auth import private_dir
+    from laminar_jax.net.auth import private_dir
 
     private_dir(run_dir, "run dir")
     path = cfg.learner.checkpoint_dir or os.path.join(run_dir, "checkpoints")

@@ -3,7 +3,7 @@ Fleet interface of runtime/fleet.py).
 
 Why: rollout servers that are threads of the learner's process share its interpreter lock and its
 XLA CPU pool. On a few cores the two roles then queue for both, and each role's Python costs more
-per token than it does alone (docs/BENCHMARKS.md). A child process has its own interpreter and its
+per token than it does alone. A child process has its own interpreter and its
 own pool; the roles meet only where they must: work and results through the buffer service, and
 weights through the relay.
 
@@ -37,7 +37,7 @@ from typing import Optional, Sequence
 
 from laminar_jax.rollout.records import ServerStats
 from laminar_jax.runtime.fleet import poll_each, sample_stats, server_name, stats_failure
-from laminar_jax.runtime.loops import Failure, mark_replaced
+from laminar_jax.scheduler.loops import Failure, mark_replaced
 from laminar_jax.threads import Worker
 
 # What each side may call on the other (anything else is refused by name).

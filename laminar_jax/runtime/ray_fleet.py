@@ -15,7 +15,7 @@ from typing import Optional
 
 from laminar_jax.rollout.records import ServerStats
 from laminar_jax.runtime.fleet import poll_each, sample_stats, server_name, stats_failure
-from laminar_jax.runtime.loops import Failure, mark_replaced
+from laminar_jax.scheduler.loops import Failure, mark_replaced
 
 
 class RayFleet:

@@ -2,7 +2,7 @@
 
   driver (this process)  the Driver: learner (+ SFT warm-start, checkpoints, publisher), health and
                          repack loops; with runtime.learner_processes > 1 the learner is a
-  LearnerProcess x P     LearnerGroup: one jax.distributed process each (runtime/ray_learner.py)
+  LearnerProcess x P     LearnerGroup: one jax.distributed process each (learner/group.py)
   BufferService          one actor: the same class the local runtime calls in-process
   RolloutActor x N       the RayFleet: one RolloutWorker + RolloutServer each (runtime/ray_actors.py)
   RelayActor x nodes     one RelayServer per node, chained master-first
@@ -22,12 +22,12 @@ from typing import Optional
 
 from laminar_jax.config import Config
 from laminar_jax.runtime.driver import Driver, close_all
-from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.monitor.sink import Monitor
 from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with, sft_warmup
 from laminar_jax.runtime.ray_actors import RelayActor
 from laminar_jax.runtime.ray_fleet import RayFleet
 from laminar_jax.learner.publish import model_params
-from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError
+from laminar_jax.learner.group import LearnerGroup, LearnerGroupError
 from laminar_jax.runtime.rollout_worker import InjectedFault
 from laminar_jax.runtime.weights import WeightsPlane
 
@@ -101,7 +101,7 @@ def _spawn_buffer(cfg: Config, gpus: float, name: str, timeout_s: float, learner
     A replacement may find the dead actor's name not yet released: it retries (bounded)."""
     import ray
 
-    from laminar_jax.runtime.buffer_service import BufferService
+    from laminar_jax.buffer.service import BufferService
     from laminar_jax.runtime.ray_actors import bounded_get
 
     here = ray.get_runtime_context().get_node_id()
@@ -159,7 +159,7 @@ def RayRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) ->
 
     from laminar_jax.learner.mesh import build_mesh
     from laminar_jax.model import build_model, load_tokenizer
-    from laminar_jax.relay.auth import run_keys
+    from laminar_jax.net.auth import run_keys
     from laminar_jax.runtime.ray_buffer import RestartingBuffer
 
     cfg, resuming = resolve(cfg, run_dir)

@@ -20,6 +20,17 @@ from laminar_jax.compile_cache import COMPILE_EVENTS
 from laminar_jax.threads import Worker
 
 
+def check_memory(cfg, mesh, model, name: str) -> None:
+    """This server's devices (its engine mesh's, else the default device) against the memory plan's
+    share of one server (placement_memory.check_server_devices; a ConfigError when one does not fit)."""
+    import jax
+
+    from laminar_jax.placement_memory import check_server_devices
+
+    devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+    check_server_devices(cfg, devices, model.cfg, f"rollout server {name}")
+
+
 class RolloutHost:
     def __init__(self, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
                  buffer, keys, mesh=None, board_sync_s: float = 0.05):
@@ -35,11 +46,12 @@ class RolloutHost:
 
         section = server_section(cfg, index, generation)
         self.name = name = section.server_id
-        store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
-        client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
         # Shapes only (nnx.eval_shape): the engine is built from them and holds just the pulled
         # version, which it owns and streams each later one into (params_from_flat).
         model = abstract_model(cfg.model)
+        check_memory(cfg, mesh, model, name)  # before the engine allocates its pool or compiles
+        store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
+        client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
         engine, _ = make_engine(model, section, mesh=mesh)
         from_flat = params_from_flat(model, engine, cfg.rollout.dtype)
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))

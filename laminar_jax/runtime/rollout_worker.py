@@ -17,8 +17,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
-from laminar_jax.runtime import profile
-from laminar_jax.runtime.dispatch import WorkItem
+from laminar_jax.monitor import profile
+from laminar_jax.types import WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 log = logging.getLogger(__name__)
@@ -26,51 +26,6 @@ log = logging.getLogger(__name__)
 
 class InjectedFault(RuntimeError):
     """Raised on purpose by fault-injection tests and the faults benchmark."""
-
-
-class Board:
-    """The authoritative view (held by the buffer service) of every server's version and live
-    count, the newest published version and the learner's version. Thread-safe."""
-
-    def __init__(self, n: int, version: int):
-        self._lock = threading.Lock()
-        self.versions = [version] * n
-        self.live = [0] * n
-        self.alive = [True] * n
-        self.newest = version
-        self.learner_version = version
-
-    def update(self, i: int, version: int, live: int) -> None:
-        with self._lock:
-            self.versions[i], self.live[i] = version, live
-
-    def revive(self, i: int, version: int) -> None:
-        with self._lock:
-            self.alive[i] = True
-            self.versions[i], self.live[i] = version, 0
-
-    def retire(self, i: int) -> None:
-        with self._lock:
-            self.alive[i], self.live[i] = False, 0
-
-    def set_newest(self, v: int) -> None:
-        with self._lock:
-            self.newest = max(self.newest, v)
-
-    def set_learner_version(self, v: int) -> None:
-        with self._lock:
-            self.learner_version = v
-
-    def global_pending(self) -> bool:
-        with self._lock:
-            return any(v < self.newest for v, a in zip(self.versions, self.alive) if a)
-
-    def view(self, i: int) -> dict:
-        """What server i needs of the others (plain data)."""
-        with self._lock:
-            return {"newest": self.newest, "learner_version": self.learner_version,
-                    "others": [(v, n) for j, (v, n, a) in enumerate(zip(self.versions, self.live, self.alive))
-                               if a and j != i]}
 
 
 class BoardView:

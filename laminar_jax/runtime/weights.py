@@ -8,8 +8,9 @@ process 0 publishes) to the chain and makes sure its current version is publishe
 
 from __future__ import annotations
 
+import functools
 import os
-from typing import Callable, Sequence
+from typing import Callable, Optional, Sequence
 
 
 class WeightsPlane:
@@ -25,7 +26,7 @@ class WeightsPlane:
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
         self.rpc_timeout_s = rpc_timeout_s
-        # The run's keys (relay/auth.py): the link key authenticates every relay message; the learner's
+        # The run's keys (net/auth.py): the link key authenticates every relay message; the learner's
         # private key signs versions and stays on the learner's side (servers get keys.for_hosts()).
         self.keys = keys
         self.handoff = handoff
@@ -50,7 +51,7 @@ class WeightsPlane:
         is in the store and on the relays (a resumed learner's numbers after its checkpoint are
         retracted first: it publishes them again with other weights). After a restart the replayed
         version is already published; a group re-publishes only if it never reached the store."""
-        from laminar_jax.runtime.ray_learner import GroupPublisherProxy, LearnerGroup
+        from laminar_jax.learner.group import LearnerGroup
 
         if initial:
             # Versions the store holds beyond the restored learner were trained after its checkpoint
@@ -65,7 +66,8 @@ class WeightsPlane:
             if self.handoff is not None:
                 raise ValueError("relay.local_handoff: a learner group publishes from its own process; "
                                  "its versions cannot be handed off in this one")
-            learner.attach_publisher(self.store_url, self.relay_addresses, self.keys)
+            learner.attach_publisher(functools.partial(group_publisher, self.rcfg, self.store_url,
+                                                       self.relay_addresses, self.keys))
             if initial or not stored:
                 learner.publish_current(relays_only=stored)
             self.publisher = GroupPublisherProxy(learner)
@@ -131,3 +133,32 @@ class WeightsPlane:
                 self.publisher.close()
         finally:
             self._stop_relays()
+
+
+def group_publisher(rcfg, store_url: Optional[str], relay_addresses: Sequence[str], keys,
+                    with_store: bool):
+    """Process 0 of a learner group's publisher, built in that process (LearnerProcess.attach_publisher):
+    to the weight store and the relays, or (with_store=False) to the relays only."""
+    from laminar_jax.relay import Publisher, WeightStore
+
+    store = WeightStore.from_config(rcfg, store_url) if store_url and with_store else None
+    return Publisher(rcfg, store=store, relay_addresses=list(relay_addresses), keys=keys)
+
+
+class GroupPublisherProxy:
+    """What the weight plane holds as `publisher` when process 0 of a group publishes."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def stats(self):
+        from laminar_jax.relay.publisher import PublisherStats
+
+        d = self.group.publisher_stats()
+        if d is None:
+            return None
+        d["relay_failures"] = tuple(d["relay_failures"])
+        return PublisherStats(**d)
+
+    def close(self, timeout: float = 60.0) -> None:
+        self.group.close_publisher(timeout)

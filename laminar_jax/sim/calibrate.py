@@ -15,7 +15,7 @@ are found anywhere inside a record (nested lists/dicts), by their keys:
   learner rows  {"mfu": x}                               -> learner_mfu = median
                 or, where the bench has no peak to divide by (CPU: "mfu" null), the learner bench's
                 {"bench": "learner", "params", "tokens_per_s"} -> mfu = 6·params·tokens_per_s / peak of
-                --gpu, and an e2e capture (laminar_jax.sim.cpu_check) -> the same from its sync run's
+                --gpu, and an e2e capture (laminar_jax.benchmarks.e2e_capture) -> the same from its sync run's
                 learner step time and tokens per step (sync's learner runs alone)
   relay record  {"bench": "relay", "chain_s": {hops: s}, "chain_bytes", "chunk_bytes", "link_bytes_per_s"}
                 -> relay_efficiency = (bytes / link) / chain_s[1],

@@ -17,6 +17,10 @@ module at call time (so a monkeypatched policy changes the simulation):
 State layout: slot arrays ``[servers, max_num_seqs]`` (sequence id, remaining tokens, context, ...),
 per-server vectors (version, load/prefill busy-until), and per-sequence/per-group tables grown as
 prompts are dispatched. Sequence ids are prompt-major: sid = prompt · samples_per_prompt + j.
+
+The Simulator holds that state and makes the runtime's decisions (weights, dispatch, admission,
+repack); the mechanics live beside it: kv.py (KV pages, preemption, moves), decode.py (decode
+ticks, turn ends, completed groups), learner.py (the learner's steps and publishes).
 """
 
 from __future__ import annotations
@@ -28,18 +32,12 @@ import numpy as np
 
 from laminar_jax.buffer import policies
 from laminar_jax.scheduler import modes, repack
-from laminar_jax.sim import partial
+from laminar_jax.sim import decode, kv, partial
 from laminar_jax.sim.config import SimSection
 from laminar_jax.sim.cost import CostModel
+from laminar_jax.sim.learner import SimLearner
 from laminar_jax.sim.metrics import Recorder, SimResult
-from laminar_jax.sim.workload import WorkloadSpec, env_latency, sample
-
-
-# shared_host: the learner's share of the host while servers decode. The planes share it, not the
-# threads: every server's decode loop runs under one interpreter lock, so generation as a whole
-# competes with the learner as one claimant (a CPU run's learner step takes ~2x its time alone
-# while servers decode, not 1 + servers times; docs/SIMULATION.md, "Held against a real run").
-LEARNER_HOST_SHARE = 0.5
+from laminar_jax.sim.workload import WorkloadSpec, sample
 
 
 @dataclasses.dataclass(frozen=True)
@@ -146,16 +144,7 @@ class Simulator:
         self.consumed = 0  # prompts consumed or dropped by the learner
         self.buf: list[tuple[float, policies.GroupMeta]] = []  # complete groups, FIFO
         self.group_seq = 0
-        # Learner.
-        self.l_steps = 0  # learner version = steps trained
-        self.l_free = 0.0
-        # shared_host: the running step's (start, tokens, staleness) and host-seconds of work left;
-        # its end is found tick by tick, as its share of the host depends on the servers decoding.
-        self.l_run: tuple | None = None
-        self.l_work = 0.0
-        self.n_decoding = 0  # servers decoding in the current tick
-        self.host_div = 1.0  # and the divisor of their share of the host
-        self.publish_t = [0.0]  # publish_t[v]: version v at the master relay (v0 preloaded)
+        self.learner = SimLearner(self)
         self.v_seen = 0  # newest version the rollout side has seen
         self.next_repack = 0.0
         self.rec = Recorder(cfg, place, self.kv_cap)
@@ -184,22 +173,22 @@ class Simulator:
         self._finish_loads(t)
         self._swaps(t)
         self._dispatch()
-        self._resume_paused(t)
+        kv.resume_paused(self, t)
         self._admit(t)
         if self.policy.repack and (t >= self.next_repack or new_version):
             self._repack(t)
             self.next_repack = t + self.cfg.repack_interval_s
-        self._decode(t, t1)
-        self._preempt()
-        self._learner(t, t1)
+        decode.decode(self, t, t1)
+        kv.preempt(self)
+        self.learner.advance(t, t1)
         self.rec.sample_tick(t, t1, self)
 
     # ---- weights ----------------------------------------------------------------------------
     def _see_publishes(self, t: float) -> bool:
         v = self.v_seen
-        while v + 1 < len(self.publish_t) and self.publish_t[v + 1] <= t:
+        while v + 1 < len(self.learner.publish_t) and self.learner.publish_t[v + 1] <= t:
             v += 1
-            self.rec.publish(self.publish_t[v], v)
+            self.rec.publish(self.learner.publish_t[v], v)
         changed, self.v_seen = v != self.v_seen, v
         return changed
 
@@ -214,9 +203,9 @@ class Simulator:
             return
         v = self.v_seen
         if self.cfg.colocate:  # the weights are already on these GPUs: only the reload
-            arrive = np.full(servers.size, self.publish_t[v])
+            arrive = np.full(servers.size, self.learner.publish_t[v])
         else:
-            arrive = self.publish_t[v] + np.array([self.cost.relay_arrival_s(int(h)) for h in self.hop[servers]])
+            arrive = self.learner.publish_t[v] + np.array([self.cost.relay_arrival_s(int(h)) for h in self.hop[servers]])
         start = np.maximum(t, arrive)
         self.busy_until[servers] = start + self.load_s
         self.loading[servers] = True
@@ -349,72 +338,16 @@ class Simulator:
     def _charge_prefill(self, tok, sq, t: float) -> None:
         pre = self.cost.prefill_s(tok, sq)
         # shared_host: the server gets its share of the host, as in the last tick's decode.
-        wall = pre * self.host_div if self.cfg.shared_host else pre
+        wall = pre * self.learner.host_div if self.cfg.shared_host else pre
         self.busy_until = np.where(pre > 0, np.maximum(self.busy_until, t) + wall, self.busy_until)
         self.rec.add_prefill(pre, t)
-
-    # ---- KV ---------------------------------------------------------------------------------
-    def _held(self) -> np.ndarray:
-        """Flat indices of the slots holding KV (live, not paused), ascending."""
-        f = self._flat
-        occ = np.flatnonzero(f["sid"] >= 0)
-        return occ[~f["paused"][occ]]
-
-    def _used_pages(self) -> np.ndarray:
-        """KV pages held per server, f64[S] (whole pages per sequence: exact in any order)."""
-        held = self._held()
-        pages = np.ceil(self._flat["ctx"][held] / self.cfg.page_tokens)
-        return np.bincount(held // self.M, weights=pages, minlength=self.S)
-
-    def _row_pages(self, s: int) -> np.ndarray:
-        """KV pages held per slot of server s, f64[M] (paused sequences hold none)."""
-        held = (self.sid[s] >= 0) & ~self.paused[s]
-        return np.where(held, np.ceil(self.ctx[s] / self.cfg.page_tokens), 0.0)
-
-    def _preempt(self) -> None:
-        """Over-full KV: pause the most recently admitted sequences (vLLM recompute preemption).
-
-        Leaves ``self.used`` (pages per server) current for the next tick's admission and metrics.
-        """
-        used = self._used_pages()
-        self.used = used
-        for s in np.nonzero(used > self.kv_cap)[0]:
-            pages = self._row_pages(s)
-            cand = np.nonzero((self.sid[s] >= 0) & ~self.paused[s])[0]
-            cand = cand[np.argsort(-self.adm[s, cand])]
-            excess = used[s] - self.kv_cap
-            freed = np.cumsum(pages[cand])
-            n = int(np.searchsorted(freed, excess)) + 1
-            self.paused[s, cand[:n]] = True
-            self.rec.preemptions += n
-            self.used[s] -= pages[cand[:n]].sum()
-
-    def _resume_paused(self, t: float) -> None:
-        any_paused = self.paused.any(1) & ~self.loading
-        if not any_paused.any():
-            return
-        for s in np.nonzero(any_paused)[0]:
-            used = self._row_pages(s).sum()
-            idx = np.nonzero(self.paused[s])[0]
-            idx = idx[np.argsort(self.adm[s, idx])]
-            need = np.cumsum(np.ceil(self.ctx[s, idx] / self.cfg.page_tokens))
-            n = int(np.searchsorted(need, self.cfg.admit_kv_frac * self.kv_cap - used, side="right"))
-            if n:
-                back = idx[:n]
-                self.paused[s, back] = False
-                c = self.ctx[s, back]
-                self.used[s] += np.ceil(c / self.cfg.page_tokens).sum()
-                tok, sq = np.zeros(self.S), np.zeros(self.S)
-                tok[s], sq[s] = c.sum(), (c ** 2).sum()
-                self._charge_prefill(tok, sq, t)
-                self.rec.reprefill_tokens += float(c.sum())
 
     # ---- repack -----------------------------------------------------------------------------
     def _repack(self, t: float) -> None:
         """Snapshot servers as ServerViews (see :func:`snapshot_servers`) and execute plan_repack's moves."""
         occ = self.sid >= 0
         live = occ.sum(1)
-        used = self._used_pages().astype(np.int64)
+        used = kv.used_pages(self).astype(np.int64)
         picked = snapshot_servers(live, self.version, ~self.loading, self.cfg.max_batch)
         flat = np.flatnonzero(occ[picked])  # row-major: grouped by picked server
         rows, cols = flat // self.M, flat % self.M
@@ -436,177 +369,5 @@ class Simulator:
         for m in moves:
             by_pair.setdefault((int(m.src), int(m.dst)), []).append(int(m.seq_uid))
         for (src, dst), uids in by_pair.items():
-            self._move(src, dst, np.sort(np.array([col_of[u] for u in uids], np.int64)), t)
+            kv.move(self, src, dst, np.sort(np.array([col_of[u] for u in uids], np.int64)), t)
 
-    def _move(self, src: int, dst: int, src_cols: np.ndarray, t: float) -> None:
-        """Move the sequences in src's slots ``src_cols`` (ascending) to dst's lowest free slots."""
-        if int(self.version[src]) != int(self.version[dst]):
-            raise AssertionError(f"repack moved sequences across versions ({src}->{dst})")
-        dst_cols = np.nonzero(self.sid[dst] < 0)[0][:src_cols.size]
-        if dst_cols.size < src_cols.size:
-            raise AssertionError(f"repack destination {dst} has no free slot")
-        pages = np.ceil(self.ctx[src, src_cols] / self.cfg.page_tokens).sum()
-        arrive = t + float(self.cost.kv_move_s(pages))
-        for a in (self.sid, self.rem, self.left, self.ctx, self.ready_t, self.paused, self.adm):
-            a[dst, dst_cols] = a[src, src_cols]
-        self.ready_t[dst, dst_cols] = np.maximum(self.ready_t[dst, dst_cols], arrive)
-        self.sid[src, src_cols] = -1
-        self.paused[src, src_cols] = False
-        self.rec.moves += src_cols.size
-        self.rec.moved_pages += float(pages)
-
-    # ---- decode -----------------------------------------------------------------------------
-    def _dense_sum(self, idx: np.ndarray, values: np.ndarray, per_server: bool = False):
-        """Sum of ``values`` at flat slots ``idx`` (per server, or in all), zeros elsewhere: the same
-        additions in the same order as summing the whole [S, M] array, so the result is identical."""
-        buf = self._scratch
-        buf[idx] = values
-        out = buf.reshape(self.S, self.M).sum(1) if per_server else buf.sum()
-        buf[idx] = 0.0
-        return out
-
-    def _decode(self, t: float, t1: float) -> None:
-        S, M, f = self.S, self.M, self._flat
-        occ = np.flatnonzero(f["sid"] >= 0)
-        idx = occ[~f["paused"][occ] & (f["ready_t"][occ] <= t)]  # active slots, ascending (row-major)
-        row = idx // M
-        b = np.bincount(row, minlength=S)
-        avail = np.clip(t1 - np.maximum(t, self.busy_until), 0.0, t1 - t)
-        avail[b == 0] = 0.0
-        if self.cfg.shared_host:
-            avail = avail / self._host_divisor(int((b > 0).sum()), t1 - t)
-        ctx_a = f["ctx"][idx]
-        ctx_sum = self._dense_sum(idx, ctx_a, per_server=True)
-        tau = self.cost.decode_step_s(b, ctx_sum)
-        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
-        tau = self.cost.decode_step_s(b, ctx_sum + b * steps / 2)  # context grows during the tick
-        steps = np.divide(avail, tau, out=np.zeros(S), where=tau > 0)
-        rem_a = f["rem"][idx]
-        adv = np.minimum(rem_a, steps[row])
-        left_a = rem_a - adv
-        f["rem"][idx] = left_a
-        f["ctx"][idx] = ctx_a + adv
-        self.rec.tokens_generated += float(self._dense_sum(idx, adv))
-        rmax = np.zeros(S)
-        np.maximum.at(rmax, row, rem_a)
-        need = np.where(b > 0, rmax * tau, 0.0)
-        self.rec.add_decode(np.minimum(avail, need), t)
-        done = left_a <= 0
-        if not done.any():
-            return
-        rows, cols = row[done], idx[done] - row[done] * M
-        start = t1 - avail[rows]
-        finish = start + rem_a[done] / np.maximum(steps[rows], 1e-12) * avail[rows]
-        more = self.left[rows, cols] > 0
-        if more.any():
-            self._next_turn(rows[more], cols[more], finish[more], t)
-        fin = ~more
-        self._complete(rows[fin], cols[fin], finish[fin])
-
-    def _next_turn(self, rows, cols, finish, t: float) -> None:
-        """Multi-turn: the environment answers after its latency; its tokens are prefilled."""
-        sids = self.sid[rows, cols]
-        turn = np.ceil(self.seqs["rlen"][sids] / self.seqs["turns"][sids])
-        nxt = np.minimum(turn, self.left[rows, cols])
-        self.rem[rows, cols] = nxt
-        self.left[rows, cols] -= nxt
-        self.ready_t[rows, cols] = finish + env_latency(self.work, rows.size, self.rng)
-        obs = float(self.work.obs_tokens)
-        self.ctx[rows, cols] += obs
-        tok = np.bincount(rows, np.full(rows.size, obs), self.S)
-        sq = np.bincount(rows, np.full(rows.size, obs * obs), self.S)
-        self._charge_prefill(tok, sq, t)
-
-    def _complete(self, rows, cols, finish) -> None:
-        sids = self.sid[rows, cols]
-        self.sid[rows, cols] = -1
-        if sids.size == 0:
-            return
-        s = self.seqs
-        turns = s["turns"][sids]
-        tokens = s["plen"][sids] + s["rlen"][sids] + (turns - 1) * self.work.obs_tokens
-        s["t_fin"][sids] = finish
-        gids = sids // self.k
-        g = self.groups
-        np.add.at(g["done"], gids, 1)
-        np.maximum.at(g["ready"], gids, finish + self.work.reward_latency_s)
-        np.minimum.at(g["ver"], gids, s["ver"][sids])
-        np.add.at(g["tok"], gids, tokens)
-        self.rec.trajectories += sids.size
-        full = np.unique(gids[g["done"][gids] == self.k])
-        full = full[np.argsort(g["ready"][full], kind="stable")]
-        for gid in full.tolist():
-            rows_ = tuple(range(gid * self.k, (gid + 1) * self.k))
-            meta = policies.GroupMeta(str(gid), rows_, int(g["ver"][gid]), int(g["tok"][gid]), self.group_seq)
-            self.group_seq += 1
-            self.buf.append((float(g["ready"][gid]), meta))
-
-    # ---- learner ----------------------------------------------------------------------------
-    def _host_divisor(self, n: int, dt: float) -> float:
-        """shared_host: the n decoding servers each get dt / divisor host-seconds of the tick.
-
-        Processor sharing between two planes: while the learner trains and servers decode, the
-        learner gets LEARNER_HOST_SHARE of the host and the servers split the rest equally; the
-        learner counts for the part of the tick its step still needs at that share.
-        """
-        self.n_decoding = n
-        lam = self._learner_share(n)
-        a = min(1.0, self.l_work / lam / dt) if self.l_run is not None and n > 0 else 0.0
-        self.host_div = max(1.0, n / (1.0 - a * lam))
-        return self.host_div
-
-    @staticmethod
-    def _learner_share(n_decoding: int) -> float:
-        return 1.0 if n_decoding == 0 else LEARNER_HOST_SHARE
-
-    def _learner_progress(self, t: float, t1: float) -> float | None:
-        """shared_host: advance the running step by its host share this tick; its end, or None."""
-        s0 = max(t, self.l_run[0])
-        rate = self._learner_share(self.n_decoding)
-        if self.l_work <= (t1 - s0) * rate:
-            end, self.l_work = s0 + self.l_work / rate, 0.0
-            return end
-        self.l_work -= (t1 - s0) * rate
-        return None
-
-    def _learner(self, t: float, t1: float) -> None:
-        """Start (and, on a shared host, finish) every learner step that can by t1 (continuous time)."""
-        while True:
-            if self.l_run is not None:
-                end = self._learner_progress(t, t1)
-                if end is None:
-                    return
-                (start, tokens, stale), self.l_run = self.l_run, None
-                self._end_step(start, end, tokens, stale)
-            if not (self.l_free <= t1 and len(self.buf) >= self.B):
-                return
-            ready_times = sorted(rt for rt, _ in self.buf)
-            td = max(self.l_free, ready_times[self.B - 1])
-            if td > t1:
-                return
-            avail = [m for rt, m in self.buf if rt <= td]
-            sel = policies.select_fifo(avail, self.B, self.l_steps, self.cfg.buffer_max_staleness, "drop")
-            gone = {m.group for m in sel.take} | {m.group for m in sel.drop}
-            self.buf = [(rt, m) for rt, m in self.buf if m.group not in gone]
-            self.rec.dropped += len(sel.drop)
-            self.consumed += len(sel.take) + len(sel.drop)
-            if not sel.take:
-                if not sel.drop:
-                    return  # the policy declined: try again next tick
-                continue
-            tokens = sum(m.num_tokens for m in sel.take)
-            stale = [policies.staleness(self.l_steps, m.version) for m in sel.take]
-            dur = self.cost.learner_step_s(tokens, self.place.learner_gpus)
-            if self.cfg.shared_host:  # the end depends on the host share it gets: found tick by tick
-                self.l_run, self.l_work, self.l_free = (td, tokens, stale), dur, math.inf
-                self.rec.learner_work(td, dur)
-                continue
-            self._end_step(td, td + dur, tokens, stale)
-
-    def _end_step(self, start: float, end: float, tokens: int, stale: list[int]) -> None:
-        if self.cfg.colocate:  # onload optimizer state before, offload after (PCIe, all GPUs)
-            end += 2 * self.cost.train_state_offload_s(self.place.learner_gpus)
-        self.rec.step(start, end, tokens, stale)
-        self.l_steps += 1
-        self.l_free = end + self.d2h_s
-        self.publish_t.append(self.l_free)

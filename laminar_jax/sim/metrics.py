@@ -109,7 +109,7 @@ class Recorder:
         self.learner_host_s = 0.0  # shared_host: learner work (host-seconds) of steps started in the window
         self.timeline = None
         if cfg.timeline_servers > 0:
-            from laminar_jax.runtime.timeline import Timeline
+            from laminar_jax.monitor.timeline import Timeline
 
             self.timeline = Timeline(0.0)
         self._tl_every = max(1, int(round(10.0 / cfg.tick_s)))

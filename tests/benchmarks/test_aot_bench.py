@@ -70,3 +70,31 @@ def test_gpu_kernels_compile_for_h100():
     assert out["decode_pallas_gpu_paged"]["compiled"] and out["decode_pallas_gpu_paged"]["triton_calls"] >= 1
     assert out["train_tokamax_triton_fwd_bwd"]["compiled"], out["train_tokamax_triton_fwd_bwd"]
     assert out["train_tokamax_mosaic_fwd_bwd"]["mosaic_gpu_calls"] >= 1, out["train_tokamax_mosaic_fwd_bwd"]
+
+
+HLO = """
+%fused_computation.1 (param_0: bf16[4,1024], param_1: s32[2], param_2: bf16[2,1024]) -> bf16[4,1024] {
+  ROOT %scatter.1 = bf16[4,1024]{1,0} scatter(%param_0, %param_1, %param_2), to_apply=%region
+}
+
+ENTRY %main (w: bf16[512,1024], pool: bf16[4,1024], x: bf16[8,1024]) -> bf16[8,512] {
+  %w = bf16[512,1024]{1,0} parameter(0)
+  %pool = bf16[4,1024]{1,0} parameter(1)
+  %x = bf16[8,1024]{1,0} parameter(2)
+  %copy-start = (bf16[512,1024]{1,0:S(1)}, bf16[512,1024]{1,0}, u32[]{:S(2)}) copy-start(%w)
+  %copy-done = bf16[512,1024]{1,0:S(1)} copy-done(%copy-start)
+  %fusion.1 = bf16[4,1024]{1,0} fusion(%pool, %idx, %upd), kind=kLoop, calls=%fused_computation.1, metadata={op_name="jit(f)/write/scatter"}
+  ROOT %convolution = bf16[8,512]{1,0} convolution(%x, %copy-done), metadata={op_name="jit(f)/proj/dot_general"}
+}
+"""
+
+
+def test_hbm_traffic_counts_what_moves_through_hbm():
+    total, by_op = aot.hbm_traffic(HLO)
+    weight, x, out = 512 * 1024 * 2, 8 * 1024 * 2, 8 * 512 * 2
+    assert dict(by_op)["copy-start"] == round(weight / 1e6, 1)
+    # The prefetch reads the weight once; the product reads it on chip (nothing) and x, writes out;
+    # the fused scatter writes in place (its updates, not the pool: here unnamed, so nothing).
+    assert dict(by_op)["proj/dot_general"] == round((x + out) / 1e6, 1)
+    assert total == weight + 4 + x + out  # (+ the copy's u32 semaphore, on chip)
+    assert dict(by_op)["write/scatter"] == 0.0

@@ -29,7 +29,9 @@ def test_paired_fractions_compare_each_step_with_the_peak_timed_beside_it():
     flops in ~20 ms runs at half the peak's rate, whatever each round's absolute speed."""
     import time
 
-    r = bench.paired_fractions(lambda: time.sleep(0.04), 100.0, lambda: time.sleep(0.02), 100.0, rounds=3)
+    from laminar_jax.benchmarks.engine_profile import paired_fractions
+
+    r = paired_fractions(lambda: time.sleep(0.04), 100.0, lambda: time.sleep(0.02), 100.0, rounds=3)
     assert r["paired_rounds"] == 3
     assert r["frac_of_peak_min"] <= r["frac_of_peak"] <= r["frac_of_peak_max"]
     assert 0.3 < r["frac_of_peak"] < 0.6  # sleeps overshoot; the step's 2x the peak's time bounds it

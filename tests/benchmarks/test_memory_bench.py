@@ -31,6 +31,37 @@ def test_summary_line_ratios_and_copies():
     assert s["unsharded_copies"] == 2 and "unsharded_copies" not in s["rows"][0]
 
 
+UNSHARDED = r"""
+import json
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from laminar_jax.benchmarks.memory import scaled_config, unsharded
+
+_, arch, _, _ = scaled_config("gpu_node", "32b")  # 128 x 128 weight matrices, a 1024 x 128 vocab table
+devices = jax.devices()
+tp = Mesh(np.asarray(devices), ("tensor",))
+table = jax.device_put(np.ones((1024, 128), np.float32), NamedSharding(tp, P("tensor", None)))
+views = [s.data for s in table.addressable_shards]  # 8 single-device [128, 128] arrays over its buffers
+out = {"views": unsharded(devices, arch, set(range(8)))}
+whole = jax.device_put(np.ones((128, 128), np.float32), devices[3])
+out["copy"] = unsharded(devices, arch, set(range(8)))
+rep = jax.device_put(np.ones((128, 128), np.float32), NamedSharding(tp, P()))
+out["replicated"] = unsharded(devices, arch, set(range(8)))
+print(json.dumps(out))
+"""
+
+
+def test_unsharded_copies_counts_copies_not_shard_views():
+    """A TP-split table's shards have a weight matrix's shape and are single-device arrays over the
+    table's own buffers: no copy. A whole matrix put on one device, or replicated on 8, is."""
+    p = subprocess.run([sys.executable, "-c", UNSHARDED], capture_output=True, text=True, timeout=300,
+                       env=child_env(JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=8"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert json.loads(p.stdout.strip().splitlines()[-1]) == {"views": 0, "copy": 1, "replicated": 9}
+
+
 @pytest.mark.slow
 def test_bench_memory_gpu_single():
     p = subprocess.run([sys.executable, os.path.join(ROOT, "launch", "bench.py"), "memory", "--config", "gpu_single"],

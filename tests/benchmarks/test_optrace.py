@@ -87,7 +87,7 @@ def test_learner_bench_traces_an_unpublished_step(tmp_path, capsys):
 def test_engine_decode_profile_traces_its_step(tmp_path):
     from flax import nnx
 
-    from laminar_jax.benchmarks import engine as engine_bench
+    from laminar_jax.benchmarks import engine_profile as engine_bench
     from laminar_jax.model import PRESETS, Transformer
 
     model = Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0), dtype=jnp.float32, param_dtype=jnp.float32)

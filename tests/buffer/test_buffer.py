@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from laminar_jax.buffer import (BufferTimeout, DuplicatePrompt, ExperienceStore, GroupMeta, PromptLedger,
-                                balanced_microbatches, karmarkar_karp, select_fifo)
+from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, ExperienceStore, GroupMeta, PromptLedger, select_fifo
+from laminar_jax.learner.balance import balanced_microbatches, karmarkar_karp
 
 FIELDS = ("response_ids", "reward")
 

@@ -204,7 +204,7 @@ def _checkpoint_relative(tmp_path, monkeypatch):
 
 
 def _host_keys(link):
-    from laminar_jax.relay.auth import RunKeys
+    from laminar_jax.net.auth import RunKeys
 
     return RunKeys(link, RunKeys.generate().public)
 
@@ -219,7 +219,7 @@ def _relay_without_key():
 def _relay_push_refusal(**cfg):
     from laminar_jax.relay import RelaySection, RelayServer
     from laminar_jax.relay.manifest import plan_layout
-    from laminar_jax.relay.wire import connect
+    from laminar_jax.net.wire import connect
 
     m = plan_layout({"w": np.zeros(4096, np.float32)}, 5)
     with RelayServer(RelaySection(io_timeout_s=2.0, **cfg), keys=_host_keys(b"k" * 32)) as server:
@@ -302,7 +302,7 @@ def _val_prompts(tmp_path, **kv):
 
 
 def _loggers(tmp_path, names):
-    from laminar_jax.runtime.loggers import make_loggers
+    from laminar_jax.monitor.loggers import make_loggers
 
     return make_loggers(names, str(tmp_path))
 

@@ -66,6 +66,15 @@ def test_latency_env_is_repeatable_and_ends_after_its_turns():
     assert time.monotonic() - t0 < 1.0
 
 
+def test_latency_env_defaults_are_the_simulators_agentic_preset():
+    # One workload definition read from two planes that do not import each other.
+    from laminar_jax.env.latency import MEDIAN_PRESET_S, SIGMA_PRESET
+    from laminar_jax.sim.workload import PRESETS
+
+    agentic = PRESETS["agentic"]
+    assert (MEDIAN_PRESET_S, SIGMA_PRESET) == (agentic.env_latency_median_s, agentic.env_latency_sigma)
+
+
 def test_selection_by_extra_info_verl_layout_and_data_source():
     assert select_env({"extra_info": {"env": "python", "env_kwargs": {"cpu_s": 1}}}) == ("python", {"cpu_s": 1})
     verl = {"extra_info": {"interaction_kwargs": {"name": "calculator", "max_turns": 2},

@@ -131,7 +131,7 @@ def test_the_run_summary_names_how_the_limits_hold():
     from types import SimpleNamespace
 
     from laminar_jax.env.config import EnvSection
-    from laminar_jax.runtime.monitor import _env_sandbox
+    from laminar_jax.monitor.sink import _env_sandbox
 
     assert _env_sandbox(SimpleNamespace(env=EnvSection(enabled=True))) == {
         "env_sandbox": "bwrap", "env_sandbox_limits": f"cgroup v{_LAYOUT.version}"}

@@ -113,7 +113,7 @@ def test_wandb_offline_run_holds_the_logged_keys(laminar_run):
 
 def test_wandb_logger_without_the_package_names_runtime_loggers(monkeypatch, tmp_path):
     from laminar_jax.config import ConfigError
-    from laminar_jax.runtime.loggers import make_loggers
+    from laminar_jax.monitor.loggers import make_loggers
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb raises ImportError
     with pytest.raises(ConfigError, match=r"runtime\.loggers.*pip install"):

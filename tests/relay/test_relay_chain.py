@@ -19,7 +19,7 @@ from laminar_jax.relay.publisher import Publisher
 from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
 from laminar_jax.relay.store import WeightStore
-from laminar_jax.relay.wire import connect
+from laminar_jax.net.wire import connect
 from tests.subprocess_env import child_env
 
 CFG = RelaySection(chunk_bytes=256 << 10, io_timeout_s=20.0)

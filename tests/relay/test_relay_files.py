@@ -6,7 +6,7 @@ import re
 
 import pytest
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.store import WeightStore
 
 OTHER_UID = 54321  # no such user here: the error names the bare uid

@@ -10,13 +10,13 @@ import time
 import numpy as np
 import pytest
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.chain import start_local_chain
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.publisher import Publisher
 from laminar_jax.relay.server import RelayServer
-from laminar_jax.relay.wire import RemoteError, connect
+from laminar_jax.net.wire import RemoteError, connect
 
 KEYS = auth.RunKeys.generate()
 CFG = RelaySection(chunk_bytes=64 << 10, io_timeout_s=3.0, heartbeat_s=0.1, handshake_timeout_s=2.0,
@@ -198,7 +198,7 @@ def test_authenticated_connections_are_capped_with_a_busy_error():
 def test_a_first_header_that_breaks_the_parser_costs_only_that_connection():
     import struct
 
-    from laminar_jax.relay.wire import MAGIC
+    from laminar_jax.net.wire import MAGIC
 
     with RelayServer(RelaySection(io_timeout_s=3.0)) as server:  # keyless: the header is parsed untagged
         s = _open(server.address, "127.0.0.2", 1)[0]

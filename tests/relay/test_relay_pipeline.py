@@ -16,7 +16,7 @@ from laminar_jax.relay.publisher import Publisher, chunk_bytes_for, is_immutable
 from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
 from laminar_jax.relay.store import GcReport
-from laminar_jax.relay.wire import connect
+from laminar_jax.net.wire import connect
 
 MB = 1 << 20
 

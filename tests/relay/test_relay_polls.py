@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 
-from laminar_jax.relay.auth import RunKeys
+from laminar_jax.net.auth import RunKeys
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.publisher import Publisher

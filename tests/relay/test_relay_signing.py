@@ -7,14 +7,14 @@ import hmac
 import numpy as np
 import pytest
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import plan_layout
 from laminar_jax.relay.publisher import Publisher
 from laminar_jax.relay.push import ArraysSource, push_version
 from laminar_jax.relay.server import RelayServer
-from laminar_jax.relay.wire import AuthError, RemoteError, WireError, connect
+from laminar_jax.net.wire import AuthError, RemoteError, WireError, connect
 
 LEARNER = auth.RunKeys.generate()
 HOSTS = LEARNER.for_hosts()

@@ -13,14 +13,14 @@ import time
 import numpy as np
 import pytest
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.config import RelaySection
 from laminar_jax.relay.manifest import plan_layout
 from laminar_jax.relay.publisher import Publisher
 from laminar_jax.relay.push import ArraysSource
 from laminar_jax.relay.server import RelayServer
-from laminar_jax.relay.wire import MAGIC, AuthError, Peer, RemoteError, WireError, connect
+from laminar_jax.net.wire import MAGIC, AuthError, Peer, RemoteError, WireError, connect
 
 LEARNER = auth.RunKeys.generate()  # the learner's keys; relays and clients get HOSTS
 HOSTS = LEARNER.for_hosts()
@@ -202,7 +202,7 @@ _WRITER = textwrap.dedent("""
     import numpy as np
     from laminar_jax.relay.client import RelayClient
     from laminar_jax.relay.config import RelaySection
-    from laminar_jax.relay.auth import RunKeys
+    from laminar_jax.net.auth import RunKeys
     addr, keys = sys.argv[1], RunKeys(*(bytes.fromhex(sys.stdin.readline().strip()) for _ in range(2)))
     v, flat = RelayClient([addr], config=RelaySection(local_transport="memfd"), keys=keys).pull(0, timeout=10)
     w = flat["w"]
@@ -234,7 +234,7 @@ def test_the_memfd_itself_refuses_writes_resizes_and_writable_mappings():
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         s.settimeout(3)
         s.connect(server.unix_name)
-        from laminar_jax.relay.wire import client_handshake
+        from laminar_jax.net.wire import client_handshake
 
         peer = client_handshake(s, "unix", KEY, 3.0)
         peer.request({"op": "map", "version": 1}, "mapped", "memfd")

@@ -47,7 +47,7 @@ def reference(case):
 def run_head_major(backend, case):
     """A head-major kernel on the same state: (out, K and V token pages)."""
     meta, tok = case["meta"], case["tokens"]
-    cache = tuple(attention.as_stored(head_major.to_pool(tok[i]), meta.kv_dtype) for i in (0, 1))
+    cache = tuple(attention.as_stored(head_major.to_pool(tok[i]), meta.kv_dtype, head_major.POOL_LAYOUT) for i in (0, 1))
     out, pools = jax.jit(lambda q, k, v, c: backend(q, k, v, c, meta=meta))(case["q"], case["k"], case["v"], cache)
     pages = [np.asarray(head_major.from_pool(attention.from_stored(p, meta.kv_dtype)), np.float32) for p in pools]
     return np.asarray(out, np.float32), pages

@@ -1,6 +1,7 @@
 """The kernel seam (rollout/kernels.py): one DecodeKernels chosen from (platform, dtype, geometry,
 TP); explicit choices that cannot serve are errors naming the field and the reason; 'auto' falls
-back with the reason; accelerator platforms never get a CPU workaround; the model, the learner and
+back with the reason; accelerator platforms take their Pallas kernels (head-major pools, run per TP
+shard) where those serve and never get a CPU workaround; the model, the learner and
 the rollout core import no CPU plugin; the decode schedule's steps per call follow the platform."""
 
 import ast
@@ -15,7 +16,6 @@ from laminar_jax.cpu import native
 from laminar_jax.cpu.native import ops
 from laminar_jax.rollout import attention, kernels as seam
 from laminar_jax.rollout.kernels import AttentionKernel, Geometry, choose_decode_kernels
-from laminar_jax.rollout.sampling import first_argmax
 from laminar_jax.rollout.schedule import AUTO_STEPS_ACCELERATOR, steps_per_call
 
 GOOD = Geometry(heads=12, kv_heads=4, head_dim=64, page_size=16, dtype=jnp.float32)
@@ -59,16 +59,32 @@ def test_cpu_auto_falls_back_to_live_pages_and_says_why(geometry, why):
         choose(geometry=geometry, attention_impl="cpu_kernel")
 
 
-@pytest.mark.parametrize("platform", ["gpu", "tpu"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
-def test_accelerators_get_portable_kernels_and_no_cpu_workaround(platform, dtype):
-    k = choose(platform, GOOD._replace(dtype=dtype, tensor_parallel=2))
-    assert k.attention == "live_pages" and k.platform == platform and k.reason == ""
+def test_accelerators_take_their_pallas_kernels_where_they_serve(dtype):
+    k = choose("gpu", GOOD._replace(dtype=dtype, tensor_parallel=2))
+    assert (k.attention, k.platform, k.pool_layout, k.per_shard, k.reason) == ("pallas_gpu_paged", "gpu", "head_major",
+                                                                               True, "")
+    assert not k.needs_live_pages and k.summary()["attention"] == "pallas_gpu_paged"
+    t = choose("tpu", GOOD._replace(dtype=jnp.bfloat16, head_dim=128, tensor_parallel=2))
+    assert (t.attention, t.pool_layout, t.per_shard, t.reason) == ("pallas_tpu_paged", "head_major", True, "")
+
+
+@pytest.mark.parametrize("platform,geometry,why", [
+    ("gpu", GOOD._replace(head_dim=80), "head_dim=80 must be a power of two"),
+    ("tpu", GOOD._replace(dtype=jnp.bfloat16), "head_dim=64 must be a multiple of 128"),
+    ("tpu", GOOD._replace(head_dim=128), "KV dtype float32"),
+], ids=["gpu-head-dim", "tpu-head-dim", "tpu-f32"])
+def test_accelerators_fall_back_to_portable_kernels_with_the_reason_and_no_cpu_workaround(platform, geometry, why):
+    k = choose(platform, geometry._replace(tensor_parallel=2))
+    assert k.attention == "live_pages" and k.platform == platform and k.pool_layout == "split" and not k.per_shard
+    assert f"pallas_{platform}_paged cannot run {why}" in k.reason
     # The portable live_pages with a plain gather, not the CPU plugin's one-hot product form.
     assert k.attend is attention.live_pages
     assert k.products.kernel is None and k.products.low_out is None  # bf16 products come out in bf16
-    assert k.argmax is first_argmax and k.argmax_name == "xla"
+    assert k.argmax is seam.xla_argmax and k.argmax_name == "xla"  # not XLA:CPU's first_argmax form
     assert choose(platform, attention_impl="gather_dense").attention == "gather_dense"
+    with pytest.raises(ValueError, match=rf"rollout\.attention_impl='pallas_{platform}_paged' cannot run {why}"):
+        choose(platform, geometry, attention_impl=f"pallas_{platform}_paged")
 
 
 def test_cpu_live_pages_is_the_plugins_form_and_equal_engines_share_a_choice():
@@ -106,11 +122,11 @@ def test_a_registered_accelerator_kernel_is_auto_where_it_serves(monkeypatch):
     def refuses(g):
         return None if g.page_size % 16 == 0 else f"page_size={g.page_size} (multiples of 16)"
 
-    monkeypatch.setitem(seam._ATTENTION, ("gpu", "fake_paged"), AttentionKernel("fake_paged", fake, refuses, 5))
+    monkeypatch.setitem(seam._ATTENTION, ("gpu", "fake_paged"), AttentionKernel("fake_paged", fake, refuses, 50))
     monkeypatch.setitem(seam.PLUGIN_ATTENTION, "fake_paged", "gpu")
     assert choose("gpu").attention == "fake_paged"
-    fallback = choose("gpu", GOOD._replace(page_size=8))
-    assert fallback.attention == "live_pages" and "fake_paged cannot run page_size=8" in fallback.reason
+    fallback = choose("gpu", GOOD._replace(page_size=8))  # to the next rank: JAX's paged attention
+    assert fallback.attention == "pallas_gpu_paged" and "fake_paged cannot run page_size=8" in fallback.reason
     assert choose("tpu").attention == "live_pages"
     assert choose().attention != "fake_paged"
     with pytest.raises(ValueError, match=r"'fake_paged' cannot run off GPU"):
@@ -122,8 +138,8 @@ def test_caller_supplied_backends_run_only_when_named():
     def mine(q, k, v, layer_cache, *, meta):
         raise AssertionError("never traced here")
 
-    assert choose("gpu", extra_attention={"mine": mine}).attention == "live_pages"
-    assert choose("gpu", attention_impl="mine", extra_attention={"mine": mine}).attend is mine
+    assert choose("tpu", extra_attention={"mine": mine}).attention == "live_pages"
+    assert choose("tpu", attention_impl="mine", extra_attention={"mine": mine}).attend is mine
 
 
 def test_steps_per_call_auto_is_one_on_cpu_and_several_on_accelerators():
@@ -197,17 +213,13 @@ print('OK')
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_an_engine_refuses_a_kernel_that_reads_another_pool_layout():
-    from flax import nnx
+def test_xla_argmax_picks_the_index_first_argmax_picks():
+    import numpy as np
 
-    from laminar_jax.model import PRESETS, Transformer
-    from laminar_jax.rollout import RolloutSection, make_engine
+    from laminar_jax.rollout.sampling import first_argmax
 
-    def head_major(q, k, v, layer_cache, *, meta):
-        raise AssertionError("never traced here")
-
-    head_major.pool_layout = "head_major"
-    section = RolloutSection(num_slots=2, page_size=16, num_pages=40, max_prompt_len=8, max_total_len=32,
-                             attention_impl="hm")
-    with pytest.raises(ValueError, match=r"rollout\.attention_impl='hm' reads KV pools laid out 'head_major'"):
-        make_engine(Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), section, attention_backends={"hm": head_major})
+    inf, nan = np.inf, np.nan
+    x = jnp.asarray([[1.0, 3.0, 3.0, 0.0], [-inf, -inf, -inf, -inf], [1.0, nan, 5.0, nan], [2.0, 2.0, 2.0, 2.5]])
+    x = jnp.concatenate([x, jnp.asarray(np.random.default_rng(0).normal(size=(16, 4)), jnp.float32)])
+    np.testing.assert_array_equal(seam.xla_argmax(x), first_argmax(x))
+    assert seam.xla_argmax(x).dtype == jnp.int32

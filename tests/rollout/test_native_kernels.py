@@ -105,7 +105,7 @@ def test_auto_picks_the_kernel_on_one_cpu_device_for_the_geometries_it_takes():
         return resolve_backend(name, platform=platform, tensor_parallel=tp, page_size=page, head_dim=d, group=group)
 
     assert pick() == "cpu_kernel"
-    assert pick(platform="gpu") == pick(tp=True) == pick(page=8) == pick(d=24) == pick(group=9) == "live_pages"
+    assert pick(platform="tpu") == pick(tp=True) == pick(page=8) == pick(d=24) == pick(group=9) == "live_pages"
     assert pick("gather_dense", platform="tpu") == "gather_dense"
     with pytest.raises(ValueError, match="rollout.attention_impl='cpu_kernel' cannot run under a tensor-parallel"):
         pick("cpu_kernel", tp=True)

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 import pytest
 
-from laminar_jax.rollout import RolloutSection, make_engine
+from laminar_jax.rollout import RolloutSection, kernels_gpu, make_engine
 from laminar_jax.rollout.paged import SlotInit
 from tests.rollout.rollout_helpers import tiny_model
 
@@ -40,9 +40,12 @@ def _decode(engine, params, state, slot: int, n: int):
 # time: their KV differ by float rounding. live_pages stays within 1e-5; gather_dense's and the
 # native kernel's different reduction orders within the parity tests' 1e-4.
 @pytest.mark.parametrize("backend,chunk,atol", [("live_pages", 0, 1e-5), ("live_pages", 2, 1e-5),
-                                                ("gather_dense", 0, 1e-4), ("cpu_kernel", 0, 1e-4)])
+                                                ("gather_dense", 0, 1e-4), ("cpu_kernel", 0, 1e-4),
+                                                pytest.param("pallas_gpu_paged", 0, 1e-4, marks=pytest.mark.slow)])
 def test_extend_equals_fresh_prefill_of_the_whole_context(backend, chunk, atol):
-    engine, params = make_engine(tiny_model(0), _section(backend, chunk))
+    # The GPU Pallas kernel in interpret mode, over the head-major pools the engine allocates for it.
+    extra = {backend: kernels_gpu.make_decode(interpret=True)} if backend == "pallas_gpu_paged" else None
+    engine, params = make_engine(tiny_model(0), _section(backend, chunk), attention_backends=extra)
     state = engine.init_decode_state()
     # A busy neighbour in slot 0, so the extended slot shares decode calls with another sequence.
     state = engine.prefill_insert(params, state, 0, [1, 2, 3, 4], _init(engine, 30))
@@ -53,7 +56,7 @@ def test_extend_equals_fresh_prefill_of_the_whole_context(backend, chunk, atol):
     state = engine.extend(params, state, 1, OBS, num_cached, turn1[-1], len(turn1), max_new=6)
     state, turn2, lp2 = _decode(engine, params, state, 1, 6)
 
-    fresh, params2 = make_engine(tiny_model(0), _section(backend, chunk))
+    fresh, params2 = make_engine(tiny_model(0), _section(backend, chunk), attention_backends=extra)
     s2 = fresh.prefill_insert(params2, fresh.init_decode_state(), 2, PROMPT + turn1 + OBS, _init(fresh, 6))
     _, ref, ref_lp = _decode(fresh, params2, s2, 2, 6)
     assert turn2 == ref

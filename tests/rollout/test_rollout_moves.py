@@ -9,7 +9,7 @@ import threading
 import numpy as np
 import pytest
 
-from laminar_jax.relay.wire import AuthError, WireError
+from laminar_jax.net.wire import AuthError, WireError
 from laminar_jax.rollout import NoFreeSlotError, SequenceState, VersionMismatchError
 from laminar_jax.rollout.transfer import SequenceListener, send_sequence
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until

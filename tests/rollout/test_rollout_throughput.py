@@ -340,10 +340,11 @@ def test_server_prefilling_admissions_together_gives_the_same_tokens():
 
 def test_seed_keys_equal_jax_random_key():
     from laminar_jax.rollout import Request
+    from laminar_jax.rollout.admission import key_data
 
     server = make_server()
     for seed in (0, 1, 7, 2**31 - 1, 2**31, -3, 2**40 + 5):
-        got = server._key_data(Request(uid="u", prompt_ids=[1], seed=seed))
+        got = key_data(Request(uid="u", prompt_ids=[1], seed=seed), server.section.seed)
         np.testing.assert_array_equal(got, np.asarray(jax.random.key_data(jax.random.key(seed))))
 
 

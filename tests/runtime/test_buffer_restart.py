@@ -7,7 +7,7 @@ import time
 import pytest
 
 from laminar_jax.config import finalize, repo_config
-from laminar_jax.runtime.buffer_service import BufferService, mark_trained
+from laminar_jax.buffer.service import BufferService, mark_trained
 from tests.runtime.test_ray_runtime import _traj, _wait
 
 

@@ -9,10 +9,10 @@ import time
 import pytest
 
 from laminar_jax.config import finalize, repo_config
-from laminar_jax.runtime.buffer_service import BufferService
+from laminar_jax.buffer.service import BufferService
 from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet
-from laminar_jax.runtime.monitor import Monitor
+from laminar_jax.monitor.sink import Monitor
 from laminar_jax.runtime.rollout_worker import RolloutWorker
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import WorkerFailed

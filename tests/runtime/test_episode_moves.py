@@ -13,7 +13,7 @@ from laminar_jax.model.tokenizer import BuiltinTokenizer
 from laminar_jax.rollout import RolloutSection, RolloutServer, make_engine
 from laminar_jax.rollout.records import TurnSpec
 from laminar_jax.runtime.rollout_worker import EpisodeFeed, RolloutWorker
-from laminar_jax.runtime.dispatch import WorkItem
+from laminar_jax.types import WorkItem
 from tests.rollout.rollout_helpers import tiny_model
 
 SECTION = RolloutSection(num_slots=3, page_size=8, num_pages=60, max_prompt_len=16, max_total_len=96,

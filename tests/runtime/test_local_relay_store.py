@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from laminar_jax.config import finalize, repo_config
-from laminar_jax.relay.auth import run_keys
+from laminar_jax.net.auth import run_keys
 from laminar_jax.relay.client import RelayClient
 from laminar_jax.relay.publisher import Publisher
 from laminar_jax.relay.store import WeightStore

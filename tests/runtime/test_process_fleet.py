@@ -12,7 +12,7 @@ import pytest
 from laminar_jax.benchmarks import faults
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.configlib import ConfigError
-from laminar_jax.relay.auth import run_keys
+from laminar_jax.net.auth import run_keys
 from laminar_jax.runtime.process_fleet import HOST_METHODS, ChildGone, PipeBuffer, ProcessFleet, _reply
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

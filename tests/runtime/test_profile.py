@@ -1,4 +1,4 @@
-"""CPU-time accounting (runtime/profile.py) on real threads: phases in the threads doing them, XLA
+"""CPU-time accounting (monitor/profile.py) on real threads: phases in the threads doing them, XLA
 threads' CPU split over the device phases active at each tick, the rows summing to process CPU."""
 
 import os
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from laminar_jax.runtime import profile
+from laminar_jax.monitor import profile
 
 
 def _python_busy(seconds: float) -> None:

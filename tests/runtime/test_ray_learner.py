@@ -1,4 +1,4 @@
-"""The learner spread over several processes under Ray (runtime/ray_learner.py).
+"""The learner spread over several processes under Ray (learner/group.py).
 
 1. A LearnerGroup of 2 Ray actor processes x 2 CPU devices (jax.distributed, gloo collectives;
    mesh fsdp=4, so every sharded parameter spans both processes) fed a fixed list of batches gives
@@ -83,7 +83,7 @@ def test_learner_group_of_two_processes_matches_in_process_learner(tmp_path):
     from laminar_jax.learner.learner import Learner
     from laminar_jax.model import build_model
     from laminar_jax.learner.publish import model_params
-    from laminar_jax.runtime.ray_learner import LearnerGroup, LearnerGroupError
+    from laminar_jax.learner.group import LearnerGroup, LearnerGroupError
     from laminar_jax.runtime.ray_runtime import connect
 
     cfg = _config(tmp_path)

@@ -166,7 +166,7 @@ def _traj(item, version=0):
 
 def test_buffer_actor_ownership_requeue_and_admission():
     """The buffer service's logic as a plain object (no cluster): exactly-once under failures."""
-    from laminar_jax.runtime.buffer_service import BufferService
+    from laminar_jax.buffer.service import BufferService
 
     c = demo()
     b = BufferService(finalize(c), learner_version=0)

@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 
 from laminar_jax.runtime.fleet import ThreadFleet
-from laminar_jax.runtime.loops import RepackLoop
+from laminar_jax.scheduler.loops import RepackLoop
 from laminar_jax.runtime.rollout_worker import RolloutWorker
 from laminar_jax.scheduler.config import SchedulerSection
 from laminar_jax.scheduler.modes import get_policy

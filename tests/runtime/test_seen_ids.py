@@ -1,6 +1,6 @@
 """SeenIds: the monitor's record of trained trajectory uids, bounded at ~8 bytes per id."""
 
-from laminar_jax.runtime.monitor import SeenIds
+from laminar_jax.monitor.sink import SeenIds
 
 
 def test_repeats_are_caught_before_and_after_a_merge():

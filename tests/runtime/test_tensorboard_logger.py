@@ -10,7 +10,7 @@ from tests.subprocess_env import child_env
 
 _PROG = r"""
 import os, sys
-from laminar_jax.runtime.loggers import TensorBoardLogger
+from laminar_jax.monitor.loggers import TensorBoardLogger
 log = TensorBoardLogger(sys.argv[1])
 log.add_scalar("train/reward", 0.5, 1)
 log.close()

@@ -1,6 +1,6 @@
 """Timeline utilization figures are time-weighted per server (pure logic)."""
 
-from laminar_jax.runtime.timeline import Timeline
+from laminar_jax.monitor.timeline import Timeline
 
 
 def test_slot_and_kv_utilization_are_time_weighted():

@@ -7,7 +7,7 @@ import numpy as np
 
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.relay import WeightStore
-from laminar_jax.relay.auth import run_keys
+from laminar_jax.net.auth import run_keys
 from laminar_jax.relay.handoff import Handoff
 from laminar_jax.runtime.weights import WeightsPlane
 

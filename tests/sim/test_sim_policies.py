@@ -16,7 +16,7 @@ def cfg(**kw):
 
 
 def test_same_function_objects_as_runtime():
-    from laminar_jax.runtime import dispatch
+    from laminar_jax.buffer import dispatch
 
     assert engine.modes is modes and engine.repack is repack and engine.policies is policies
     assert dispatch.dispatch_allowance is modes.dispatch_allowance  # the runtime's dispatcher uses this one

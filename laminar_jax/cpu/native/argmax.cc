@@ -5,8 +5,8 @@
 // first NaN wins), as rollout/sampling.py's first_argmax defines it. The result is an index, so it is
 // the same bits whichever of the two computes it.
 // Why a kernel: in a decode step XLA:CPU computes first_argmax as a max, then writes the broadcast
-// maximum and an index array of the logits' full size and reduces that: ~2 ms of a 64-row step of a
-// 32k vocabulary on AMD Zen 5. This reads each row once.
+// maximum and an index array of the logits' full size and reduces that, memory traffic that grows
+// with the vocabulary. This reads each row once.
 
 #include <algorithm>
 #include <cstdint>
@@ -21,10 +21,10 @@ namespace {
 
 constexpr int32_t kNone = INT32_MAX;
 
-// Vectors of one register of this CPU (vec16.h's kW floats, va and vai): built for AVX2 (Haswell)
-// and run on Zen 5, 16-float vectors (two registers each) took 6.6 ms for f32[64, 32768], 8-float
-// ones 0.43 ms. Without AVX2's vector blend the selects go scalar (baseline x86-64: 6.2 ms), so the
-// engine calls this only on CPUs with AVX2 or AVX-512 (native/ops.py, first_argmax_is_faster).
+// Vectors of one register of this CPU (vec16.h's kW floats, va and vai): on AVX2, 16-float vectors
+// take two registers each and run an order of magnitude slower than 8-float ones. Without AVX2's
+// vector blend the selects go scalar, so the engine calls this only on CPUs with AVX2 or AVX-512
+// (native/ops.py, first_argmax_is_faster).
 
 // One pass, kW lanes: each lane keeps its largest value and the first index it was seen at
 // (a later equal value does not replace it), and its first NaN. The row's answer is then the first

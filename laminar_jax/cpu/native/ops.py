@@ -22,22 +22,14 @@ ARGMAX_LIBRARY, ARGMAX_TARGET = "argmax", "laminar_first_argmax"
 KV_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 WEIGHT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 
-# The most rows for which the engine's decode weight products run row_products, per weight dtype
-# (docs/BENCHMARKS.md, "A GEMM path for the decode products"; AMD EPYC Zen 5, 2 cores). 12 layers
-# of qwen2-100m's weight products, kernel against XLA:CPU's dot, where the CPU has AVX-512 (the
-# kernel's GEMM path from 4 rows): float32 1 row +3%, 4 -32%, 8 -35%, 16 -41%, 32 -41%, 64 -29%,
-# 128 -3%; bfloat16 with AVX-512 BF16 (vdpbf16ps) 1 row 11x faster (XLA's 1-row bf16 product takes a
-# slow path), 4 -26%, 8 -16%, 16 -28%, 32 -33%, 64 -34%, 128 -11%. Without AVX-512, on AVX2 (AMD
-# EPYC Zen 3, g++ 12): the kernel's 8-float form (row_products.cc, "AVX2"), against XLA's dot, for
-# qwen2-100m's 768 x 768 and 2048 x 768 weights took 0.34-0.90x its time at 2-16 rows (float32
-# and bfloat16), 1.0-1.2x at 1 row and 0.9-1.1x at 32; for the tiny demo model's (at most 192 x 64
-# weights) 1.1-2.3x at 4 rows and more, where a call is too short for the FFI's overhead. So there
-# the kernel takes products of weights of at least MIN_WEIGHTS_AVX2 elements (docs/BENCHMARKS.md,
-# "On AVX2: the weight-product kernel in 8-float vectors"). Its first build, with 16-float vectors
-# (two AVX2 registers each, and spilled), was 2-10x slower than XLA's dot. From 32 float32 rows the
-# kernel runs its GEMM path in 8-float registers (row_products_gemm_rows): the decode step of
-# qwen2-100m at 32 rows 126-160 -> 89-110 ms, at 64 rows 189-192 -> 180-218 (XLA's dot there: even),
-# so AVX2 takes float32 products up to 64 rows (docs/BENCHMARKS.md, "On AVX2: the GEMM path").
+# The most rows for which the engine's decode weight products run row_products, per weight dtype.
+# With AVX-512 the kernel's GEMM path from 4 rows beats XLA:CPU's dot up to 64 rows (which packs the
+# weight operand on every call), and at 128 rows they are even; with AVX-512 BF16 a 1-row bf16
+# product avoids XLA's slow 1-row bf16 path. On AVX2 the kernel's 8-float form wins at 2-16 rows
+# and its 8-float GEMM path from 32 float32 rows, up to 64; bf16 above 16 rows stays on XLA's dot.
+# The tiny demo model's products (at most 192 x 64 weights) are too short for the FFI call's
+# overhead, so on AVX2 the kernel takes weights of at least MIN_WEIGHTS_AVX2 elements. 16-float
+# vectors on AVX2 take two registers each and spill, hence 8-float ones there.
 MAX_ROWS_AVX512 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 64}
 MAX_ROWS_AVX2 = {jnp.dtype(jnp.float32): 64, jnp.dtype(jnp.bfloat16): 16}
 MIN_WEIGHTS_AVX2 = 1 << 16
@@ -113,9 +105,9 @@ def row_products(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def first_argmax_is_faster() -> bool:
-    """Whether first_argmax beats XLA's form on this CPU: with AVX2 or AVX-512 (f32[64, 32768] on Zen 5:
-    0.23 ms against 1.06; built for Haswell, 0.43). Built for baseline x86-64 (SSE2, no vector blend)
-    its selects went scalar: 6.2 ms."""
+    """Whether first_argmax beats XLA's form on this CPU: with AVX2 or AVX-512 it reads each row once
+    in vectors, where XLA's form writes two arrays of the logits' size. Built for baseline x86-64
+    (SSE2, no vector blend) its selects go scalar and it loses."""
     return bool({"avx2", "avx512f"} & cpu_flags())
 
 

@@ -30,9 +30,8 @@ namespace ffi = xla::ffi;
 namespace {
 
 // The kernel's vectors: one register of this CPU (vec16.h's kW floats, va). On AVX2 without AVX-512
-// a 16-float vector is two registers, so a pass's accumulators (kBlocks x G of them) took twice the
-// 16 registers there are and lived in memory: 32 rows of 128 tokens took 1.9 ms per layer in
-// 16-float vectors and 0.17 ms in 8-float ones (qwen2-100m's heads, AMD EPYC Zen 3).
+// a 16-float vector is two registers, so a pass's accumulators (kBlocks x G of them) would take twice
+// the 16 registers there are and live in memory, an order of magnitude slower than 8-float ones.
 // Accumulators: 12 of 16 registers, 24 of 32; the rest hold a pass's loaded rows.
 constexpr int kAccumulators = kW == 8 ? 12 : 24;
 

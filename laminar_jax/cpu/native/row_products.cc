@@ -77,12 +77,11 @@ inline void block_bf16(const uint16_t* xb, const uint16_t* w, int64_t k_n, int64
 #endif
 
 // The few-row form's vectors. 16 floats: one AVX-512 register. On AVX2 without AVX-512 that is two
-// registers each and the 8 x 3 accumulators spill (2-10x slower than XLA's dot there), so 8 floats:
-// one register, groups of at most 4 rows (12 accumulators), bfloat16 widened as it loads. Against
-// XLA's dot (AMD EPYC Zen 3, one thread): qwen2-100m's 768 x 768 and 2048 x 768 products take
-// 0.34-0.9x its time at 2-16 rows, as long at 1 and 32; the tiny demo model's (at most 192 x 64)
-// 1.1-2.3x at 4 rows and more, hence native_ops.MIN_WEIGHTS_AVX2. A GEMM form there (x packed
-// transposed, weights broadcast, 2 x 6 accumulators) was slower than XLA's dot at 4-64 rows.
+// registers each and the 8 x 3 accumulators spill (slower than XLA's dot there), so 8 floats:
+// one register, groups of at most 4 rows (12 accumulators), bfloat16 widened as it loads. It beats
+// XLA's dot at 2-16 rows of a ~100M model's weights; the tiny demo model's products are too short
+// for the call's overhead, hence native_ops.MIN_WEIGHTS_AVX2. Below 32 rows the AVX2 GEMM form
+// (x packed transposed, weights broadcast, 2 x 6 accumulators) is no faster than XLA's dot.
 struct Lanes16 {
   typedef vf V;
   static constexpr int64_t kN = 16, kGroup = 8;
@@ -217,24 +216,21 @@ void run_bf16(ffi::ThreadPool& pool, const float* x, const uint16_t* w, int64_t 
 // from its row and multiplied into MV such vectors, for NB weight rows at a time (MV x NB
 // accumulators in registers, nothing to reduce). Every output is one float32 sum in k order: a row's
 // result depends neither on the other rows nor on the split between threads.
-// 12 layers of qwen2-100m's products (AMD Zen 5, 2 cores), against XLA's dot: float32 4 rows -32%,
-// 8 -35%, 16 -41%, 32 -41%, 64 -29% (401 GFLOP/s); bfloat16 from 8 rows (at 4 the vdpbf16ps path
-// above is faster, 5.4 against 6.1 ms; at 8 slower, 7.0 against 6.3): 8 -16%, 16 -28%, 32 -33%,
-// 64 -34% (753 GFLOP/s). At 128 rows XLA's dot is as fast (docs/BENCHMARKS.md).
+// With AVX-512 it beats XLA's dot from 4 float32 rows to 64 (XLA packs the weight operand on every
+// call), and bfloat16 from 8 rows (below that the vdpbf16ps path above is faster); at 128 rows XLA's
+// dot is as fast.
 // On AVX2 (no AVX-512) the same micro-kernel runs in 8-float registers, for float32 from
-// kPackMinRowsAvx2 rows (at 8-24 rows neither it nor the few-row form was ahead within the runs'
-// spread): 2 row vectors x 6 weight rows (12 of the 16 registers accumulate), or 1 x 12 for the
-// last 8 rows. qwen2-100m's products on AMD EPYC Zen 3 (2 cores) against XLA's dot: 1.1-1.6x its
-// speed at 32 rows, even at 64 but 0.85x for K = 2048 (docs/BENCHMARKS.md, "On AVX2: the GEMM path").
+// kPackMinRowsAvx2 rows (at 8-24 rows neither it nor the few-row form is ahead): 2 row vectors x 6
+// weight rows (12 of the 16 registers accumulate), or 1 x 12 for the last 8 rows. There it is ahead
+// of XLA's dot at 32 rows and even at 64, behind on the K = 2048 down projection.
 constexpr int64_t kPackMinRowsF32 = 4, kPackMinRowsBf16 = 8, kPackMinRowsAvx2 = 32;
 constexpr int64_t kPackUnitRows = 48;  // weight rows per work unit: a multiple of every NB below
 // Prefetch. A tile's NB weight rows are NB short streams that the hardware prefetcher follows late.
-// Fetching each row kPrefetch elements ahead gave -12-18% at 16-64 rows (further ahead in the same
-// rows: no faster). Fetching the next tile's rows while this tile runs (a whole tile ahead, so DRAM
+// Fetching each row kPrefetch elements ahead hides part of that (further ahead in the same rows
+// gains nothing). Fetching the next tile's rows while this tile runs (a whole tile ahead, so DRAM
 // latency is hidden) is faster again where a tile does more than one weight read's worth of work
-// (whole step's products, against the row-ahead form: bfloat16 8 rows -9%, 16 -9%, 32 -16%, 64 -12%;
-// float32 32 rows -6%, 64 -8%); for float32 tiles of one row vector (up to 16 rows) it was 2-4%
-// slower, so those keep the row-ahead form. Prefetches change no result.
+// (bfloat16 from 8 rows, float32 from 32); float32 tiles of one row vector (up to 16 rows) have too
+// little work to hide it, so those keep the row-ahead form. Prefetches change no result.
 constexpr int64_t kPrefetch = 32;
 
 // One float in every lane of a register (va: kW floats): a broadcast load (va{} + w adds first).
@@ -343,7 +339,7 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
     }
   }
 #else
-  // 2 x 6 tiles were faster than 3 x 4 and 4 x 3 (12 accumulators each; Zen 3, 64 rows).
+  // 2 x 6 tiles: faster than 3 x 4 and 4 x 3 (12 accumulators each) at 64 rows.
   for (int64_t v0 = 0; v0 < mp / kW; v0 += 2) {
     if (mp / kW - v0 == 1)
       tiles<S, 1, 12>(xt, mp, v0, w, k_n, lo, hi, yt.data(), n_n);
@@ -352,7 +348,7 @@ void packed_unit(const T* xt, int64_t m_n, int64_t mp, int64_t k_n, const T* w, 
   }
 #endif
   // Row by row of y, where a unit's outputs are contiguous: y's rows lie far apart, and column by
-  // column each store touched another line of one cache set (about 2x slower overall).
+  // column each store would touch another line of one cache set.
   for (int64_t m = 0; m < m_n; ++m)
     for (int64_t n = lo; n < hi; ++n) y[m * n_n + n] = yt[(n - lo) * mp + m];
 }
@@ -411,9 +407,9 @@ inline void transpose16(__m512 (&r)[16]) {
 }
 
 // xt[k][m] = at(m, k) for m < m_n, zeros for the padding rows up to mp; `row16(m, k)` returns
-// at(m, k .. k + 15) as one vector. Whole 16 x 16 blocks are transposed in registers (element by element the
-// packing took 12-32 us of a 64-row product, run before the threads share out the work); the edges
-// go element by element.
+// at(m, k .. k + 15) as one vector. Whole 16 x 16 blocks are transposed in registers (the packing runs
+// before the threads share out the work, so element by element it is a serial share of every product);
+// the edges go element by element.
 template <typename T, typename At, typename Row16>
 void pack_transposed(int64_t k_n, int64_t m_n, int64_t mp, T* xt, const At& at, const Row16& row16) {
   const int64_t m_blocks = m_n / 16 * 16, k_blocks = k_n / 16 * 16;
@@ -478,8 +474,8 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
   float* xt = buffer.data() + (16 - (reinterpret_cast<uintptr_t>(buffer.data()) / 4) % 16) % 16;
   pack_transposed8(x, m_n, mp, k_n, xt);  // writes every element
   // A unit's weight rows are read once per 16 rows of x, so they should stay in L2 beside x^T's
-  // 16-row slice: at most ~128 KB of them (12-48 rows). At K = 2048, 48 rows were 384 KB and came
-  // from L3 every time (Zen 3's L2 is 512 KB): 64 rows ran at 73 GFLOP/s, with 12-row units 83-91.
+  // 16-row slice: at most ~128 KB of them (12-48 rows). At K = 2048, 48 rows are 384 KB, which on a
+  // CPU with 512 KB of L2 come from L3 for every slice.
   const int64_t unit = std::clamp<int64_t>((32768 / std::max<int64_t>(k_n, 1)) / 12 * 12, 12, kPackUnitRows);
   for_units(pool, (n_n + unit - 1) / unit, n_n * k_n >= kSpreadMinWeights, [=](int64_t u) {
     packed_unit<F32Step>(xt, m_n, mp, k_n, w, n_n, u * unit, std::min(n_n, (u + 1) * unit), y);
@@ -491,10 +487,8 @@ void run_packed_f32(ffi::ThreadPool& pool, const float* x, const float* w, int64
 // 4 to 16 rows of float32: groups of 4 rows x 4 consecutive k per vector, xq[q][g] = (x[4g + r][4q + j])
 // for r, j < 4, and each weight row's 4 elements at 4q broadcast to the 4 groups of lanes
 // (vbroadcastf32x4). Every lane does useful work at 4 rows, where the GEMM tile above uses 4 of its
-// 16, and a weight element costs a quarter of a load instead of a whole one: the GEMM form streamed
-// the weights at ~28 GB/s at 4-16 rows, where a 1-row product streams 38. 12 layers' products plus
-// the head of qwen2-100m (Zen 5, 2 cores, three processes each, alternating): 4 rows 15.1-15.3 ->
-// 11.7-14.0 ms, 8 rows 15.0-15.4 -> 12.0-13.9, 16 rows 15.1-16.0 -> 11.7-13.7 (docs/BENCHMARKS.md).
+// 16, and a weight element costs a quarter of a load instead of a whole one: the GEMM form streams
+// the weights at 4-16 rows well below a 1-row product's bandwidth, and this form closes part of that.
 // Each output is the sum of its 4 lanes' k-strided partial sums, ((p0 + p1) + (p2 + p3)), the same
 // for a row whichever group and lanes hold it: a row's result depends on the row count's path (this
 // one, or the GEMM from 17 rows), not on the other rows.

@@ -40,8 +40,7 @@ inline void store16(float* p, vf v) { std::memcpy(p, &v, sizeof v); }
 
 // One register of the CPU a kernel is built for: 16 floats with AVX-512 (and elsewhere), 8 on AVX2
 // without AVX-512, where a 16-float vector is two registers and loops that keep several of them
-// spilled: paged attention 1.9 against 0.17 ms per layer (32 rows of 128 tokens, Zen 3), the argmax
-// 6.6 against 0.43 ms (f32[64, 32768], built for Haswell, run on Zen 5).
+// spill to memory, an order of magnitude slower (paged attention, the argmax).
 #if defined(__AVX2__) && !defined(__AVX512F__)
 constexpr int kW = 8;
 #else

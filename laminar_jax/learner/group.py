@@ -12,7 +12,7 @@ processes at once, with the same arguments: each process collates the same traje
 Weights: every process loads only its own shards of the model (model.sharded.load_model). Each
 version is gathered to process 0 alone, tensor by tensor (learner/gather.py: every process sends
 its shards, once; no other process builds a host copy, no device holds a whole tensor), and
-process 0 hands the full copy to its relay `Publisher` (weight store + relay chain). Weights never
+process 0 hands the full copy to the publisher the runtime gives it (weight store + relay chain). Weights never
 travel through Ray, except the initial (SFT warm-started) parameters the driver hands the group.
 
 Checkpoints: orbax multi-process save/restore, every process taking part; the directory must be
@@ -30,7 +30,7 @@ import dataclasses
 import json
 import socket
 import time
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -60,9 +60,8 @@ class LearnerProcess:
     def __init__(self, cfg_json: str, index: int, num_processes: int):
         self.cfg_json, self.index, self.n = cfg_json, index, num_processes
         self.learner = None
-        self.publisher = None  # process 0 only: relay Publisher, or an in-memory one (tests)
-        self._relays: list[str] = []
-        self._keys = None  # the run's keys, with the learner's private key (process 0 signs)
+        self.publisher = None  # process 0 only: the runtime's publisher, or an in-memory one (tests)
+        self._make_publisher: Optional[Callable[[bool], Any]] = None  # process 0: attach_publisher's
 
     def coordinator_address(self, host: Optional[str] = None) -> str:
         """host:port for the jax.distributed coordinator (process 0's node, a free port).
@@ -109,19 +108,13 @@ class LearnerProcess:
         return {"process": jax.process_index(), "devices": jax.device_count(),
                 "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
 
-    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
-                         keys=None) -> None:
-        """Process 0 publishes each version to the weight store and the relay chain (signed with `keys`)."""
+    def attach_publisher(self, make_publisher: Callable[[bool], Any]) -> None:
+        """Process 0 publishes each version through `make_publisher(True)` (the runtime's: weight store
+        and relay chain); `make_publisher(False)` gives one to the relays only."""
         if self.index != 0:
             return
-        from laminar_jax.config import finalize
-        from laminar_jax.relay import Publisher, WeightStore
-
-        rcfg = finalize(json.loads(self.cfg_json)).relay
-        store = WeightStore.from_config(rcfg, store_url) if store_url else None
-        self._relays = list(relay_addresses)
-        self._keys = keys
-        self.publisher = Publisher(rcfg, store=store, relay_addresses=self._relays, keys=keys)
+        self._make_publisher = make_publisher
+        self.publisher = make_publisher(True)
         self.learner.publisher = self.publisher
 
     def _gather_policy(self) -> Optional[dict[str, np.ndarray]]:
@@ -151,11 +144,7 @@ class LearnerProcess:
         if self.index == 0:
             pub = self.publisher
             if relays_only:
-                from laminar_jax.config import finalize
-                from laminar_jax.relay import Publisher
-
-                pub = Publisher(finalize(json.loads(self.cfg_json)).relay, store=None, relay_addresses=self._relays,
-                                keys=self._keys)
+                pub = self._make_publisher(False)
             try:
                 pub.publish(self.learner.version, host)
                 if relays_only:
@@ -326,10 +315,11 @@ class LearnerGroup:
         self.version += 1
         return out[0]["metrics"]
 
-    def attach_publisher(self, store_url: Optional[str], relay_addresses: Sequence[str],
-                         keys=None) -> None:
-        self._all("attach_publisher", "learner process 0 to build its weight publisher", store_url,
-                  list(relay_addresses), keys, timeout=self.rpc_timeout_s)
+    def attach_publisher(self, make_publisher: Callable[[bool], Any]) -> None:
+        """`make_publisher` (picklable: it is sent to process 0) builds process 0's publisher
+        (`LearnerProcess.attach_publisher`)."""
+        self._all("attach_publisher", "learner process 0 to build its weight publisher", make_publisher,
+                  timeout=self.rpc_timeout_s)
 
     def publish_current(self, relays_only: bool = False) -> None:
         """Publish the current version (gathered; process 0 publishes)."""
@@ -401,22 +391,3 @@ class LearnerGroup:
         import ray
 
         ray.kill(self.actors[i], no_restart=True)
-
-
-class GroupPublisherProxy:
-    """What the weight plane holds as `publisher` when process 0 of a group publishes."""
-
-    def __init__(self, group: LearnerGroup):
-        self.group = group
-
-    def stats(self):
-        from laminar_jax.relay.publisher import PublisherStats
-
-        d = self.group.publisher_stats()
-        if d is None:
-            return None
-        d["relay_failures"] = tuple(d["relay_failures"])
-        return PublisherStats(**d)
-
-    def close(self, timeout: float = 60.0) -> None:
-        self.group.close_publisher(timeout)

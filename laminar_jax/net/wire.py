@@ -19,7 +19,7 @@ import socket
 import struct
 from typing import Any, Optional, Sequence
 
-from laminar_jax.relay import auth
+from laminar_jax.net import auth
 
 MAGIC = b"LMR1"
 MAGIC_AUTH = b"LMA1"

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import collections
 import hashlib
-import dataclasses
 import threading
 import time
 from typing import Optional
@@ -18,18 +17,7 @@ import numpy as np
 
 from laminar_jax.buffer import ExperienceStore, PromptLedger
 from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance, queue_room
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItem:
-    """One sample to generate: a prompt and the index of the sample within its group. What the
-    reward needs (data_source, ground truth) stays in the sample's experience row."""
-
-    uid: str
-    prompt_uid: str
-    sample_index: int
-    prompt_ids: tuple[int, ...]
-    seed: int
+from laminar_jax.types import WorkItem
 
 
 class WorkQueue:
@@ -92,8 +80,8 @@ class Dispatcher:
     def pump(self, learner_version: int) -> int:
         """Dispatch as many new prompts as the mode and the queue's capacity allow."""
         with self.lock:
-            # Dropped (over-stale) prompts free their place: they will never be trained on.
-            effective = self.dispatched - self.ledger.counters["dropped"]
+            # Dropped (over-stale) and filtered (zero-signal) prompts free their place: never trained on.
+            effective = self.dispatched - self.ledger.untrained()
             allowance = dispatch_allowance(self.policy, learner_version, effective,
                                            self.prompts_per_step, self.max_staleness,
                                            self.max_inflight_batches)

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
-from laminar_jax.runtime.dispatch import WorkItem
+from laminar_jax.types import WorkItem
 from laminar_jax.threads import Worker
 from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
 
@@ -40,8 +40,8 @@ class BufferService:
         from laminar_jax.buffer import ExperienceStore, PromptLedger
         from laminar_jax.data import RewardPool, build_prompt_source
         from laminar_jax.model import load_tokenizer
-        from laminar_jax.runtime.dispatch import Dispatcher, WorkQueue
-        from laminar_jax.runtime.rollout_worker import Board
+        from laminar_jax.buffer.dispatch import Dispatcher, WorkQueue
+        from laminar_jax.buffer.board import Board
         from laminar_jax.scheduler.modes import default_max_queued_prompts, get_policy
 
         self.cfg = cfg
@@ -69,7 +69,9 @@ class BufferService:
         self._owner: dict[str, tuple[str, WorkItem]] = {}  # sample uid -> (server name, its work item)
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
-        self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0}
+        self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0,
+                         "zero_signal_groups_filtered": 0, "zero_signal_groups_kept": 0}
+        self._filtered_this_batch = 0  # zero-signal groups filtered since the last batch (the refill bound)
         # Dispatch -> completion of the latest accepted samples: stats() (every learner step) takes their
         # percentiles, which over the whole run would cost O(samples so far) per step.
         self._latencies: collections.deque = collections.deque(maxlen=LATENCY_WINDOW)
@@ -258,15 +260,25 @@ class BufferService:
         Returns {"rows": [...], "duplicates": k} or None on timeout. Groups over the staleness
         bound (buffer.max_staleness) are dropped or skipped as buffer.on_stale says.
         """
-        from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, select_fifo
+        from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, select_fifo, select_with_signal, zero_signal
 
         self.check()
         b = self.cfg.buffer
         dropped: list = []
+        filtered: list = []  # zero-signal groups (learner.dynamic_sampling)
+        taken: list = []
+        # The refill bound spans every call that fills one batch (a call may time out before it is full).
+        budget = self.cfg.learner.dynamic_sampling_max_retries * n_groups - self._filtered_this_batch
 
         def select(groups, n):
-            sel = select_fifo(groups, n, learner_version, b.max_staleness, b.on_stale)
+            if self.cfg.learner.dynamic_sampling:
+                sel = select_with_signal(groups, n, learner_version, budget - len(filtered), b.max_staleness,
+                                         b.on_stale)
+            else:
+                sel = select_fifo(groups, n, learner_version, b.max_staleness, b.on_stale)
             dropped.extend(sel.drop)
+            filtered.extend(sel.filtered)
+            taken[:] = sel.take
             return sel
 
         try:
@@ -276,6 +288,16 @@ class BufferService:
         for g in dropped:
             self.ledger.drop(g.group)
             self.dispatcher.release(g.group)
+        for g in filtered:
+            self.ledger.filter(g.group)
+            self.dispatcher.release(g.group)
+        with self._lock:
+            self._filtered_this_batch += len(filtered)
+            self.counters["zero_signal_groups_filtered"] += len(filtered)  # by this service (the ledger's: the run's)
+            if rows is not None:
+                self._filtered_this_batch = 0
+                if self.cfg.learner.dynamic_sampling:  # taken past the refill bound
+                    self.counters["zero_signal_groups_kept"] += sum(map(zero_signal, taken))
         if rows is None:
             return None
         duplicates = 0

@@ -19,14 +19,15 @@ import numpy as np
 
 from laminar_jax.cpu.threads import cpu_async_dispatch, xla_cpu_pool_threads
 from laminar_jax.kernels import describe_train_attention
-from laminar_jax.runtime.console import Console
-from laminar_jax.runtime.loggers import make_loggers
-from laminar_jax.runtime.timeline import Timeline
+from laminar_jax.monitor.console import Console
+from laminar_jax.monitor.loggers import make_loggers
+from laminar_jax.monitor.timeline import Timeline
 
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
 TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
             "entropy", "clipfrac", "dual_clipfrac", "approx_kl_old", "kl", "kl_loss", "lr", "grad_norm", "vf_loss",
-            "vf_clipfrac", "rank_token_imbalance", "tool_call_rate", "publish_wait_s")
+            "vf_clipfrac", "rank_token_imbalance", "tool_call_rate", "publish_wait_s", "is_weight_mean",
+            "seq_capped_frac", "seq_masked_frac", "zero_signal_drop_rate")
 
 
 @dataclasses.dataclass
@@ -170,6 +171,7 @@ class Monitor:
         self.console = Console(cfg.runtime.progress, t0)
         self._sft_logged = False
         self._tool_start = _tool_call_ids(cfg)
+        self._signal_seen = 0  # zero-signal groups the buffer service had filtered at the last step
 
     def phase(self, what: str) -> None:
         self.console.phase(what)
@@ -197,6 +199,8 @@ class Monitor:
             calls = [calls_tool(t.response_ids, t.response_policy_mask(), self._tool_start) for t in trajs]
             rec["tool_call_rate"] = float(np.mean(calls)) if calls else 0.0
         rec["versions"] = [s.version for s in stats.servers]
+        if self.cfg.learner.dynamic_sampling:
+            rec.update(self._zero_signal_step(stats.buffer, trajs))
         self.steps.append(rec)
         self.trained_tokens += rec["tokens"]
         step = int(metrics["version"])
@@ -207,6 +211,16 @@ class Monitor:
         tps = self.trained_tokens / max(rec["t"], 1e-9)
         self.console.step(step, self.cfg.runtime.total_steps, rec, tps, stats.servers, stats.buffer.get("queue", 0),
                           rec["t"] * step / max(len(self.steps), 1))
+
+    def _zero_signal_step(self, buffer: dict, trajs) -> dict:
+        """Dynamic sampling since the last step: groups filtered, and their share of the groups that
+        left the buffer (filtered + this step's trained groups). The buffer service counts from its
+        own start (a replaced or resumed one starts again at 0)."""
+        filtered = int(buffer.get("zero_signal_groups_filtered", 0))
+        df = filtered - (self._signal_seen if filtered >= self._signal_seen else 0)
+        self._signal_seen = filtered
+        trained = len({t.prompt_uid for t in trajs})
+        return {"zero_signal_dropped": df, "zero_signal_drop_rate": df / max(df + trained, 1)}
 
     def _tensorboard(self, rec: dict, step: int, stats: RunStats) -> None:
         for k in TB_TRAIN:
@@ -286,6 +300,12 @@ class Monitor:
             "reward_failures": int(b.get("reward_failures", 0)),
             "consumed_prompts": ledger.get("consumed", 0),
             "dropped_prompts": ledger.get("dropped", 0),
+            # Dynamic sampling (learner.dynamic_sampling): zero-signal groups filtered (ledger state
+            # 'filtered'), their share of all groups that left the buffer, and those trained past the bound.
+            "zero_signal_groups_dropped": ledger.get("filtered", 0),
+            "zero_signal_drop_rate": round(ledger.get("filtered", 0)
+                                           / max(ledger.get("filtered", 0) + ledger.get("consumed", 0), 1), 4),
+            "zero_signal_groups_kept": int(b.get("zero_signal_groups_kept", 0)),
             "in_flight_prompts": ledger.get("in_flight", 0),
             "slot_util": round(self.timeline.slot_utilization(), 4),
             "cpu_cores_busy": self.cpu_cores_busy(),

@@ -1,0 +1,57 @@
+"""Rooms of a readable size: no file in laminar_jax/ over 500 lines, no class over 25 methods
+(properties, static and class methods count; nested classes count on their own)."""
+
+import ast
+import pathlib
+
+ROOT = pathlib.Path(__file__).resolve().parents[1] / "laminar_jax"
+MAX_LINES = 500
+MAX_METHODS = 25
+
+# Rooms still too big, each with why it is allowed for now. Empty this as they are split.
+ALLOWED_FILES = {
+    "rollout/engine.py": "being split in issue 69",
+}
+ALLOWED_CLASSES = {
+    "rollout/engine.py:Engine": "being split in issue 69",
+}
+
+
+def _files():
+    return sorted(p for p in ROOT.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _rel(p: pathlib.Path) -> str:
+    return p.relative_to(ROOT).as_posix()
+
+
+def file_lines() -> dict[str, int]:
+    return {_rel(p): len(p.read_text().splitlines()) for p in _files()}
+
+
+def class_methods() -> dict[str, int]:
+    out = {}
+    for p in _files():
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.ClassDef):
+                n = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                out[f"{_rel(p)}:{node.name}"] = n
+    return out
+
+
+def test_no_file_over_500_lines():
+    over = {f: n for f, n in file_lines().items() if n > MAX_LINES and f not in ALLOWED_FILES}
+    assert not over, f"files over {MAX_LINES} lines (split them by responsibility): {over}"
+
+
+def test_no_class_over_25_methods():
+    over = {c: n for c, n in class_methods().items() if n > MAX_METHODS and c not in ALLOWED_CLASSES}
+    assert not over, f"classes over {MAX_METHODS} methods (split them by responsibility): {over}"
+
+
+def test_the_allow_list_names_only_rooms_still_too_big():
+    """An entry whose room was split goes, so the list shrinks to empty."""
+    lines, methods = file_lines(), class_methods()
+    stale = [f for f in ALLOWED_FILES if lines.get(f, 0) <= MAX_LINES]
+    stale += [c for c in ALLOWED_CLASSES if methods.get(c, 0) <= MAX_METHODS]
+    assert not stale, f"allow-list entries no longer needed (remove them): {stale}"
