@@ -25,10 +25,8 @@ import tempfile
 import time
 
 from laminar_jax.benchmarks.machine import emit
-
-EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-          "/jax/core/compile/backend_compile_duration": "backend_s"}
+from laminar_jax.benchmarks.startup_depth import EVENTS
+from laminar_jax.benchmarks.startup_depth import main as depth_main
 
 
 def _child(config: str, sets: list[str], cache_dir: str) -> dict:
@@ -98,9 +96,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.depths:
-        from laminar_jax.benchmarks import startup_depth
-
-        return startup_depth.main(tuple(int(x) for x in args.depths.split(",")), args.repeats)
+        return depth_main(tuple(int(x) for x in args.depths.split(",")), args.repeats)
     if args.child:
         print("STARTUP " + json.dumps(_child(args.config, args.set, args.child)), flush=True)
         return {}
