@@ -259,15 +259,17 @@ class Transformer(nnx.Module):
         return hasattr(self, "value_head")
 
     def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention,
-               products: Products = DEFAULT_PRODUCTS, remat: str = "none"):
+               products: Products = DEFAULT_PRODUCTS, remat: str = "none", rows: Optional[Callable] = None):
         """Final-normed hidden states and the cache after every layer (a scan; see scan_layers).
 
         backend None: training (``attn`` over segment_ids, each layer under the ``remat`` policy);
-        else each layer calls ``backend(q, k, v, cache, layer)``."""
+        else each layer calls ``backend(q, k, v, cache, layer)``. ``rows``: applied to each layer's
+        input (the caller's sharding of the activations; see forward)."""
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))  # static: from the config, never trained
         x = self.embed_tokens(tokens)
 
         def layer_fn(layer, x, cache, index):
+            x = x if rows is None else rows(x)
             bound = None if backend is None else functools.partial(_at_layer, backend, index)
             return layer(x, positions, inv_freq, segment_ids, cache, bound, attn, products)
 
@@ -296,7 +298,7 @@ class Transformer(nnx.Module):
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, remat: str = "none",
                 with_logits: bool = True, attention: str = "dense", attention_chunk: int = 1024,
-                products: Products = DEFAULT_PRODUCTS) -> ModelOutput:
+                products: Products = DEFAULT_PRODUCTS, rows: Optional[Callable] = None) -> ModelOutput:
         """Training forward over a padded or packed batch.
 
         tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
@@ -308,6 +310,8 @@ class Transformer(nnx.Module):
           ``attention_chunk``) or 'pallas_gpu';
           same values, different memory and speed (see laminar_jax.model.attention).
         products: how the weight products run (model/products.py; the caller's platform picks it).
+        rows: a function applied to each layer's input activations f[B, T, D] (the learner's sharding
+          constraint: the scan's carry has no sharding of its own for the partitioner to follow).
         """
         b, t = tokens.shape
         if positions is None:
@@ -315,7 +319,7 @@ class Transformer(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         attn = train_attention(attention, attention_chunk)
-        h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn, products, remat)
+        h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn, products, remat, rows)
         values = self.value_head(h, products)[..., 0].astype(jnp.float32) if self.has_value_head else None
         return ModelOutput(self._logits(h, products) if with_logits else None, values, h)
 
