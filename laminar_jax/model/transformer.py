@@ -209,7 +209,7 @@ def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
 
 
 def scan_layers(layers: nnx.Module, num_layers: int, x: jax.Array, carry: Any, layer_fn: Callable,
-                policy: Any = None, remat: bool = False):
+                policy: Any = None, remat: bool = False, unroll: bool = False):
     """x, carry after ``layer_fn(layer, x, carry, l)`` for l = 0..num_layers-1, as one ``lax.scan``
     over the stacked layers (``stack_layers``): one layer's program, compiled once whatever the
     depth. ``carry`` is any pytree threaded through the layers (a decode KV pool, updated in place).
@@ -226,7 +226,8 @@ def scan_layers(layers: nnx.Module, num_layers: int, x: jax.Array, carry: Any, l
     def body(xc, xs):
         return one(xs[0], *xc, xs[1]), None
 
-    (x, carry), _ = jax.lax.scan(body, (x, carry), (state, jnp.arange(num_layers, dtype=jnp.int32)))
+    (x, carry), _ = jax.lax.scan(body, (x, carry), (state, jnp.arange(num_layers, dtype=jnp.int32)),
+                                 unroll=True if unroll else 1)
     return x, carry
 
 
@@ -259,7 +260,8 @@ class Transformer(nnx.Module):
         return hasattr(self, "value_head")
 
     def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention,
-               products: Products = DEFAULT_PRODUCTS, remat: str = "none", rows: Optional[Callable] = None):
+               products: Products = DEFAULT_PRODUCTS, remat: str = "none", rows: Optional[Callable] = None,
+               unroll: bool = False):
         """Final-normed hidden states and the cache after every layer (a scan; see scan_layers).
 
         backend None: training (``attn`` over segment_ids, each layer under the ``remat`` policy);
@@ -274,7 +276,7 @@ class Transformer(nnx.Module):
             return layer(x, positions, inv_freq, segment_ids, cache, bound, attn, products)
 
         x, cache = scan_layers(self.layers, self.cfg.num_layers, x, cache, layer_fn, remat_policy(remat),
-                               remat=remat != "none")
+                               remat=remat != "none", unroll=unroll)
         return self.norm(x), cache
 
     def logits_from_hidden(self, h: jax.Array, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
@@ -327,16 +329,18 @@ class Transformer(nnx.Module):
         return self.forward(tokens, positions, segment_ids, products=products).logits
 
     def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: Any,
-                       backend: CacheBackend, products: Products = DEFAULT_PRODUCTS) -> tuple[jax.Array, Any]:
+                       backend: CacheBackend, products: Products = DEFAULT_PRODUCTS,
+                       unroll: bool = False) -> tuple[jax.Array, Any]:
         """Decode/prefill through a cache backend (see laminar_jax.model.attention).
 
         tokens, positions: i32[B, T]; cache: one backend-defined pytree for every layer (e.g. a KV
         pool holding every layer's pages), carried through the layers' scan: each layer calls
         ``backend(q, k, v, cache, layer)`` (layer: i32[], traced) and gets the cache back updated;
-        products: how the weight products run (the engine's kernel choice, rollout/kernels.py).
+        products: how the weight products run (the engine's kernel choice, rollout/kernels.py);
+        unroll: the layers' scan fully unrolled (the engine's kernel choice too).
         Returns (f32[B, T, V] logits, the cache after the last layer).
         """
-        h, new_cache = self._trunk(tokens, positions, None, cache, backend, products=products)
+        h, new_cache = self._trunk(tokens, positions, None, cache, backend, products=products, unroll=unroll)
         return self._logits(h, products), new_cache
 
 

@@ -189,7 +189,8 @@ def _step(spec: Spec, model, state: DecodeState, live_bucket: int,
         overflow = meta.live.count > live_bucket
     backend = layered_backend(spec.kernels.attend, meta, spec.layer_pages)
     logits, (k_pages, v_pages) = model.forward_cached(state.last_token[:, None], state.lengths[:, None],
-                                                      (state.k_pages, state.v_pages), backend, spec.kernels.products)
+                                                      (state.k_pages, state.v_pages), backend, spec.kernels.products,
+                                                      spec.kernels.unroll_layers)
     keys = None if noise is not None else token_keys(state.keys, state.num_generated)
     tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise,
                             spec.kernels.argmax)
