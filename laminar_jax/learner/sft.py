@@ -102,16 +102,18 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
     """Train `model` in place with cross-entropy on the response tokens; returns the loss curve.
     Trained as float32 master weights (as the learner's), written back in the model's own dtype.
 
-    Each step trains on about `batch_size` examples, packed into a fixed number of rows (the rows
-    their mean length fills): a task whose lengths are heavy-tailed would otherwise pad every
-    example to the longest one, and spend most of each step on padding. Examples are drawn without
+    Each step trains on about `batch_size` examples, packed into a fixed number of rows (as many as
+    hold that many at the packing's density): a task whose lengths are heavy-tailed would otherwise
+    pad every example to the longest one, and spend most of each step on padding. Examples are drawn without
     replacement, an epoch at a time in a fresh random order."""
     if steps <= 0 or not pairs:
         return []
     seq_len = max(len(p) + len(r) for p, r, *_ in pairs)
     seq_len = 1 << (seq_len - 1).bit_length()
-    mean_len = float(np.mean([len(p) + len(r) for p, r, *_ in pairs]))
-    rows_per_step = max(1, int(np.ceil(min(batch_size, len(pairs)) * mean_len / seq_len)))
+    rng = np.random.default_rng(seed)
+    packed = pack_rows(pairs, seq_len, rng.permutation(len(pairs)))
+    # As many rows as hold batch_size examples at the packing's density (long examples leave gaps).
+    rows_per_step = max(1, int(np.ceil(min(batch_size, len(pairs)) * len(packed[0]) / len(pairs))))
     graphdef, stored, rest = nnx.split(model, nnx.Param, ...)
     params = cast_floating(stored, jnp.float32)
     opt = optax.adamw(sft_schedule(lr, steps), weight_decay=0.0)
@@ -130,11 +132,10 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    rng = np.random.default_rng(seed)
     losses: list[float] = []
-    packed, next_row = None, 0
+    next_row = 0
     for _ in range(steps):
-        if packed is None or next_row + rows_per_step > len(packed[0]):
+        if next_row + rows_per_step > len(packed[0]):
             packed, next_row = pack_rows(pairs, seq_len, rng.permutation(len(pairs))), 0
             if len(packed[0]) < rows_per_step:  # fewer examples than a step's rows: repeat them
                 packed = tuple(np.resize(a, (rows_per_step, seq_len)) for a in packed)
