@@ -1,6 +1,6 @@
 """CPU demo: tiny Llama-style model, synthetic task with heavily skewed response lengths.
 
-python launch/run.py --config=configs/demo.py            # laminar mode, ~1.5-2.5 min cold on 2 cores
+python launch/run.py --config=configs/demo.py            # laminar mode, under a minute cold on 2 cores
 python launch/run.py --config=configs/demo.py:short      # a short smoke variant (tests use it)
 python launch/run.py --config=configs/demo.py --config.runtime.mode=sync
 """
@@ -41,9 +41,6 @@ def get_config(variant: str = ""):
     c.learner.seq_len_buckets = (64, 128, 192, 256)
     # learner.pack_length is left to default to rollout.max_total_len: the long-tail batch is packed, not padded
     c.learner.grad_clip = 1.0
-    # Compile each learner batch shape when a step first meets it: the long-tail task meets few of
-    # the shapes compile_ahead='all' would build before the first step, so a cold start is shorter.
-    c.learner.compile_ahead = "none"
 
     c.runtime.mode = "laminar"
     c.runtime.num_servers = 2
@@ -67,7 +64,11 @@ def get_config(variant: str = ""):
     # admitting until it is 2 versions behind, and repack plans often enough to matter.
     c.scheduler.admit_lag = 1
     c.scheduler.repack_interval_s = 0.1
-    if variant == "short":
+    if variant == "":
+        # Compile each learner batch shape when a step first meets it: the long-tail task meets few
+        # of the shapes compile_ahead='all' builds before the first step, so a cold start is shorter.
+        c.learner.compile_ahead = "none"
+    elif variant == "short":
         c.runtime.samples_per_prompt = 4
         c.runtime.total_steps = 4
         c.runtime.sft_warmup_steps = 20
