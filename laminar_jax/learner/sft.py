@@ -23,20 +23,12 @@ from laminar_jax.model.precision import cast_floating
 
 
 def pack_examples(pairs: Sequence[tuple], seq_len: int):
-    """(prompt_ids, response_ids[, response_mask]) -> tokens i32[N, L], loss mask f32[N, L] on response targets.
-
-    A third element (data/sft.py, multi-turn traces) masks response tokens out of the loss (observations).
-    """
-    n = len(pairs)
-    tokens = np.zeros((n, seq_len), np.int32)
-    mask = np.zeros((n, seq_len), np.float32)
-    for i, (p, r, *m) in enumerate(pairs):
-        ids = (list(p) + list(r))[:seq_len]
-        tokens[i, :len(ids)] = ids
-        # Target t+1 is predicted at position t; only response tokens are trained on.
-        start, end = len(p) - 1, min(len(ids), seq_len) - 1
-        lo, hi = max(start, 0), max(end, 0)
-        mask[i, lo:hi] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:hi - start]
+    """(prompt_ids, response_ids[, response_mask]) -> tokens i32[N, L], loss mask f32[N, L] on
+    response targets: one example per row, cut to L (pack_rows packs several into a row)."""
+    tokens = np.zeros((len(pairs), seq_len), np.int32)
+    mask = np.zeros((len(pairs), seq_len), np.float32)
+    for i, pair in enumerate(pairs):
+        _place(tokens, mask, i, 0, _cut(pair, seq_len))
     return tokens, mask
 
 
@@ -49,15 +41,16 @@ def sft_schedule(lr: float, steps: int) -> optax.Schedule:
 
 
 def _place(tokens, mask, row: int, at: int, pair) -> int:
-    """Write one (prompt, response[, response_mask]) example into ``tokens[row, at:]`` with its loss
-    mask as pack_examples does (response targets only); returns its length."""
+    """Write one (prompt, response[, response_mask]) example that fits into ``tokens[row, at:]`` with
+    its loss mask; returns its length. Target t+1 is predicted at position t; only response tokens
+    are trained on (a third element, data/sft.py's multi-turn traces, masks observations out)."""
     p, r, *m = pair
     ids = list(p) + list(r)
     n = len(ids)
     tokens[row, at:at + n] = ids
     start, end = len(p) - 1, n - 1
-    lo = max(start, 0)
-    mask[row, at + lo:at + end] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:end - start]
+    lo, hi = max(start, 0), max(end, 0)
+    mask[row, at + lo:at + hi] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:hi - start]
     return n
 
 
@@ -83,8 +76,7 @@ def pack_rows(pairs: Sequence[tuple], seq_len: int, order: Sequence[int]):
     for row, members in enumerate(rows):
         at = 0
         for k, i in enumerate(members):
-            fits = len(pairs[i][0]) + len(pairs[i][1]) <= seq_len
-            n = _place(tokens, mask, row, at, pairs[i] if fits else _cut(pairs[i], seq_len))
+            n = _place(tokens, mask, row, at, _cut(pairs[i], seq_len))
             segs[row, at:at + n] = k + 1
             positions[row, at:at + n] = np.arange(n)
             at += n
@@ -92,6 +84,7 @@ def pack_rows(pairs: Sequence[tuple], seq_len: int, order: Sequence[int]):
 
 
 def _cut(pair, seq_len: int):
+    """The example cut to seq_len tokens (the prompt first); one that fits is unchanged."""
     p, r, *m = pair
     keep = max(seq_len - len(p), 0)
     return (list(p)[:seq_len], list(r)[:keep], *[list(x)[:keep] for x in m])
