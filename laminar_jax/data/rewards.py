@@ -7,6 +7,7 @@ exact name, then the longest registered prefix (e.g. ``"reasoning_gym/"``), then
 from __future__ import annotations
 
 import importlib
+import logging
 import re
 import threading
 from typing import Any, Callable, Optional
@@ -80,6 +81,19 @@ class RewardRegistry:
 
     def score(self, data_source: str, response: str, ground_truth: Any, extra_info: Any) -> float:
         return float(self.get_reward_fn(data_source)(response, ground_truth, extra_info or {}))
+
+
+class _DisabledTimeoutNotice(logging.Filter):
+    """Drops math_verify's "Timeout is disabled ..." warning (once per module, at its first call
+    without a timeout): off the main thread the timeout is off on purpose (see _math_timeout), and
+    the RewardPool's per-call deadline bounds the call instead. Its other warnings pass."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("Timeout is disabled")
+
+
+for _name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(_name).addFilter(_DisabledTimeoutNotice())
 
 
 def _math_timeout() -> Optional[int]:

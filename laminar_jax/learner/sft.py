@@ -23,20 +23,12 @@ from laminar_jax.model.precision import cast_floating
 
 
 def pack_examples(pairs: Sequence[tuple], seq_len: int):
-    """(prompt_ids, response_ids[, response_mask]) -> tokens i32[N, L], loss mask f32[N, L] on response targets.
-
-    A third element (data/sft.py, multi-turn traces) masks response tokens out of the loss (observations).
-    """
-    n = len(pairs)
-    tokens = np.zeros((n, seq_len), np.int32)
-    mask = np.zeros((n, seq_len), np.float32)
-    for i, (p, r, *m) in enumerate(pairs):
-        ids = (list(p) + list(r))[:seq_len]
-        tokens[i, :len(ids)] = ids
-        # Target t+1 is predicted at position t; only response tokens are trained on.
-        start, end = len(p) - 1, min(len(ids), seq_len) - 1
-        lo, hi = max(start, 0), max(end, 0)
-        mask[i, lo:hi] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:hi - start]
+    """(prompt_ids, response_ids[, response_mask]) -> tokens i32[N, L], loss mask f32[N, L] on
+    response targets: one example per row, cut to L (pack_rows packs several into a row)."""
+    tokens = np.zeros((len(pairs), seq_len), np.int32)
+    mask = np.zeros((len(pairs), seq_len), np.float32)
+    for i, pair in enumerate(pairs):
+        _place(tokens, mask, i, 0, _cut(pair, seq_len))
     return tokens, mask
 
 
@@ -48,27 +40,83 @@ def sft_schedule(lr: float, steps: int) -> optax.Schedule:
     return optax.warmup_cosine_decay_schedule(0.0, lr, max(1, steps // 10), steps)
 
 
+def _place(tokens, mask, row: int, at: int, pair) -> int:
+    """Write one (prompt, response[, response_mask]) example that fits into ``tokens[row, at:]`` with
+    its loss mask; returns its length. Target t+1 is predicted at position t; only response tokens
+    are trained on (a third element, data/sft.py's multi-turn traces, masks observations out)."""
+    p, r, *m = pair
+    ids = list(p) + list(r)
+    n = len(ids)
+    tokens[row, at:at + n] = ids
+    start, end = len(p) - 1, n - 1
+    lo, hi = max(start, 0), max(end, 0)
+    mask[row, at + lo:at + hi] = 1.0 if not m else np.asarray(m[0], np.float32)[lo - start:hi - start]
+    return n
+
+
+def pack_rows(pairs: Sequence[tuple], seq_len: int, order: Sequence[int]):
+    """Examples in ``order`` packed one after another into rows of ``seq_len`` tokens (a new row when
+    the next one does not fit): tokens i32[R, L], loss mask f32[R, L], segment ids i32[R, L] (1, 2, ...
+    per example, 0 = padding) and positions i32[R, L] (restarting at 0 in each example). An example's
+    last position predicts nothing (its mask ends before it), so no loss crosses into the next one;
+    attention stays within a segment (the model's packed path). Examples longer than a row are cut."""
+    rows: list[list[int]] = [[]]
+    used = 0
+    for i in order:
+        n = min(len(pairs[i][0]) + len(pairs[i][1]), seq_len)
+        if used + n > seq_len:
+            rows.append([])
+            used = 0
+        rows[-1].append(int(i))
+        used += n
+    tokens = np.zeros((len(rows), seq_len), np.int32)
+    mask = np.zeros((len(rows), seq_len), np.float32)
+    segs = np.zeros((len(rows), seq_len), np.int32)
+    positions = np.zeros((len(rows), seq_len), np.int32)
+    for row, members in enumerate(rows):
+        at = 0
+        for k, i in enumerate(members):
+            n = _place(tokens, mask, row, at, _cut(pairs[i], seq_len))
+            segs[row, at:at + n] = k + 1
+            positions[row, at:at + n] = np.arange(n)
+            at += n
+    return tokens, mask, segs, positions
+
+
+def _cut(pair, seq_len: int):
+    """The example cut to seq_len tokens (the prompt first); one that fits is unchanged."""
+    p, r, *m = pair
+    keep = max(seq_len - len(p), 0)
+    return (list(p)[:seq_len], list(r)[:keep], *[list(x)[:keep] for x in m])
+
+
 def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float,
                batch_size: int = 32, seed: int = 0) -> list[float]:
     """Train `model` in place with cross-entropy on the response tokens; returns the loss curve.
-    Trained as float32 master weights (as the learner's), written back in the model's own dtype."""
+    Trained as float32 master weights (as the learner's), written back in the model's own dtype.
+
+    Each step trains on about `batch_size` examples, packed into a fixed number of rows (as many as
+    hold that many at the packing's density): a task whose lengths are heavy-tailed would otherwise
+    pad every example to the longest one, and spend most of each step on padding. Examples are drawn without
+    replacement, an epoch at a time in a fresh random order."""
     if steps <= 0 or not pairs:
         return []
     seq_len = max(len(p) + len(r) for p, r, *_ in pairs)
     seq_len = 1 << (seq_len - 1).bit_length()
-    tokens, mask = pack_examples(pairs, seq_len)
-    seg = (tokens != 0).astype(np.int32)
-    seg[:, 0] = 1
+    rng = np.random.default_rng(seed)
+    packed = pack_rows(pairs, seq_len, rng.permutation(len(pairs)))
+    # As many rows as hold batch_size examples at the packing's density (long examples leave gaps).
+    rows_per_step = max(1, int(np.ceil(min(batch_size, len(pairs)) * len(packed[0]) / len(pairs))))
     graphdef, stored, rest = nnx.split(model, nnx.Param, ...)
     params = cast_floating(stored, jnp.float32)
     opt = optax.adamw(sft_schedule(lr, steps), weight_decay=0.0)
     opt_state = opt.init(params)
 
     @jax.jit
-    def step(params, opt_state, toks, msk, sg):
+    def step(params, opt_state, toks, msk, sg, pos):
         def loss_fn(p):
             m = nnx.merge(graphdef, p, rest)
-            logits = m(toks, segment_ids=sg)
+            logits = m(toks, positions=pos, segment_ids=sg)
             lp = token_logprobs(logits[:, :-1], toks[:, 1:])
             mm = msk[:, :-1]
             return -(lp * mm).sum() / jnp.maximum(mm.sum(), 1.0)
@@ -77,11 +125,16 @@ def sft_warmup(model: Transformer, pairs: Sequence[tuple], steps: int, lr: float
         updates, opt_state = opt.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
-    rng = np.random.default_rng(seed)
-    losses = []
+    losses: list[float] = []
+    next_row = 0
     for _ in range(steps):
-        idx = rng.integers(0, len(pairs), size=min(batch_size, len(pairs)))
-        params, opt_state, loss = step(params, opt_state, tokens[idx], mask[idx], seg[idx])
+        if next_row + rows_per_step > len(packed[0]):
+            packed, next_row = pack_rows(pairs, seq_len, rng.permutation(len(pairs))), 0
+            if len(packed[0]) < rows_per_step:  # fewer examples than a step's rows: repeat them
+                packed = tuple(np.resize(a, (rows_per_step, seq_len)) for a in packed)
+        batch = tuple(a[next_row:next_row + rows_per_step] for a in packed)
+        next_row += rows_per_step
+        params, opt_state, loss = step(params, opt_state, *batch)
         losses.append(float(loss))
     nnx.update(model, jax.tree.map(lambda new, old: new.astype(old.dtype), params, stored))
     return losses

@@ -103,3 +103,24 @@ def test_warm_ups_run_once_and_report_their_errors_without_raising():
     assert reg.warm_up() == [] and calls == [1]
     with pytest.raises(TypeError, match="warm-up must be callable"):
         reg.register_warm_up("not a function")
+
+
+def test_math_reward_off_the_main_thread_prints_no_timeout_notice(monkeypatch, caplog):
+    """Reward threads call math_verify without its signal timeout (the pool's deadline bounds the
+    call): its "Timeout is disabled ..." warning is filtered out, other math_verify warnings are not."""
+    import logging
+
+    import math_verify.grader
+    import math_verify.parser
+
+    for mod in (math_verify.parser, math_verify.grader):  # the notice shows once per process: show it again
+        monkeypatch.setattr(mod, "TIMEOUT_WARNING_SHOWN", False)
+    caplog.set_level(logging.WARNING)
+    out = []
+    t = threading.Thread(target=lambda: out.append(math_reward("$\\boxed{2}$", "2")))
+    t.start()
+    t.join(30)
+    assert out == [1.0]
+    assert not [r for r in caplog.records if "Timeout is disabled" in r.getMessage()], caplog.text
+    logging.getLogger("math_verify.parser").warning("another warning")
+    assert "another warning" in caplog.text

@@ -20,6 +20,7 @@ costs seconds here, and most quotes are of a few tools.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -229,13 +230,18 @@ def test_quoted_command_runs(cmds, tmp_path):
 
 
 @pytest.mark.slow
-def test_quickstart_demo_runs_shortened(tmp_path):
-    """README's quickstart command itself, cut to 2 learner steps after a 5-step warm-start."""
+def test_quickstart_demo_runs_and_its_eval_figure_moves(tmp_path):
+    """README's quickstart command itself, whole (~2 min on 2 cores): every step runs, and the eval
+    rounds' graded reward (eval.jsonl 'reward', the summary's eval_reward) ends above where it
+    started. Measured 0.30 -> 0.38, 0.22 -> 0.36 and 0.26 -> 0.37 (rounds at steps 20 and 80)."""
     quick = next(c for c in COMMANDS if c.where.startswith("README.md") and
                  c.text == "python launch/run.py --config=configs/demo.py")
-    argv = _argv(quick.text, tmp_path) + ["--config.runtime.total_steps=2", "--config.runtime.sft_warmup_steps=5",
-                                          f"--config.runtime.run_dir={tmp_path / 'run'}",
+    argv = _argv(quick.text, tmp_path) + [f"--config.runtime.run_dir={tmp_path / 'run'}",
                                           "--config.runtime.progress=false", "--config.runtime.timeline=false"]
-    res = _run(argv, (), tmp_path, 600)
+    res = _run(argv, (), tmp_path, 900)
     assert res.returncode == 0, res.stderr[-3000:]
-    assert (tmp_path / "run" / "summary.json").is_file()
+    assert "Timeout is disabled" not in res.stderr  # math_verify's notice (data/rewards.py filters it)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    rounds = [json.loads(line)["metrics"]["overall"] for line in (tmp_path / "run" / "eval.jsonl").open()]
+    assert summary["steps"] == 80 and len(rounds) == 4, (summary["steps"], rounds)
+    assert rounds[-1]["reward"] >= rounds[0]["reward"] + 0.03, [r["reward"] for r in rounds]

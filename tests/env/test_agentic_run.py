@@ -90,8 +90,9 @@ def _mean(xs):
 def test_calculator_demo_learns_to_call_the_tool(tmp_path):
     """The default demo (a few minutes on 2 cores): after the warm-start the policy calls the tool on
     about half the problems; RL raises the tool-call rate and the reward (the correct-answer rate,
-    rewards being 0 or 1). Measured: tool calls 0.54 -> 0.96 and reward 0.61 -> 0.79 (first 8 steps
-    -> last 8); the margins asserted are about half of that."""
+    rewards being 0 or 1) by at least 0.15, first 8 steps -> last 8 (this test runs seed 0). Measured
+    on a 2-core AMD EPYC without AVX-512: correct 0.44 -> 0.67, 0.63 -> 0.88 and 0.69 -> 0.76 (seeds
+    0, 1, 2; seed 2 starts high and rises less), tool calls 0.56 -> 0.98, 0.54 -> 0.98, 0.52 -> 0.93."""
     from laminar_jax.runtime.local import run_local
 
     c = repo_config("agentic_demo")
@@ -102,4 +103,4 @@ def test_calculator_demo_learns_to_call_the_tool(tmp_path):
     reward = [v for _, v in s["reward_curve"]]
     assert len(calls) == len(reward) == c.runtime.total_steps
     assert _mean(calls[-8:]) >= _mean(calls[:8]) + 0.2, calls
-    assert _mean(reward[-8:]) >= _mean(reward[:8]) + 0.08, reward
+    assert _mean(reward[-8:]) >= _mean(reward[:8]) + 0.15, reward
