@@ -121,6 +121,13 @@ def shard_elements(table, rules: Sequence[str], axes: dict[str, int]) -> list[in
     return out
 
 
+def _swapped_elements(table, shards: list[int], num_layers: int) -> list[int]:
+    """Elements a weight swap places at once per parameter: a stacked layer parameter (leading layer
+    axis, logical axis None) is refilled one layer at a time (rollout/layered.py, refill_stacked)."""
+    return [n // num_layers if logical and logical[0] is None and shape[0] == num_layers else n
+            for (shape, logical), n in zip(table, shards)]
+
+
 def learner_axes(cfg, n_devices: int) -> dict[str, int]:
     from laminar_jax.learner.mesh import resolve_mesh_shape
 
@@ -208,7 +215,7 @@ def rollout_items(cfg, arch, tp: int) -> dict[str, int]:
     return {
         "serving_weights": sum(shards) * s,
         "kv_pool": kv_bytes(arch, ro, cfg.model.dtype) // tp,
-        "swap_staging": max(shards) * s,
+        "swap_staging": max(_swapped_elements(table, shards, arch.num_layers)) * s,
         "decode_temporaries": 3 * rows * arch.vocab_size * 4 + live,
     }
 

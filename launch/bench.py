@@ -9,6 +9,7 @@
   faults    the demo under a scripted chaos schedule (kill a rollout server, the relay, the learner)
   sim       the simulated Laminar set-up (7B-72B on 64-1024 GPUs), every mode
   startup   compile time of a cold run vs a run that finds the persistent compilation cache
+            (--depths 4,28: the learner step's and the engine's compile time at each depth)
   env       a trivial python tool call, sandboxed (bubblewrap) against unsandboxed: calls/s, p50/p99 (--sandbox)
   peers     vLLM's CPU build against this engine on one HF checkpoint and long-tail requests
   accel     the accelerator check (one GPU/TPU, < 8 min): decode vs the HBM roofline at 64 rows

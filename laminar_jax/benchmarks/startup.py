@@ -2,6 +2,7 @@
 compilation cache (runtime.compilation_cache_dir) filled by the first.
 
     python launch/bench.py startup [--config demo] [--set runtime.total_steps=10 ...] [--runs 2]
+    python launch/bench.py startup --depths 4,28 [--repeats 3]   (compile time against depth: startup_depth.py)
 
 Each run is a fresh process (as a user's would be) with its own empty-at-start cache directory
 shared by the runs. Compile time is what JAX's own monitoring events report: tracing, lowering,
@@ -24,10 +25,8 @@ import tempfile
 import time
 
 from laminar_jax.benchmarks.machine import emit
-
-EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace_s",
-          "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower_s",
-          "/jax/core/compile/backend_compile_duration": "backend_s"}
+from laminar_jax.benchmarks.startup_depth import EVENTS
+from laminar_jax.benchmarks.startup_depth import main as depth_main
 
 
 def _child(config: str, sets: list[str], cache_dir: str) -> dict:
@@ -90,8 +89,14 @@ def main(argv=None) -> dict:
     ap.add_argument("--set", action="append", default=[], help="section.key=JSON value (repeatable)")
     ap.add_argument("--runs", type=int, default=2)
     ap.add_argument("--quick", action="store_true", help="demo:short instead of the full demo")
+    ap.add_argument("--depths", default=None,
+                    help="e.g. 4,28: compile time of the learner step and the engine at each depth of a tiny-width "
+                         "model, cache off (benchmarks/startup_depth.py)")
+    ap.add_argument("--repeats", type=int, default=3, help="with --depths: fresh processes per depth (medians)")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.depths:
+        return depth_main(tuple(int(x) for x in args.depths.split(",")), args.repeats)
     if args.child:
         print("STARTUP " + json.dumps(_child(args.config, args.set, args.child)), flush=True)
         return {}

@@ -106,6 +106,11 @@ class Checkpointer:
                 # Linear weights were stored [in, out] as 'kernel' before they took HF's [out, in] 'weight'.
                 hint = ("; it stores Linear weights as 'kernel' [in, out], written before they became 'weight' "
                         "[out, in]: export it to HF with the version that wrote it, then start from that directory")
+            elif any("['layers'][0]" in p for p in meta.get("leaf_paths", [])):
+                # Each layer's parameters were leaves of their own before the layers became one stack.
+                hint = ("; it stores each layer's parameters apart, written before the layers were stacked "
+                        "(model/transformer.py): export it to HF with the version that wrote it, then start from "
+                        "that directory")
             raise LayoutMismatch(f"checkpoint {self.directory} step {step}: state layout differs from the live "
                                  f"learner ({len(meta.get('leaf_paths', []))} vs {len(paths)} leaves){hint}")
         _check_dtypes(self.directory, step, meta.get("leaf_dtypes"), _leaf_dtypes(like), paths)

@@ -3,7 +3,7 @@ are model/axes.py's (re-exported here for the learner's callers)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -87,6 +87,15 @@ def gathered_lookup(params: Any, mesh: Optional[Mesh]) -> Any:
         return x
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def rows_split(mesh: Optional[Mesh]) -> Optional[Callable]:
+    """The activations' constraint per layer where the mesh splits the batch: rows over the batch
+    axes. The layers' scan carries the residual stream through a loop, where the partitioner has no
+    lookup output to follow and may keep every device's rows; None without a split batch."""
+    if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
+        return None
+    return lambda x: jax.lax.with_sharding_constraint(x, batch_sharding(mesh))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -28,7 +28,7 @@ from laminar_jax.learner.config import SEQ_OFF_POLICY, LearnerSection
 from laminar_jax.learner.logprobs import EntropyMode, chunk_positions, score_tokens
 from laminar_jax.learner.losses import AggNorm, aggregate, agg_norm, kl_penalty, value_loss
 from laminar_jax.learner.losses_seq import correction, policy_loss
-from laminar_jax.learner.mesh import BATCH_AXES, gathered_lookup
+from laminar_jax.learner.mesh import BATCH_AXES, gathered_lookup, rows_split
 from laminar_jax.model.attention import AUTO, resolve_train_attention
 from laminar_jax.model.precision import cast_floating
 
@@ -96,7 +96,7 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     products = train_products(jax.default_backend())  # the kernel seam's weight products for this platform
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
                         attention=_attention(section.attention_impl),
-                        attention_chunk=section.attention_chunk, products=products)
+                        attention_chunk=section.attention_chunk, products=products, rows=rows_split(mesh))
     if not score:
         zeros = jnp.zeros(batch.tokens.shape, jnp.float32)
         return ForwardOut(zeros, zeros, out.values)

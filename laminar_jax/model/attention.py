@@ -7,10 +7,11 @@ blockwise attention with a custom backward, skipping masked key blocks) or
 on GPU, splash on TPU); :func:`train_attention` maps ``learner.attention_impl`` to one of them.
 Decoding calls the model with a *cache backend*: a function
 
-    backend(q, k, v, layer_cache) -> (out, new_layer_cache)
+    backend(q, k, v, cache, layer) -> (out, new_cache)
 
   q: f[B, T, H, D] (RoPE applied), k/v: f[B, T, Hkv, D] for the T new tokens,
-  layer_cache: whatever pytree the backend keeps for one layer (e.g. KV pages),
+  cache: whatever pytree the backend keeps for all layers (e.g. one KV pool of every layer's
+  pages), carried through the layers' scan; layer: i32[] the layer's index (traced),
   out: f[B, T, H, D].
 
 The backend writes the new k/v into its cache and attends over everything cached, so the
@@ -31,7 +32,7 @@ NEG_INF = -1e30
 
 
 class CacheBackend(Protocol):
-    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, layer_cache: Any) -> tuple[jax.Array, Any]:
+    def __call__(self, q: jax.Array, k: jax.Array, v: jax.Array, cache: Any, layer: jax.Array) -> tuple[jax.Array, Any]:
         ...
 
 

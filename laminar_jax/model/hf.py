@@ -37,8 +37,21 @@ def _as_dtype(d: Any):
     return _DTYPES[d] if isinstance(d, str) else d
 
 
-def hf_name(path: tuple) -> str:
-    """NNX state path -> HF tensor name. Every tensor has HF's layout here too (Linear weights [out, in])."""
+STACKED = "layers"  # the state's subtree whose parameters stack every layer's (model/transformer.py, stack_layers)
+
+
+def is_stacked(path: tuple) -> bool:
+    """Whether a state path names a stacked parameter (leading layer axis; one HF tensor per layer)."""
+    return str(path[0]) == STACKED
+
+
+def hf_name(path: tuple, layer: Optional[int] = None) -> str:
+    """NNX state path -> HF tensor name; a stacked parameter's needs ``layer`` (its layer's tensor).
+    Every tensor has HF's layout here too (Linear weights [out, in])."""
+    if is_stacked(path):
+        if layer is None:
+            raise ValueError(f"hf_name: {path} is stacked over the layers; name one layer")
+        path = (path[0], layer, *path[1:])
     parts = [str(p) for p in path]
     suffix = {"embedding": "weight", "weight": "weight", "bias": "bias"}[parts[-1]]
     stem = ".".join(parts[:-1])
@@ -119,11 +132,12 @@ def save_pretrained(model: Transformer, path: str, dtype: Optional[str] = None,
     for p, leaf in _flat_items(pure):
         if p[0] == "value_head" and not include_value_head:
             continue
-        name = hf_name(p)
         arr = np.asarray(jax.device_get(leaf))
         if dtype is not None:
             arr = arr.astype(ml_dtypes.bfloat16 if dtype == "bfloat16" else np.dtype(dtype))
-        tensors[name] = np.ascontiguousarray(arr)
+        for name, x in (((hf_name(p, i), arr[i]) for i in range(arr.shape[0])) if is_stacked(p)
+                        else ((hf_name(p), arr),)):
+            tensors[name] = np.ascontiguousarray(x)
     out_dtype = dtype or str(next(iter(tensors.values())).dtype)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(to_hf_config(model.cfg, torch_dtype=out_dtype), f, indent=2)

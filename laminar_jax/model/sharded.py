@@ -25,7 +25,7 @@ import numpy as np
 from flax import nnx
 
 from laminar_jax.model.hf import (_IGNORED_SUFFIXES, _TensorIndex, MissingTensorError, _as_dtype, _flat_items,
-                                  _set_path, hf_name, load_hf_config, log)
+                                  _set_path, hf_name, is_stacked, load_hf_config, log)
 from laminar_jax.model.presets import PRESETS
 from laminar_jax.model.transformer import Transformer
 
@@ -123,13 +123,15 @@ def _fill_from_checkpoint(path: str, pure: dict, target: dict, on_read) -> list:
     config_dtype = _config_dtype(path)
     missing = []
     try:
+        used = set()
         for p, leaf in list(_flat_items(pure)):
-            name = hf_name(p)
-            if p[0] == "value_head" and name not in index.where:
+            names = [hf_name(p, i) for i in range(leaf.shape[0])] if is_stacked(p) else [hf_name(p)]
+            used.update(names)
+            if p[0] == "value_head" and names[0] not in index.where:
                 missing.append(p)
                 continue
-            _set_path(pure, p, _read_tensor(index, name, leaf, target[p], config_dtype, on_read))
-        used = {hf_name(p) for p, _ in _flat_items(pure)}
+            _set_path(pure, p, _read_tensor(index, names, leaf, target[p], config_dtype, on_read,
+                                                  is_stacked(p)))
         extra = [k for k in index.where if k not in used and not k.endswith(_IGNORED_SUFFIXES)]
         if extra:
             log.warning("%s: ignored %d tensors not used by the model, e.g. %s", path, len(extra), extra[:3])
@@ -138,28 +140,41 @@ def _fill_from_checkpoint(path: str, pure: dict, target: dict, on_read) -> list:
     return missing
 
 
-def _read_tensor(index: _TensorIndex, name: str, leaf, sharding, config_dtype: Optional[str],
-                 on_read) -> jax.Array:
-    """One checkpoint tensor onto ``sharding``, each device reading only its slice of the file."""
-    sl = index.get_slice(name)
-    shape, st_dtype = tuple(sl.get_shape()), sl.get_dtype()
-    where = f"{index.path}: tensor {name!r}"
-    if shape != tuple(leaf.shape):
-        raise CheckpointMismatchError(f"{where} has shape {shape}, the config expects {tuple(leaf.shape)}")
-    if st_dtype not in _ST_DTYPES:
-        raise CheckpointMismatchError(f"{where} has dtype {st_dtype}, expected a floating dtype "
-                                      f"({'/'.join(_ST_DTYPES)}) for a {tuple(leaf.shape)} {leaf.dtype} parameter")
-    if config_dtype is not None and _ST_DTYPES[st_dtype] != config_dtype:
-        raise CheckpointMismatchError(f"{where} has dtype {_ST_DTYPES[st_dtype]} (shape {shape}), config.json says "
-                                      f"torch_dtype={config_dtype} (shape {tuple(leaf.shape)} expected)")
+def _read_tensor(index: _TensorIndex, names: list, leaf, sharding, config_dtype: Optional[str],
+                 on_read, stacked: bool = False) -> jax.Array:
+    """Checkpoint tensors onto ``sharding``, each device reading only its slice of the files: one
+    tensor, or for a ``stacked`` parameter (leading layer axis) one per layer, ``names[l]`` at index l."""
+    shape = tuple(leaf.shape[1:]) if stacked else tuple(leaf.shape)
+    slices = [_checked_slice(index, name, shape, leaf.dtype, config_dtype) for name in names]
+
+    def part(name, sl, idx: tuple) -> np.ndarray:
+        x = np.asarray(sl[idx] if shape else sl[()]).astype(leaf.dtype)
+        if on_read is not None:
+            on_read(name, idx, x.nbytes)
+        return x
 
     def read(idx: tuple) -> np.ndarray:
-        part = np.asarray(sl[idx] if shape else sl[()]).astype(leaf.dtype)
-        if on_read is not None:
-            on_read(name, idx, part.nbytes)
-        return part
+        if not stacked:
+            return part(names[0], slices[0], idx)
+        return np.stack([part(names[i], slices[i], idx[1:]) for i in range(len(names))[idx[0]]])
 
     return jax.make_array_from_callback(tuple(leaf.shape), sharding, read)
+
+
+def _checked_slice(index: _TensorIndex, name: str, shape: tuple, dtype, config_dtype: Optional[str]):
+    """The tensor's lazy slice, after checking its shape and dtype against the parameter's."""
+    sl = index.get_slice(name)
+    got, st_dtype = tuple(sl.get_shape()), sl.get_dtype()
+    where = f"{index.path}: tensor {name!r}"
+    if got != shape:
+        raise CheckpointMismatchError(f"{where} has shape {got}, the config expects {shape}")
+    if st_dtype not in _ST_DTYPES:
+        raise CheckpointMismatchError(f"{where} has dtype {st_dtype}, expected a floating dtype "
+                                      f"({'/'.join(_ST_DTYPES)}) for a {shape} {dtype} parameter")
+    if config_dtype is not None and _ST_DTYPES[st_dtype] != config_dtype:
+        raise CheckpointMismatchError(f"{where} has dtype {_ST_DTYPES[st_dtype]} (shape {got}), config.json says "
+                                      f"torch_dtype={config_dtype} (shape {shape} expected)")
+    return sl
 
 
 __all__ = ["CheckpointMismatchError", "MissingTensorError", "abstract_model", "load_model", "model_config",

@@ -3,6 +3,9 @@
 Parameters carry logical axis names (metadata ``out_sharding``) so the learner can map them
 onto a mesh: 'vocab', 'embed', 'heads', 'kv_heads', 'mlp', 'norm', 'head_dim'.
 Linear weights are stored [out, in] and named `weight`, as HF stores them (see `Linear`).
+The decoder layers are one module whose parameters stack every layer's on a leading axis (logical
+axis None), run as one ``lax.scan`` (`stack_layers`, `scan_layers`): compile time does not grow
+with depth.
 
 Training-path knobs (the decode path `forward_cached` never uses them): `forward(..., remat=...)`
 rematerializes each decoder layer in the backward pass (see REMAT_POLICIES), and
@@ -13,7 +16,7 @@ states to logits a chunk of tokens at a time instead of materializing f32[B, T, 
 from __future__ import annotations
 
 import functools
-from typing import Any, NamedTuple, Optional, Sequence
+from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -188,11 +191,44 @@ def remat_policy(name: str) -> Optional[Any]:
     return table[name]
 
 
-def _train_layer_fn(attn: AttentionFn, products: Products):
-    # A closure, not functools.partial: nnx.remat binds arguments by position.
-    def train_layer(layer: "DecoderLayer", x, positions, inv_freq, segment_ids):
-        return layer(x, positions, inv_freq, segment_ids, attn=attn, products=products)[0]
-    return train_layer
+def stack_layers(layers: Sequence[nnx.Module]) -> nnx.Module:
+    """One module of the layers' graph whose every parameter stacks theirs on a new leading axis
+    (layer l at index l), whose logical axis is None: no mesh ever splits the layer axis.
+
+    Built from separately initialised layers, so a seed gives the same weights as unstacked layers."""
+    graphdef, first = nnx.split(layers[0])
+
+    def stack(*vs):
+        axes = vs[0].get_metadata().get("out_sharding")
+        value = jnp.stack([v.get_value() for v in vs])
+        return vs[0].replace(value) if axes is None else vs[0].replace(value, out_sharding=(None, *axes))
+
+    state = jax.tree.map(stack, first, *(nnx.state(m) for m in layers[1:]),
+                         is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return nnx.merge(graphdef, state)
+
+
+def scan_layers(layers: nnx.Module, num_layers: int, x: jax.Array, carry: Any, layer_fn: Callable,
+                policy: Any = None, remat: bool = False, unroll: bool = False):
+    """x, carry after ``layer_fn(layer, x, carry, l)`` for l = 0..num_layers-1, as one ``lax.scan``
+    over the stacked layers (``stack_layers``): one layer's program, compiled once whatever the
+    depth. ``carry`` is any pytree threaded through the layers (a decode KV pool, updated in place).
+    ``remat``: each layer under ``jax.checkpoint`` with ``policy`` (prevent_cse=False: in a scan
+    the loop already keeps XLA from merging the recomputation into the forward pass)."""
+    graphdef, state = nnx.split(layers)
+
+    def one(state, x, carry, index):
+        return layer_fn(nnx.merge(graphdef, state), x, carry, index)
+
+    if remat:
+        one = jax.checkpoint(one, policy=policy, prevent_cse=False)
+
+    def body(xc, xs):
+        return one(xs[0], *xc, xs[1]), None
+
+    (x, carry), _ = jax.lax.scan(body, (x, carry), (state, jnp.arange(num_layers, dtype=jnp.int32)),
+                                 unroll=True if unroll else 1)
+    return x, carry
 
 
 class ModelOutput(NamedTuple):
@@ -211,7 +247,8 @@ class Transformer(nnx.Module):
         self.embed_tokens = nnx.Embed(
             cfg.vocab_size, cfg.hidden_size, dtype=dtype, param_dtype=param_dtype,
             embedding_init=_init(nnx.initializers.normal(0.02), ("vocab", "embed")), rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(cfg, rngs, dtype, param_dtype) for _ in range(cfg.num_layers)])
+        # Stacked (leading layer axis) and run as a scan: compile time does not grow with depth.
+        self.layers = stack_layers([DecoderLayer(cfg, rngs, dtype, param_dtype) for _ in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), False, rngs, dtype, param_dtype)
@@ -223,26 +260,24 @@ class Transformer(nnx.Module):
         return hasattr(self, "value_head")
 
     def _trunk(self, tokens, positions, segment_ids, cache, backend, attn: AttentionFn = dense_attention,
-               products: Products = DEFAULT_PRODUCTS):
+               products: Products = DEFAULT_PRODUCTS, remat: str = "none", rows: Optional[Callable] = None,
+               unroll: bool = False):
+        """Final-normed hidden states and the cache after every layer (a scan; see scan_layers).
+
+        backend None: training (``attn`` over segment_ids, each layer under the ``remat`` policy);
+        else each layer calls ``backend(q, k, v, cache, layer)``. ``rows``: applied to each layer's
+        input (the caller's sharding of the activations; see forward)."""
         inv_freq = jnp.asarray(rope_inv_freq(self.cfg))  # static: from the config, never trained
         x = self.embed_tokens(tokens)
-        new_cache = []
-        for i, layer in enumerate(self.layers):
-            x, c = layer(x, positions, inv_freq, segment_ids,
-                         None if cache is None else cache[i], backend, attn, products)
-            new_cache.append(c)
-        return self.norm(x), new_cache
 
-    def _train_trunk(self, tokens, positions, segment_ids, remat: str, attn: AttentionFn, products: Products):
-        """Training trunk (no cache) with each layer wrapped in nnx.remat under the named policy."""
-        policy = remat_policy(remat)
-        inv_freq = jnp.asarray(rope_inv_freq(self.cfg))
-        x = self.embed_tokens(tokens)
-        # prevent_cse=True (the default): layers are unrolled here, not inside a scan.
-        layer_fn = nnx.remat(_train_layer_fn(attn, products), policy=policy)
-        for layer in self.layers:
-            x = layer_fn(layer, x, positions, inv_freq, segment_ids)
-        return self.norm(x)
+        def layer_fn(layer, x, cache, index):
+            x = x if rows is None else rows(x)
+            bound = None if backend is None else functools.partial(_at_layer, backend, index)
+            return layer(x, positions, inv_freq, segment_ids, cache, bound, attn, products)
+
+        x, cache = scan_layers(self.layers, self.cfg.num_layers, x, cache, layer_fn, remat_policy(remat),
+                               remat=remat != "none", unroll=unroll)
+        return self.norm(x), cache
 
     def logits_from_hidden(self, h: jax.Array, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
         """lm_head projection of final-normed hidden states: f[..., D] -> f32[..., V] (as `forward`)."""
@@ -265,7 +300,7 @@ class Transformer(nnx.Module):
     def forward(self, tokens: jax.Array, positions: Optional[jax.Array] = None,
                 segment_ids: Optional[jax.Array] = None, *, remat: str = "none",
                 with_logits: bool = True, attention: str = "dense", attention_chunk: int = 1024,
-                products: Products = DEFAULT_PRODUCTS) -> ModelOutput:
+                products: Products = DEFAULT_PRODUCTS, rows: Optional[Callable] = None) -> ModelOutput:
         """Training forward over a padded or packed batch.
 
         tokens: i32[B, T]; positions: i32[B, T] (default arange; restart per packed segment);
@@ -277,6 +312,8 @@ class Transformer(nnx.Module):
           ``attention_chunk``) or 'pallas_gpu';
           same values, different memory and speed (see laminar_jax.model.attention).
         products: how the weight products run (model/products.py; the caller's platform picks it).
+        rows: a function applied to each layer's input activations f[B, T, D] (the learner's sharding
+          constraint: the scan's carry has no sharding of its own for the partitioner to follow).
         """
         b, t = tokens.shape
         if positions is None:
@@ -284,23 +321,28 @@ class Transformer(nnx.Module):
         if segment_ids is None:
             segment_ids = jnp.ones((b, t), jnp.int32)
         attn = train_attention(attention, attention_chunk)
-        if remat == "none":
-            h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn, products)
-        else:
-            h = self._train_trunk(tokens, positions, segment_ids, remat, attn, products)
+        h, _ = self._trunk(tokens, positions, segment_ids, None, None, attn, products, remat, rows)
         values = self.value_head(h, products)[..., 0].astype(jnp.float32) if self.has_value_head else None
         return ModelOutput(self._logits(h, products) if with_logits else None, values, h)
 
     def __call__(self, tokens, positions=None, segment_ids=None, products: Products = DEFAULT_PRODUCTS) -> jax.Array:
         return self.forward(tokens, positions, segment_ids, products=products).logits
 
-    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: Sequence[Any],
-                       backend: CacheBackend, products: Products = DEFAULT_PRODUCTS) -> tuple[jax.Array, list[Any]]:
+    def forward_cached(self, tokens: jax.Array, positions: jax.Array, cache: Any,
+                       backend: CacheBackend, products: Products = DEFAULT_PRODUCTS,
+                       unroll: bool = False) -> tuple[jax.Array, Any]:
         """Decode/prefill through a cache backend (see laminar_jax.model.attention).
 
-        tokens, positions: i32[B, T]; cache: one backend-defined pytree per layer; products: how the
-        weight products run (the engine's kernel choice, rollout/kernels.py).
-        Returns (f32[B, T, V] logits, new per-layer cache list).
+        tokens, positions: i32[B, T]; cache: one backend-defined pytree for every layer (e.g. a KV
+        pool holding every layer's pages), carried through the layers' scan: each layer calls
+        ``backend(q, k, v, cache, layer)`` (layer: i32[], traced) and gets the cache back updated;
+        products: how the weight products run (the engine's kernel choice, rollout/kernels.py);
+        unroll: the layers' scan fully unrolled (the engine's kernel choice too).
+        Returns (f32[B, T, V] logits, the cache after the last layer).
         """
-        h, new_cache = self._trunk(tokens, positions, None, cache, backend, products=products)
+        h, new_cache = self._trunk(tokens, positions, None, cache, backend, products=products, unroll=unroll)
         return self._logits(h, products), new_cache
+
+
+def _at_layer(backend: CacheBackend, index: jax.Array, q, k, v, cache):
+    return backend(q, k, v, cache, index)

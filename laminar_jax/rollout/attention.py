@@ -55,6 +55,10 @@ class DecodeMeta(NamedTuple):
     page_size: int
     live: Optional[LivePages] = None  # set by the engine for backends with ``needs_live_pages``
     kv_dtype: Any = jnp.float32  # the values' dtype; pools of 16-bit floats are stored as uint16 (storage_dtype)
+    # One pool of every layer's pages (rollout/layered.py): this layer's pages are first_page ..
+    # first_page + layer_pages - 1 (first_page i32[], its null page); layer_pages 0: the pool is one layer's.
+    first_page: Any = 0
+    layer_pages: int = 0
 
 
 def live_page_list(meta: DecodeMeta, num_entries: int) -> LivePages:
@@ -209,7 +213,7 @@ def write_token(pages: jax.Array, new: jax.Array, meta: DecodeMeta, *, key: bool
     """Write one token per slot into a K or V pool; new f[B, Hkv, D]. Inactive slots hit page 0."""
     b = new.shape[0]
     page = meta.page_table[jnp.arange(b), meta.positions // meta.page_size]
-    page = jnp.where(meta.active, page, 0)
+    page = jnp.where(meta.active, page, meta.first_page)
     return scatter_tokens(pages, page, meta.positions % meta.page_size, new, meta.kv_dtype, key=key, layout=layout)
 
 
@@ -303,7 +307,11 @@ def pool_scan(q, k, v, layer_cache, *, meta: DecodeMeta):
     the pool size (rollout.num_pages), not num_slots x max_total_len.
     """
     k_pages, v_pages = write_kv(layer_cache, k, v, meta)
-    m, l, acc = _page_partials(q, from_stored(k_pages, meta.kv_dtype), from_stored(v_pages, meta.kv_dtype), meta)
+    kp, vp = k_pages, v_pages
+    if meta.layer_pages:  # one pool of every layer: read this layer's pages only (the others are not its own)
+        kp, vp = (jax.lax.dynamic_slice_in_dim(x, meta.first_page, meta.layer_pages, axis=0) for x in (kp, vp))
+        meta = meta._replace(page_table=meta.page_table - meta.first_page, first_page=0)
+    m, l, acc = _page_partials(q, from_stored(kp, meta.kv_dtype), from_stored(vp, meta.kv_dtype), meta)
     m, l, acc = m[meta.page_table], l[meta.page_table], acc[meta.page_table]  # [B, n, Hkv, G(, D)]
     top = jnp.max(m, axis=1, keepdims=True)
     w = jnp.exp(m - top)  # exact 0 for masked entries

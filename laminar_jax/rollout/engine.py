@@ -52,13 +52,17 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax.sharding import PartitionSpec as P
+
 from laminar_jax.model.arch import TransformerConfig
+from laminar_jax.model.hf import is_stacked
 from laminar_jax.model.precision import cast_floating
 from laminar_jax.rollout import programs as prg
 from laminar_jax.rollout import tp as tpl
 from laminar_jax.rollout.attention import pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
+from laminar_jax.rollout.layered import refill_stacked
 from laminar_jax.rollout.paged import (
     DecodeState,
     OutOfPages,
@@ -122,7 +126,9 @@ class Engine:
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
         self._spec = prg.Spec(graphdef, model_cfg.num_layers, self.page_size, self.kernels,
                               self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
-                              self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1])
+                              self.state_shardings, vocab_size=model_cfg.vocab_size, longest_prompt=self.buckets[-1],
+                              layer_pages=section.num_pages)
+        self._pools = prg.pool_geom(self._spec)  # the page copies' static view of the one K and V pool
         self._params_cache: tuple = (None, None, None, None)  # (params, leaves, programs, per row bucket) last seen
 
     @property
@@ -197,12 +203,21 @@ class Engine:
         cached = self._params_cache[1] if self._params_cache[0] is old else None  # _bind's resharded copies
         self._params_cache = (None, None, None, None)
         shardings = self.param_shardings(host) if self.mesh is not None else None
+        stacked = [is_stacked(tuple(getattr(k, "key", getattr(k, "name", k)) for k in p[:1]))
+                   for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
         new = []
         for i, (o, h) in enumerate(zip(old_leaves, host_leaves)):
-            for x in (o, None if cached is None else cached[i]):
+            in_place = stacked[i] and _refillable(o, h)  # the layer stack: refilled a layer at a time
+            for x in ([] if in_place else [o]) + ([] if cached is None or cached[i] is o else [cached[i]]):
                 if isinstance(x, jax.Array) and not x.is_deleted():
                     x.delete()
-            new.append(jax.device_put(h, self.devices[0]) if shardings is None else tpl.place_leaf(h, shardings[i]))
+            if in_place:
+                layer = None if shardings is None else jax.sharding.NamedSharding(self.mesh, P(*o.sharding.spec[1:]))
+                new.append(refill_stacked(o, h, lambda x: jax.device_put(x, self.devices[0]) if layer is None
+                                          else tpl.place_leaf(x, layer)))
+            else:
+                new.append(jax.device_put(h, self.devices[0]) if shardings is None
+                           else tpl.place_leaf(h, shardings[i]))
             if on_leaf is not None:
                 on_leaf(i, new[-1])
         return jax.tree.unflatten(treedef, new)
@@ -222,7 +237,7 @@ class Engine:
         return list(self.mesh.devices.flat) if self.mesh is not None else [jax.devices()[0]]
 
     def _state_shardings(self, mesh) -> DecodeState:
-        kv = tuple(tpl.pool_sharding(mesh, self.pool_layout) for _ in range(self.model_cfg.num_layers))
+        kv = tpl.pool_sharding(mesh, self.pool_layout)  # one pool of every layer's pages (rollout/layered.py)
         rep = tpl.replicated(mesh)
         return DecodeState(kv, kv, *([rep] * (len(DecodeState._fields) - 2)))
 
@@ -241,10 +256,10 @@ class Engine:
         c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
         store = storage_dtype(self.kv_dtype, self.pool_layout)  # CPU bf16 pools live as uint16 bits (see storage_dtype)
 
-        def zeros(key):
-            shape = pool_shape(self.section.num_pages, self.page_size, c.num_kv_heads, c.head_dim, key=key,
-                               layout=self.pool_layout)
-            return tuple(jnp.zeros(shape, store) for _ in range(c.num_layers))
+        def zeros(key):  # every layer's pages in one pool, layer l's from l * num_pages (rollout/layered.py)
+            shape = pool_shape(self.section.num_pages * c.num_layers, self.page_size, c.num_kv_heads, c.head_dim,
+                               key=key, layout=self.pool_layout)
+            return jnp.zeros(shape, store)
         return DecodeState(
             k_pages=zeros(True), v_pages=zeros(False),
             page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
@@ -292,7 +307,7 @@ class Engine:
         pages = self.allocator.allocate(self.reserve_pages(prompt_len, init.max_new))
         self.slot_pages[slot] = pages
         self._cached_hi[slot] = prompt_len - 1
-        return self._settle(prg.insert_jit(self._spec.page_size, self.pool_layout, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
+        return self._settle(prg.insert_jit(self._spec.page_size, self._pools, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
                                         prefix.last_token, np.int32(slot), page_row(self.pages_per_seq, pages),
                                         *init_arrays(self._key_shape, init)))
 
@@ -383,7 +398,7 @@ class Engine:
             src[i, :m], dst[i, :m] = self.slot_pages[source][:m], pages[:m]
             cached[i], last[i] = len(x) - 1, x[-1]
         rows, slot_ids = self._claim_rows(b, slots, taken, ids)
-        return self._settle(prg.share_prompt_jit(self.pool_layout, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
+        return self._settle(prg.share_prompt_jit(self._pools, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids, rows,
                                               cached, last, *init_columns(self._key_shape, inits, b)))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
@@ -429,7 +444,7 @@ class Engine:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
         row = page_row(self.pages_per_seq, self.slot_pages[slot])
-        k, v = jax.device_get(prg.read_pages_jit(self.pool_layout, decode_state, row))
+        k, v = jax.device_get(prg.read_pages_jit(self._pools, decode_state, row))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
@@ -452,7 +467,7 @@ class Engine:
         else:  # each device receives only its KV heads of the imported pages
             kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
                       for x in (k, v))
-        return self._settle(prg.write_slot_jit(self.pool_layout, decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
+        return self._settle(prg.write_slot_jit(self._pools, decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
                                             np.int32(last_token), *init_arrays(self._key_shape, init)))
 
     # ---------------------------------------------------------------- multi-turn (rollout/extend.py)
@@ -538,6 +553,12 @@ class Engine:
             self.slot_pages[slot] = pages
             self._cached_hi[slot] = len(x) - 1
         return rows, slot_ids
+
+
+def _refillable(old: Any, host: Any) -> bool:
+    """Whether a swap can write ``host`` into ``old``'s buffer in place (same shape and dtype, live)."""
+    return (isinstance(old, jax.Array) and not old.is_deleted() and old.ndim >= 1
+            and tuple(np.shape(host)) == old.shape and np.dtype(getattr(host, "dtype", None)) == old.dtype)
 
 
 def make_engine(model: nnx.Module, section: RolloutSection, **kwargs) -> tuple[Engine, Any]:

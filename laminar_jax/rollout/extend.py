@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from laminar_jax.rollout.attention import DecodeMeta, live_page_list
+from laminar_jax.rollout.layered import layered_backend
 from laminar_jax.rollout.programs import engine_model
 
 
@@ -47,10 +48,10 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
         meta = DecodeMeta(row, pos[None], active, spec.page_size, kv_dtype=spec.kv_dtype)
         if live_bucket:
             meta = meta._replace(live=live_page_list(meta, live_bucket))
-        backend = functools.partial(spec.kernels.attend, meta=meta)
-        _, cache = model.forward_cached(feed[i][None, None], pos[None, None], list(zip(k_pages, v_pages)), backend,
-                                        spec.kernels.products)
-        return tuple(c[0] for c in cache), tuple(c[1] for c in cache), pos + 1
+        backend = layered_backend(spec.kernels.attend, meta, spec.layer_pages)
+        _, (k_pages, v_pages) = model.forward_cached(feed[i][None, None], pos[None, None], (k_pages, v_pages),
+                                                     backend, spec.kernels.products)
+        return k_pages, v_pages, pos + 1
 
     k_pages, v_pages, pos = jax.lax.fori_loop(0, n, body, (state.k_pages, state.v_pages, num_cached))
     return state._replace(

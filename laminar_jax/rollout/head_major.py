@@ -73,7 +73,7 @@ def from_pool(x: jax.Array, *, key: bool = True) -> jax.Array:
 
 
 def write_kv(layer_cache, k: jax.Array, v: jax.Array, meta: DecodeMeta) -> tuple[jax.Array, jax.Array]:
-    """The token written into one layer's head-major pools (inactive rows into the null page 0)."""
+    """The token written into one layer's head-major pools (inactive rows into its null page, first_page)."""
     return attention.write_kv(layer_cache, k, v, meta, layout=POOL_LAYOUT)
 
 
@@ -116,15 +116,16 @@ def shard_over_kv_heads(backend, mesh: jax.sharding.Mesh, axis: str):
     pool = P(axis, None, None, None)
 
     def run(q, k, v, layer_cache, *, meta: DecodeMeta):
-        def local(q, k, v, kp, vp, table, positions, active):
-            m = meta._replace(page_table=table, positions=positions, active=active, live=None)
+        def local(q, k, v, kp, vp, table, positions, active, first_page):
+            m = meta._replace(page_table=table, positions=positions, active=active, live=None, first_page=first_page)
             return backend(q, k, v, (kp, vp), meta=m)
 
         smap = getattr(jax, "shard_map", None)
         if smap is None:  # jax < 0.7 keeps it under experimental
             from jax.experimental.shard_map import shard_map as smap
-        fn = smap(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P()),
+        fn = smap(local, mesh=mesh, in_specs=(heads, heads, heads, pool, pool, P(), P(), P(), P()),
                   out_specs=(heads, (pool, pool)), check_vma=False)
-        return fn(q, k, v, layer_cache[0], layer_cache[1], meta.page_table, meta.positions, meta.active)
+        return fn(q, k, v, layer_cache[0], layer_cache[1], meta.page_table, meta.positions, meta.active,
+                  jnp.asarray(meta.first_page, jnp.int32))
 
     return run

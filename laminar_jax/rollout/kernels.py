@@ -96,6 +96,7 @@ _ATTENTION: dict[tuple[str, str], AttentionKernel] = {}  # (platform or '*', nam
 # platform -> (policy, geometry, largest weight, field) -> (Products, reason); raises for an explicit policy it cannot serve
 _PRODUCTS: dict[str, Callable[..., tuple[Products, str]]] = {}
 _ARGMAX: dict[str, Callable[[Geometry], Optional[tuple[Callable, str]]]] = {}  # platform -> (fn, name) or None
+_UNROLL: dict[str, bool] = {}  # platform -> its engine programs unroll the layers' scan
 
 
 def register_attention(kernel: AttentionKernel, platform: str = _ANY) -> None:
@@ -106,6 +107,12 @@ def register_attention(kernel: AttentionKernel, platform: str = _ANY) -> None:
 
 def register_products(platform: str, chooser: Callable[..., tuple[Products, str]]) -> None:
     _PRODUCTS[platform] = chooser
+
+
+def register_layer_unroll(platform: str, unroll: bool) -> None:
+    """Whether ``platform``'s engine programs run the layers' scan fully unrolled (straight-line
+    code per layer instead of a loop over the stacked weights)."""
+    _UNROLL[platform] = unroll
 
 
 def register_argmax(platform: str, chooser: Callable[[Geometry], Optional[tuple[Callable, str]]]) -> None:
@@ -142,6 +149,7 @@ class DecodeKernels:
     reason: str = ""  # why 'auto' passed over a faster kernel ('' when nothing was passed over)
     pool_layout: str = POOL_LAYOUT  # the KV pools' layout the attention reads
     per_shard: bool = False  # the attention runs per tensor-parallel shard (see over_mesh)
+    unroll_layers: bool = False  # the layers' scan fully unrolled (a platform's choice: register_layer_unroll)
 
     def over_mesh(self, mesh, axis: str) -> "DecodeKernels":
         """These kernels for an engine on ``mesh`` (TP over ``axis``): a per-shard attention wrapped to run
@@ -240,7 +248,7 @@ def choose_decode_kernels(attention_impl: str, weight_products: str, *, platform
     argmax, argmax_name = choose_argmax(platform, geometry)
     reason = "; ".join(r for r in (why_attention, why_products) if r)
     return DecodeKernels(kernel.name, kernel.fn, products, argmax, argmax_name, platform, kernel.needs_live_pages,
-                         reason, kernel.pool_layout, kernel.per_shard)
+                         reason, kernel.pool_layout, kernel.per_shard, _UNROLL.get(platform, False))
 
 
 @functools.lru_cache(maxsize=64)

@@ -59,8 +59,8 @@ class DecodeState(NamedTuple):
     or sampled token) is fed at position ``lengths`` on the next step.
     """
 
-    k_pages: tuple  # L x f[P, Hkv, D, page] (layouts: rollout.attention, "pool layouts")
-    v_pages: tuple  # L x f[P, Hkv, page, D]
+    k_pages: jax.Array  # f[L * P, Hkv, D, page]: every layer's pages, layer l's from l * P (rollout/layered.py;
+    v_pages: jax.Array  # f[L * P, Hkv, page, D]   layouts: rollout.attention, "pool layouts")
     page_table: jax.Array  # i32[S, pages_per_seq]; 0 = null page
     lengths: jax.Array  # i32[S]: tokens whose KV is cached
     last_token: jax.Array  # i32[S]: token fed at the next step
@@ -77,8 +77,8 @@ class DecodeState(NamedTuple):
 class Prefix(NamedTuple):
     """Output of prefill(): KV of prompt[:true_length-1] (padded to the bucket) and the last prompt token."""
 
-    k: tuple  # L x f[T, Hkv, D]
-    v: tuple  # L x f[T, Hkv, D]
+    k: jax.Array  # f[L, T, Hkv, D]
+    v: jax.Array  # f[L, T, Hkv, D]
     true_length: jax.Array  # i32[]: prompt length
     last_token: jax.Array  # i32[]: prompt[true_length - 1], fed at the first generate step
 

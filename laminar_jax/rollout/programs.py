@@ -34,6 +34,7 @@ from laminar_jax.rollout.attention import (
     to_pool,
 )
 from laminar_jax.rollout.kernels import DecodeKernels
+from laminar_jax.rollout.layered import PoolGeom, every_layer, kv_buffer_backend, layered_backend
 from laminar_jax.rollout.paged import DecodeState, StepOutput
 from laminar_jax.rollout.sampling import gumbel_noise, sample_tokens, token_keys
 
@@ -52,6 +53,12 @@ class Spec(NamedTuple):
     one_chunk: bool = False  # a row bucket's program: exactly one chunk, no loop
     vocab_size: int = 0  # the logits' width (sizes call_noise)
     longest_prompt: int = 0  # the largest prefill bucket: packed prefill attends in windows of it
+    layer_pages: int = 0  # pages per layer in the one pool of all layers (rollout/layered.py)
+
+
+def pool_geom(spec: Spec) -> PoolGeom:
+    """The spec's pools: its kernels' layout, every layer's pages, ``layer_pages`` each."""
+    return PoolGeom(spec.kernels.pool_layout, spec.num_layers, spec.layer_pages)
 
 
 def engine_model(spec: Spec, params):
@@ -61,9 +68,9 @@ def engine_model(spec: Spec, params):
 
 
 def _prefill_impl(spec: Spec, params, tokens, true_length):
-    """One prompt (tokens i32[1, T]): its KV (f[T, Hkv, D] per layer) and last token."""
+    """One prompt (tokens i32[1, T]): its KV (f[L, T, Hkv, D] each) and last token."""
     k, v = _prefill_rows_impl(spec, params, tokens, jnp.reshape(true_length, (1,)))
-    return tuple(x[0] for x in k), tuple(x[0] for x in v), tokens[0, true_length - 1]
+    return k[:, 0], v[:, 0], tokens[0, true_length - 1]
 
 
 def _set_slot(state: DecodeState, slot, page_row, num_cached, last_token,
@@ -89,28 +96,38 @@ def _prompt_positions(page_size: int, page_rows, lengths, t: int):
     return page, jnp.broadcast_to(pos % page_size, page.shape)
 
 
-def _insert_impl(page_size: int, layout: str, state, k, v, prompt_len, last_token, slot, page_row, *init):
-    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k[0].shape[0])
-    page, off = page[0], off[0]
-    state = _scatter_prompt_kv(state, k, v, page, off, layout)
+def _insert_impl(page_size: int, pools: PoolGeom, state, k, v, prompt_len, last_token, slot, page_row, *init):
+    """A prompt's KV (f[L, T, Hkv, D] each) into the slot's pages of every layer, then set the slot."""
+    page, off = _prompt_positions(page_size, page_row[None], jnp.reshape(prompt_len, (1,)), k.shape[1])
+    state = _scatter_prompt_kv(pools, state, k, v, page[0], off[0])
     return _set_slot(state, slot, page_row, prompt_len - 1, last_token, *init)
 
 
-def _scatter_prompt_kv(state, k, v, page, off, layout: str):
-    """Prompt KV (per layer f[..., T, Hkv, D] in kv_dtype) into the pools (``layout``) at (page, off) i32[..., T]."""
-    kp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=True, layout=layout) for p, x in zip(state.k_pages, k))
-    vp = tuple(scatter_tokens(p, page, off, x, x.dtype, key=False, layout=layout) for p, x in zip(state.v_pages, v))
-    return state._replace(k_pages=kp, v_pages=vp)
+def _scatter_prompt_kv(pools: PoolGeom, state, k, v, page, off):
+    """Prompt KV (f[L, ..., T, Hkv, D] in kv_dtype) into the pools at one layer's (page, off) i32[..., T]."""
+    pages = every_layer(page, pools.num_layers, pools.layer_pages)
+    off = jnp.broadcast_to(off, pages.shape)
+    return state._replace(
+        k_pages=scatter_tokens(state.k_pages, pages, off, k, k.dtype, key=True, layout=pools.layout),
+        v_pages=scatter_tokens(state.v_pages, pages, off, v, v.dtype, key=False, layout=pools.layout))
+
+
+def _prefill_kv(spec: Spec, model, tokens, positions, prefill):
+    """Every layer's k/v (f[L, B, T, Hkv, D] each, kv_dtype) of one forward through ``prefill``."""
+    c = model.cfg
+    shape = (spec.num_layers, *tokens.shape, c.num_kv_heads, c.head_dim)
+    buffers = (jnp.zeros(shape, spec.kv_dtype), jnp.zeros(shape, spec.kv_dtype))
+    _, (k, v) = model.forward_cached(tokens, positions, buffers, kv_buffer_backend(prefill, spec.kv_dtype),
+                                     spec.kernels.products)
+    return k, v
 
 
 def _prefill_rows_impl(spec: Spec, params, tokens, lengths):
-    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward."""
+    """KV of every row's ``tokens[b, :lengths[b] - 1]`` (tokens i32[B, T]) in one forward: f[L, B, T, Hkv, D] each."""
     model = engine_model(spec, params)
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
-    backend = functools.partial(prefill_dense, valid_len=lengths - 1)
-    _, cache = model.forward_cached(tokens, positions, [None] * spec.num_layers, backend, spec.kernels.products)
-    return tuple(c[0].astype(spec.kv_dtype) for c in cache), tuple(c[1].astype(spec.kv_dtype) for c in cache)
+    return _prefill_kv(spec, model, tokens, positions, functools.partial(prefill_dense, valid_len=lengths - 1))
 
 
 def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, page, offset, slots, page_rows,
@@ -120,18 +137,16 @@ def _insert_packed_impl(spec: Spec, params, state, tokens, positions, segments, 
     page row of zeros, so no slot changes; padding tokens' KV goes to the null page)."""
     model = engine_model(spec, params)
     backend = functools.partial(prefill_packed, segments=segments, window=spec.longest_prompt)
-    _, cache = model.forward_cached(tokens[None], positions[None], [None] * spec.num_layers, backend,
-                                    spec.kernels.products)
-    k = tuple(c[0][0].astype(spec.kv_dtype) for c in cache)
-    v = tuple(c[1][0].astype(spec.kv_dtype) for c in cache)
-    state = _scatter_prompt_kv(state, k, v, page, offset, spec.kernels.pool_layout)
+    k, v = _prefill_kv(spec, model, tokens[None], positions[None], backend)
+    state = _scatter_prompt_kv(pool_geom(spec), state, k[:, 0], v[:, 0], page, offset)
     return _set_slot(state, slots, page_rows, num_cached, last_token, *init)
 
 
-def _share_prompt_impl(layout: str, state, src, dst, slot, page_row, num_cached, last_token, *init):
-    """Copy pages src[i] -> dst[i] in every layer's K and V pools (``layout``), then set the slot."""
-    kp = tuple(copy_pages(p, src, dst, key=True, layout=layout) for p in state.k_pages)
-    vp = tuple(copy_pages(p, src, dst, key=False, layout=layout) for p in state.v_pages)
+def _share_prompt_impl(pools: PoolGeom, state, src, dst, slot, page_row, num_cached, last_token, *init):
+    """Copy pages src[i] -> dst[i] of every layer in the K and V pools, then set the slot."""
+    src, dst = (every_layer(x, pools.num_layers, pools.layer_pages).reshape(-1) for x in (src, dst))
+    kp = copy_pages(state.k_pages, src, dst, key=True, layout=pools.layout)
+    vp = copy_pages(state.v_pages, src, dst, key=False, layout=pools.layout)
     return _set_slot(state._replace(k_pages=kp, v_pages=vp), slot, page_row, num_cached, last_token, *init)
 
 
@@ -139,22 +154,25 @@ def _deactivate_impl(state, slot):
     return state._replace(active=state.active.at[slot].set(False))
 
 
-def _read_pages_impl(layout: str, state, page_row):
+def _read_pages_impl(pools: PoolGeom, state, page_row):
     """The pages of page_row in every layer, f[L, n, page, Hkv, D] each (the wire layout, whatever the
-    pools' ``layout``), still stored (the caller views the bits as the KV dtype)."""
-    def read(pools, key):
-        return from_pool(jnp.stack([take_pages(p, page_row, key=key, layout=layout) for p in pools]), key=key,
-                         layout=layout)
+    pools' layout), still stored (the caller views the bits as the KV dtype)."""
+    idx = every_layer(page_row, pools.num_layers, pools.layer_pages).reshape(-1)
+
+    def read(pool, key):
+        x = from_pool(take_pages(pool, idx, key=key, layout=pools.layout), key=key, layout=pools.layout)
+        return x.reshape(pools.num_layers, -1, *x.shape[1:])
     return read(state.k_pages, True), read(state.v_pages, False)
 
 
-def _write_slot_impl(layout: str, state, k, v, dst, slot, page_row, num_cached, last_token, *init):
-    """Pages k, v (f[L, n, page, Hkv, D] in the KV dtype: the wire layout) into pages dst of the pools."""
-    def write(pools, x, key):
-        return tuple(scatter_pages(p, dst, to_pool(y, key=key, layout=layout), y.dtype, key=key, layout=layout)
-                     for p, y in zip(pools, x))
-    kp, vp = write(state.k_pages, k, True), write(state.v_pages, v, False)
-    state = state._replace(k_pages=kp, v_pages=vp)
+def _write_slot_impl(pools: PoolGeom, state, k, v, dst, slot, page_row, num_cached, last_token, *init):
+    """Pages k, v (f[L, n, page, Hkv, D] in the KV dtype: the wire layout) into pages dst of every layer."""
+    idx = every_layer(dst, pools.num_layers, pools.layer_pages).reshape(-1)
+
+    def write(pool, x, key):
+        x = to_pool(x.reshape(-1, *x.shape[2:]), key=key, layout=pools.layout)
+        return scatter_pages(pool, idx, x, k.dtype, key=key, layout=pools.layout)
+    state = state._replace(k_pages=write(state.k_pages, k, True), v_pages=write(state.v_pages, v, False))
     return _set_slot(state, slot, page_row, num_cached, last_token, *init)
 
 
@@ -169,10 +187,10 @@ def _step(spec: Spec, model, state: DecodeState, live_bucket: int,
     if live_bucket:
         meta = meta._replace(live=live_page_list(meta, live_bucket))
         overflow = meta.live.count > live_bucket
-    backend = functools.partial(spec.kernels.attend, meta=meta)
-    cache = list(zip(state.k_pages, state.v_pages))
-    logits, new_cache = model.forward_cached(state.last_token[:, None], state.lengths[:, None], cache, backend,
-                                             spec.kernels.products)
+    backend = layered_backend(spec.kernels.attend, meta, spec.layer_pages)
+    logits, (k_pages, v_pages) = model.forward_cached(state.last_token[:, None], state.lengths[:, None],
+                                                      (state.k_pages, state.v_pages), backend, spec.kernels.products,
+                                                      spec.kernels.unroll_layers)
     keys = None if noise is not None else token_keys(state.keys, state.num_generated)
     tok, lp = sample_tokens(logits[:, 0], keys, state.temperature, state.top_k, state.top_p, noise,
                             spec.kernels.argmax)
@@ -181,7 +199,7 @@ def _step(spec: Spec, model, state: DecodeState, live_bucket: int,
     n_gen = state.num_generated + emitted.astype(jnp.int32)
     done = emitted & (stopped | (n_gen >= state.max_new))
     state = state._replace(
-        k_pages=tuple(c[0] for c in new_cache), v_pages=tuple(c[1] for c in new_cache),
+        k_pages=k_pages, v_pages=v_pages,
         lengths=state.lengths + emitted.astype(jnp.int32),
         last_token=jnp.where(emitted, tok, state.last_token),
         num_generated=n_gen, active=state.active & ~done)
@@ -278,7 +296,7 @@ def programs(spec: Spec, params_treedef) -> Programs:
     return Programs(
         prefill=jax.jit(lambda leaves, tokens, n: _prefill_impl(spec, unflatten(leaves), tokens, n)),
         prefill_insert=jax.jit(lambda leaves, state, tokens, n, slot, row, *init: tpl.constrain(_insert_impl(
-            spec.page_size, spec.kernels.pool_layout, state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
+            spec.page_size, pool_geom(spec), state, *_prefill_impl(spec, unflatten(leaves), tokens, n)[:2], n,
             tokens[0, n - 1], slot, row, *init), spec.state_shardings), donate_argnums=(1,)),
         generate=jax.jit(lambda leaves, state, rows, n, bucket: _generate_impl(spec, unflatten(leaves), state, rows, n,
                                                                                bucket),
@@ -287,7 +305,7 @@ def programs(spec: Spec, params_treedef) -> Programs:
             _insert_packed_impl(spec, unflatten(leaves), state, *args), spec.state_shardings), donate_argnums=(1,)))
 
 
-# The page copies take the pools' layout (static) first.
+# The page copies take the pools' geometry (layout, layers, pages per layer; static) first.
 insert_jit = jax.jit(_insert_impl, static_argnums=(0, 1), donate_argnums=(2,))
 deactivate_jit = jax.jit(_deactivate_impl, donate_argnums=(0,))
 read_pages_jit = jax.jit(_read_pages_impl, static_argnums=(0,))

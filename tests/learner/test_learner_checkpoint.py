@@ -166,3 +166,13 @@ def test_a_checkpoint_of_in_out_kernels_names_the_weight_layout_change(tmp_path)
     with pytest.raises(LayoutMismatch, match="'kernel' \\[in, out\\].*'weight' \\[out, in\\]"):
         ck.restore_newest({"q_proj": {"weight": jnp.zeros((64, 64))}})
     ck.close()
+
+
+def test_a_checkpoint_of_per_layer_parameters_names_the_stacked_layout(tmp_path):
+    # Checkpoints written before the layers were stacked hold one leaf per layer and parameter.
+    d = str(tmp_path / "ckpt")
+    ck = Checkpointer(d, keep=1, async_save=False)
+    ck.save(1, {"layers": {0: {"w": jnp.ones((4,))}, 1: {"w": jnp.ones((4,))}}}, {"version": 1, "extra": {}})
+    with pytest.raises(LayoutMismatch, match="each layer's parameters apart.*export it to HF"):
+        ck.restore_newest({"layers": {"w": jnp.zeros((2, 4))}})
+    ck.close()

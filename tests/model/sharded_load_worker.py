@@ -15,7 +15,7 @@ from safetensors import safe_open
 from laminar_jax.learner.config import MeshSection
 from laminar_jax.learner.mesh import build_mesh, sharding_of
 from laminar_jax.model.config import ModelSection
-from laminar_jax.model.hf import _flat_items, hf_name
+from laminar_jax.model.hf import _flat_items, hf_name, is_stacked
 from laminar_jax.model.sharded import abstract_model, load_model, param_bytes
 from laminar_jax.rollout.tp import TP_RULES, tp_mesh
 from flax import nnx
@@ -53,19 +53,22 @@ def check(path: str, mesh, rules, devices) -> None:
     pure = nnx.to_pure_dict(nnx.state(model))
     shard_bytes, sharded = {}, 0
     for p, x in _flat_items(pure):
-        name = hf_name(p)
+        # A stacked parameter (leading layer axis) holds one file tensor per layer, read layer by layer.
+        names = [hf_name(p, i) for i in range(x.shape[0])] if is_stacked(p) else [hf_name(p)]
+        name = names[0]
         file = f"{path}/model.safetensors"
         if file not in f:
             f[file] = safe_open(file, framework="numpy")
-        full = f[file].get_tensor(name)
+        full = np.stack([f[file].get_tensor(n) for n in names]) if is_stacked(p) else f[file].get_tensor(name)
         assert x.sharding == shardings(p, None), name
         shape = x.sharding.shard_shape(x.shape)
         for s in x.addressable_shards:  # each device holds exactly its shard, with the file's values
             assert s.data.shape == shape, (name, s.data.shape, shape)
             np.testing.assert_array_equal(np.asarray(s.data), full[s.index])
-        shard_bytes[name] = int(np.prod(shape)) * 4
+        for n in names:
+            shard_bytes[n] = int(np.prod(shape)) * 4 // len(names) if is_stacked(p) else int(np.prod(shape)) * 4
         if np.prod(shape) < full.size:
-            sharded += 1
+            sharded += len(names)
     assert sharded >= 8, f"only {sharded} tensors sharded: the mesh does not exercise the loader"
     for name, nbytes in reads:  # every read was one device's slice, never a whole sharded tensor
         assert nbytes <= shard_bytes[name], (name, nbytes, shard_bytes[name])

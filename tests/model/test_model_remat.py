@@ -36,6 +36,13 @@ def _setup():
     return params, loss
 
 
+def _per_layer(grads) -> list:
+    """Every gradient tensor, a stacked layer parameter's split into one per layer (as HF names them)."""
+    pure = nnx.to_pure_dict(grads)
+    out = [x for k, v in pure.items() if k != "layers" for x in jax.tree.leaves(v)]
+    return out + [x[i] for x in jax.tree.leaves(pure["layers"]) for i in range(x.shape[0])]
+
+
 @pytest.fixture(scope="module")
 def reference():
     params, loss = _setup()
@@ -50,7 +57,7 @@ def test_remat_matches_no_remat(reference, remat):
     np.testing.assert_allclose(np.asarray(out1.logits), np.asarray(out0.logits), rtol=0, atol=1e-6)
     np.testing.assert_allclose(np.asarray(out1.values), np.asarray(out0.values), rtol=0, atol=1e-6)
     np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6, atol=1e-7)
-    leaves0, leaves1 = jax.tree.leaves(g0), jax.tree.leaves(g1)
+    leaves0, leaves1 = _per_layer(g0), _per_layer(g1)
     assert len(leaves0) == len(leaves1) > 20
     for a, b in zip(leaves0, leaves1):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=1e-6)

@@ -46,3 +46,11 @@ def run_until(server: RolloutServer, n: int, max_steps: int = 2000) -> dict:
         if len(out) >= n:
             return out
     raise AssertionError(f"only {len(out)}/{n} finished after {max_steps} steps: {server.stats()}")
+
+
+def layer_pools(pool, num_layers: int, layout: str = "split", key: bool = True) -> list:
+    """A decode state's one pool of every layer's pages (rollout/layered.py) as each layer's own pages
+    (in the pool's ``layout``: its page axis is where that layout puts it)."""
+    from laminar_jax.rollout.attention import page_axis
+
+    return np.split(np.asarray(pool), num_layers, axis=page_axis(layout, key=key))

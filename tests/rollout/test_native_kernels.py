@@ -219,6 +219,11 @@ def test_row_kernel_policy():
         rows("native", jnp.float16)
 
 
+def _one_layer(w):
+    """A Linear weight as one product sees it: one layer's [out, in] of a stacked (3-D) weight."""
+    return w[0] if w.ndim == 3 else w
+
+
 def test_largest_weight_reads_the_model_config():
     import dataclasses
 
@@ -230,7 +235,7 @@ def test_largest_weight_reads_the_model_config():
     for cfg in (PRESETS["tiny"], dataclasses.replace(PRESETS["tiny"], hidden_size=256, intermediate_size=512,
                                                      num_layers=1, tie_word_embeddings=False)):
         model = Transformer(cfg, rngs=nnx.Rngs(0))
-        sizes = [m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
+        sizes = [_one_layer(m.weight[...]).size for _, m in nnx.iter_graph(model) if isinstance(m, Linear)]
         sizes.append(cfg.vocab_size * cfg.hidden_size)  # the head (tied: the embedding)
         assert cfg.largest_weight() == max(sizes)
 
@@ -260,7 +265,7 @@ def test_linear_and_head_through_the_kernel_equal_the_dot(tied):
     np.testing.assert_allclose(np.asarray(model(tokens, products=kernel(16))), np.asarray(ref), atol=1e-5, rtol=1e-5)
     assert "laminar_row_products" not in hlo(kernel(2))  # 3 rows > 2: XLA's dot again
     # A floor on the weight's size: only the products of weights that large take the kernel.
-    largest = max(m.weight[...].size for _, m in nnx.iter_graph(model) if isinstance(m, Linear))
+    largest = max(_one_layer(m.weight[...]).size for _, m in nnx.iter_graph(model) if isinstance(m, Linear))
     assert "laminar_row_products" in hlo(kernel(16, largest))
     assert "laminar_row_products" not in hlo(kernel(16, largest + 1))
     np.testing.assert_allclose(np.asarray(model(tokens, products=kernel(16, largest))), np.asarray(ref), atol=1e-5,

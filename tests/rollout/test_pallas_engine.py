@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from tests.rollout import pallas_engine_cases as cases
+from tests.rollout.rollout_helpers import layer_pools
 from tests.subprocess_env import child_env
 
 
@@ -35,8 +36,9 @@ SLOW = pytest.mark.slow  # interpret mode: ~1 min each on 2 cores; one case of e
 def test_pallas_engine_decodes_as_the_portable_kernel(kernel, kv_heads, dtype):
     eng, toks, lps = cases.run(kernel, kv_heads, dtype)
     assert eng.attention_impl == kernel and eng.pool_layout == "head_major"
-    assert eng.init_decode_state().k_pages[0].shape == (kv_heads, cases.SECTION.num_pages, cases.PAGE, 32)
-    assert eng.init_decode_state().k_pages[0].dtype == dtype  # head-major pools keep the float dtype
+    k_pool = layer_pools(eng.init_decode_state().k_pages, eng.model_cfg.num_layers, eng.pool_layout)[0]
+    assert k_pool.shape == (kv_heads, cases.SECTION.num_pages, cases.PAGE, 32)
+    assert k_pool.dtype == dtype  # head-major pools keep the float dtype
     ref, rtoks, rlps = cases.run("live_pages", kv_heads, dtype)
     assert ref.pool_layout == "split"
     _same((toks, lps), (rtoks, rlps), dtype, kernel)
@@ -97,7 +99,7 @@ TP = textwrap.dedent("""
     _, want, want_lp = cases.run("live_pages", 2, jnp.float32)
     for kernel in ("pallas_gpu_paged", "pallas_tpu_paged"):
         eng, toks, lps = cases.run(kernel, 2, jnp.float32, mesh=mesh)
-        pool = eng.init_decode_state().k_pages[0]
+        pool = eng.init_decode_state().k_pages  # every layer's pages in one pool
         assert pool.sharding.spec[0] == "tensor", pool.sharding  # split on the KV heads (head-major axis 0)
         np.testing.assert_array_equal(toks, want)
         np.testing.assert_allclose(lps, want_lp, atol=cases.tolerance(jnp.float32, kernel), rtol=0)

@@ -9,7 +9,7 @@ import pytest
 
 from laminar_jax.rollout import OutOfPages, Request, SamplingParams, SlotInit
 from laminar_jax.rollout.paged import pages_needed
-from tests.rollout.rollout_helpers import SECTION, make_server, run_until
+from tests.rollout.rollout_helpers import SECTION, layer_pools, make_server, run_until
 
 OFF = dataclasses.replace(SECTION, share_prompt_kv=False)
 
@@ -90,7 +90,8 @@ def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
             continue
         for slot, n in ((3, len(long)), (2, len(short)), (5, len(long))):  # the prompt's positions; the rest is unwritten
             pages = eng.slot_pages[slot][:pages_needed(n - 1, eng.page_size)]
-            for x, y in zip(getattr(a, f), getattr(b, f)):
+            layers = eng.model_cfg.num_layers
+            for x, y in zip(layer_pools(getattr(a, f), layers), layer_pools(getattr(b, f), layers)):
                 x, y = (np.asarray(z)[pages].reshape(-1, *z.shape[2:])[:n - 1] for z in (x, y))
                 np.testing.assert_array_equal(x, y)
     state = eng.init_decode_state()

@@ -37,7 +37,7 @@ def _run(server, reqs):
 def _layout(server):
     """Devices of the weights and the KV pool, and each device's KV shard shape."""
     params_dev = sorted(d.id for leaf in jax.tree.leaves(server._params) for d in leaf.sharding.device_set)
-    k0 = server._state.k_pages[0]
+    k0 = server._state.k_pages  # one K pool of every layer's pages
     return {"params": sorted(set(params_dev)), "kv": sorted(d.id for d in k0.sharding.device_set),
             "kv_shard": [list(s.data.shape) for s in k0.addressable_shards][:1],
             "state": sorted({d.id for x in jax.tree.leaves(server._state) for d in x.sharding.device_set})}
@@ -88,8 +88,14 @@ def host_pull():
     placed = s.engine.place_params(host)
     shards = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
-        shards[jax.tree_util.keystr(path)] = [list(leaf.shape), [list(x.data.shape) for x in leaf.addressable_shards],
-                                              sorted(d.id for d in leaf.sharding.device_set)]
+        name, devs = jax.tree_util.keystr(path), sorted(d.id for d in leaf.sharding.device_set)
+        per_dev = [list(x.data.shape) for x in leaf.addressable_shards]
+        if name.startswith("['layers']"):  # stacked (leading layer axis, never split): one entry per layer
+            assert all(p[0] == leaf.shape[0] for p in per_dev), (name, per_dev)
+            for i in range(leaf.shape[0]):
+                shards[f"{name}[{i}]"] = [list(leaf.shape[1:]), [p[1:] for p in per_dev], devs]
+        else:
+            shards[name] = [list(leaf.shape), per_dev, devs]
     s.set_params(1, placed)
     req = request(3, max_new=8, temperature=0.0)
     out = _run(s, [req])[req.uid]
@@ -109,7 +115,7 @@ def collectives():
     text = progs.generate.lower(leaves, s._state, rows, n, eng.live_bucket()).compile().as_text()
     found = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)\(", text)
     return {"ops": [[shape, op] for shape, op in found], "slots": SECTION.num_slots, "vocab": CFG.vocab_size,
-            "hidden": CFG.hidden_size, "layers": CFG.num_layers}
+            "hidden": CFG.hidden_size, "layers": 1}  # the layers' scan: one layer body in the program, every layer runs it
 
 
 def gqa_error():
