@@ -117,7 +117,10 @@ def unsharded(devices, arch, sharded_on: set[int]) -> int:
     # a matrix of one layer, or a stack of them (the layers' scan: a leading unnamed layer axis);
     # a stack of vectors (norms, biases) is not one
     stacked = lambda shape, axes: len(shape) > 1 and shape[0] == arch.num_layers and axes[0] is None
-    whole = {shape for shape, axes in param_table(arch) if len(shape) - stacked(shape, axes) == 2}
+    matrices = [(shape, stacked(shape, axes)) for shape, axes in param_table(arch)]
+    # the stack itself, and one layer's matrix out of it (a gathered or staged layer)
+    whole = {shape for shape, s in matrices if len(shape) - s == 2} | \
+        {shape[1:] for shape, s in matrices if s and len(shape) == 3}
     arrays = jax.live_arrays()
     # A shard's `data` is a single-device live array over a multi-device array's own buffer: a view,
     # not a copy (a TP-split vocab table's [vocab / tp, hidden] shard may have a weight matrix's shape);
