@@ -96,7 +96,7 @@ def compile_generate(engine, params):
     from laminar_jax.rollout import programs as prg
 
     leaves, treedef = jax.tree.flatten(params)
-    shardings = engine.param_shardings(params)
+    shardings = engine.placement.shardings(params)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                          jax.eval_shape(engine._zero_state), engine.state_shardings)

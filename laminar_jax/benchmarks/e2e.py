@@ -159,6 +159,7 @@ def engine_alone(cfg, budget_s: float) -> dict:
     from laminar_jax.data import build_prompt_source
     from laminar_jax.model import build_model, load_tokenizer
     from laminar_jax.rollout import Request, RolloutServer, make_engine
+    from laminar_jax.rollout.warmup import warmup
     from laminar_jax.runtime.fleet import server_section
 
     model = build_model(cfg.model)
@@ -174,7 +175,7 @@ def engine_alone(cfg, budget_s: float) -> dict:
     servers = []
     for i in range(cfg.runtime.num_servers):
         engine, params = make_engine(model, server_section(cfg, i, 0))
-        engine.warmup(params)
+        warmup(engine, params)
         servers.append(RolloutServer(engine, params))
     tokens, errors = [0] * len(servers), []
 

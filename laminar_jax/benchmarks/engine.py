@@ -71,6 +71,7 @@ def _summary(name: str, wall: float, latencies: list, tokens: int, cpu_s: float 
 
 def run_engine(model, section, wl: Workload, name: str) -> dict:
     from laminar_jax.rollout import Request, RolloutServer, SamplingParams, make_engine
+    from laminar_jax.rollout.warmup import warmup
 
     engine, params = make_engine(model, section)
 
@@ -81,7 +82,7 @@ def run_engine(model, section, wl: Workload, name: str) -> dict:
 
     # Warm-up: compile every prefill bucket and generate() variant, then run a throwaway server (same programs).
     t_warm = time.perf_counter()
-    engine.warmup(params)
+    warmup(engine, params)
     print(f"{name}: warm-up compiled in {time.perf_counter() - t_warm:.1f} s", flush=True)
     warm = RolloutServer(engine, params)
     for r in requests("w")[:section.num_slots]:
@@ -168,7 +169,7 @@ def decode_step_b64(model, section, device_kind: str, batch: int = 64, context: 
     engine, params = make_engine(model, sec)
     state = engine.init_decode_state()
     prompt = np.arange(context, dtype=np.int32) % 97 + 3
-    pre = engine.prefill(params, *engine.pad_prompt(prompt))
+    pre = engine.prefill(params, *engine.schedule.pad_prompt(prompt))
     for slot in range(batch):
         state = engine.insert(pre, state, slot, SlotInit(np.zeros(2, np.uint32), 0.0, 0, 1.0, 60, np.zeros(0)))
     state, out = engine.generate(params, state)  # compiles this live-page bucket

@@ -83,7 +83,7 @@ def _filled_engine(model, rows: int, context: int, **kwargs):
     sec = _profile_section(rows, context, kwargs.pop("attention_impl", "auto"), kwargs.pop("page", 64))
     engine, params = make_engine(model, sec, **kwargs)
     state = engine.init_decode_state()
-    pre = engine.prefill(params, *engine.pad_prompt(np.arange(context, dtype=np.int32) % 97 + 3))
+    pre = engine.prefill(params, *engine.schedule.pad_prompt(np.arange(context, dtype=np.int32) % 97 + 3))
     for slot in range(rows):
         state = engine.insert(pre, state, slot, SlotInit(np.zeros(2, np.uint32), 0.0, 0, 1.0, 250, np.zeros(0)))
     return engine, params, state

@@ -34,9 +34,10 @@ def tiny_config():
 
 def _run(model, section, prompts: list, max_new: int) -> dict:
     from laminar_jax.rollout import Request, RolloutServer, SamplingParams, make_engine
+    from laminar_jax.rollout.warmup import warmup
 
     engine, params = make_engine(model, section)
-    engine.warmup(params)
+    warmup(engine, params)
     calls = [0]
     generate = engine.generate
 

@@ -89,7 +89,7 @@ def decode_program(cfg, arch, devices):
     rep = tpl.replicated(mesh)
     rows = jax.ShapeDtypeStruct((engine.num_slots,), np.int32, sharding=rep)
     chunks = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
-    bucket = engine.live_buckets[-1]  # every slot's pages live: the largest program
+    bucket = engine.schedule.live_buckets[-1]  # every slot's pages live: the largest program
     return prg.programs(engine._spec, treedef).generate.lower(leaves, state, rows, chunks, bucket)
 
 

@@ -5,7 +5,7 @@ a fresh process per (depth, repeat), with the persistent compilation cache off, 
 
 - ``learner_s``: compiling the learner's step (its first ``Learner.step``: the prepare pass and the
   update program, under the section's default remat policy);
-- ``engine_s``: compiling the rollout engine's programs (``Engine.warmup``: prefill + insert, the
+- ``engine_s``: compiling the rollout engine's programs (``rollout.warmup.warmup``: prefill + insert, the
   page copies and the decode program).
 
 Each is the sum of JAX's compile events (tracing, lowering, backend compilation). The last line's
@@ -60,6 +60,7 @@ def _child(depth: int) -> dict:
     from laminar_jax.model import Transformer
     from laminar_jax.model.arch import TransformerConfig
     from laminar_jax.rollout import RolloutSection, make_engine
+    from laminar_jax.rollout.warmup import warmup
 
     cfg = TransformerConfig(num_layers=depth, **WIDTH)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -72,7 +73,7 @@ def _child(depth: int) -> dict:
     rollout = RolloutSection(num_slots=4, page_size=16, num_pages=33, prefill_buckets=(16,), max_prompt_len=16,
                              max_new_tokens=16, max_total_len=32, warmup_live_buckets=1, share_prompt_kv=False)
     engine, params = make_engine(model, rollout)
-    engine_s = _compile_seconds(lambda: engine.warmup(params))
+    engine_s = _compile_seconds(lambda: warmup(engine, params))
     return {"depth": depth, "learner_s": learner_s, "engine_s": engine_s}
 
 

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Optional
 import jax
 import numpy as np
 
+from laminar_jax.rollout import batch_admit
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.engine import MAX_STOP_IDS
 from laminar_jax.rollout.paged import SlotInit
@@ -118,7 +119,7 @@ class Admitter:
                     adm = srv._queue.get_nowait()
                 except queue.Empty:
                     break
-            need = srv.engine.reserve_pages(len(adm.prompt), adm.sampling.max_new_tokens)
+            need = srv.engine.schedule.reserve_pages(len(adm.prompt), adm.sampling.max_new_tokens)
             if need > pages_free:
                 self.head = adm  # wait (FIFO) for finished sequences to return pages
                 break
@@ -136,9 +137,10 @@ class Admitter:
         for i in range(0, len(fresh), n):
             self._start(fresh[i:i + n])
         if shared:
-            srv._state = srv.engine.share_prompt(srv._state, [holders[adm.prompt_key][0] for _, adm in shared],
-                                                 [slot for slot, _ in shared], [adm.prompt for _, adm in shared],
-                                                 [slot_init(adm) for _, adm in shared])
+            srv._state = batch_admit.share_prompt(srv.engine, srv._state,
+                                                  [holders[adm.prompt_key][0] for _, adm in shared],
+                                                  [slot for slot, _ in shared], [adm.prompt for _, adm in shared],
+                                                  [slot_init(adm) for _, adm in shared])
             srv._books.counts["prompts_shared"] += len(shared)
             for slot, adm in shared:
                 srv._books.occupy(slot, adm, srv._version)
@@ -151,8 +153,9 @@ class Admitter:
             srv._state = srv.engine.prefill_insert(srv._params, srv._state, starts[0][0], starts[0][1].prompt,
                                                    inits[0])
         else:
-            srv._state = srv.engine.prefill_insert_rows(srv._params, srv._state, [s for s, _ in starts],
-                                                        [adm.prompt for _, adm in starts], inits)
+            srv._state = batch_admit.prefill_insert_rows(srv.engine, srv._params, srv._state,
+                                                         [s for s, _ in starts], [adm.prompt for _, adm in starts],
+                                                         inits)
         srv._books.counts["prompts_prefilled"] += len(starts)
         for slot, adm in starts:
             srv._books.occupy(slot, adm, srv._version)

@@ -75,7 +75,7 @@ class SlotBooks:
     def retire(self, slot: int, reason: str) -> None:
         """A sequence finished in its slot: the slot and its pages go, its trajectory comes out."""
         live = self.vacate(slot)
-        self.engine.free_resource(slot)
+        self.engine.free(slot)
         self.emit(live, reason)
 
     def emit(self, live: Live, reason: str) -> None:

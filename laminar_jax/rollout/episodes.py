@@ -3,7 +3,7 @@
 A turn ends at a stop id (on the device), a stop sequence (on the host; the slot is deactivated)
 or the turn budget; the sequence then *waits*: its slot and KV pages stay, decode skips it, and a
 TurnEnd comes out of take_turns(). Its owner runs the environment elsewhere and calls
-continue_episode(uid, observation_ids) (engine.extend: the observation's KV goes into the same
+continue_episode(uid, observation_ids) (extend.extend: the observation's KV goes into the same
 pages, decoding resumes) or end_episode(uid). A waiting sequence is live, so a weight swap waits
 for it too: one version per trajectory across turns. With TurnSpec.release_slot a waiting episode
 gives its slot up (its pages kept) and takes a free one back when its observation comes.
@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from laminar_jax.rollout import extend as ext
 from laminar_jax.rollout.books import Live
 from laminar_jax.rollout.paged import OutOfPages, SlotInit
 from laminar_jax.rollout.records import TurnEnd
@@ -60,7 +61,7 @@ class Episodes:
         live = srv._books.slots[slot]
         live.waiting = True
         live.parked_at = srv._n_consumed
-        srv.engine.park(slot)
+        ext.park(srv.engine, slot)
         srv._books.counts["turns"] += 1
         self.turns.append(TurnEnd(live.request.uid, live.turn, np.asarray(live.tokens[live.turn_start:], np.int32),
                                   reason, len(live.tokens), self._room(live)))
@@ -103,8 +104,8 @@ class Episodes:
         """Feed the observation over the slot's cached context and start the next turn."""
         srv = self.srv
         n_gen = len(live.logprobs)
-        srv._state = srv.engine.extend(srv._params, srv._state, slot, obs, len(live.prompt) + len(live.tokens) - 1,
-                                       live.tokens[-1], n_gen, max_new)
+        srv._state = ext.extend(srv.engine, srv._params, srv._state, slot, obs,
+                                len(live.prompt) + len(live.tokens) - 1, live.tokens[-1], n_gen, max_new)
         live.tokens.extend(obs)
         live.mask.extend([0] * len(obs))
         live.turn += 1
@@ -119,7 +120,7 @@ class Episodes:
         for slot, live in enumerate(srv._books.slots):
             if (live is not None and live.waiting and live.request.turn.release_slot
                     and srv._n_consumed > live.parked_at and live.request.uid not in self.released):
-                srv._state, live.pages = srv.engine.detach(srv._state, slot)
+                srv._state, live.pages = ext.detach(srv.engine, srv._state, slot)
                 srv._books.vacate(slot)
                 self.released[live.request.uid] = live
 
@@ -136,12 +137,12 @@ class Episodes:
             sp, n_gen = live.sampling, len(live.logprobs)
             init = SlotInit(live.key_data, sp.temperature, sp.top_k, sp.top_p, n_gen + max_new,
                             np.asarray(sp.stop_token_ids, np.int32), num_generated=n_gen)
-            srv._state = srv.engine.attach(srv._state, slot, live.pages, len(live.prompt) + len(live.tokens) - 1,
-                                           live.tokens[-1], init)
+            srv._state = ext.attach(srv.engine, srv._state, slot, live.pages,
+                                    len(live.prompt) + len(live.tokens) - 1, live.tokens[-1], init)
             try:
                 self._extend(slot, live, obs, max_new)
             except OutOfPages:
-                srv._state, _ = srv.engine.detach(srv._state, slot)  # the pool is short: try again next step
+                srv._state, _ = ext.detach(srv.engine, srv._state, slot)  # the pool is short: try again next step
                 return
             self.resume.popleft()
             del self.released[uid]

@@ -1,4 +1,5 @@
-"""extend(): append observation tokens to a waiting sequence, in its own KV pages.
+"""extend(): append observation tokens to a waiting sequence, in its own KV pages; park(),
+detach() and attach(): a sequence waiting on its environment, in its slot or out of it.
 
 A multi-turn sequence stops (a stop id ends its policy turn) with ``lengths[slot] = L`` tokens
 cached and its last sampled token not yet fed. The environment answers with observation ids
@@ -20,9 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from laminar_jax.rollout import programs as prg
 from laminar_jax.rollout.attention import DecodeMeta, live_page_list
 from laminar_jax.rollout.layered import layered_backend
-from laminar_jax.rollout.programs import engine_model
+from laminar_jax.rollout.paged import pages_needed
+from laminar_jax.rollout import slot_inputs as si
 
 
 def obs_bucket(m: int) -> int:
@@ -38,7 +41,7 @@ def _extend_impl(spec, live_bucket: int, params, state, slot, page_row, ids, n, 
     stop sequence may have decoded a token or two more on the device (pipelining); those are
     overwritten here and never attended (attention reads positions < the new length only).
     """
-    model = engine_model(spec, params)
+    model = prg.engine_model(spec, params)
     feed = jnp.concatenate([last_token[None], ids])  # token i is fed at position num_cached + i
     row = page_row[None]
     active = jnp.ones((1,), bool)
@@ -79,3 +82,64 @@ def padded_ids(obs_ids: Any) -> tuple[np.ndarray, int]:
     out = np.zeros((obs_bucket(len(ids)),), np.int32)
     out[:len(ids)] = ids
     return out, len(ids)
+
+
+# ---------------------------------------------------------------- a waiting sequence on an engine
+
+
+def park(engine, slot: int) -> None:
+    """A stopped sequence waits on its environment: its pages stay, decode calls skip it."""
+    if slot not in engine.slot_pages:
+        raise ValueError(f"slot {slot} holds no sequence to park")
+    engine._cached_hi.pop(slot, None)
+
+
+def detach(engine, decode_state, slot: int) -> tuple[Any, list[int]]:
+    """A parked sequence gives its slot up and keeps its KV pages (returned; still allocated):
+    the slot is free for another sequence, attach() puts the pages in a slot again."""
+    if slot not in engine.slot_pages:
+        raise ValueError(f"slot {slot} holds no sequence to detach")
+    engine._cached_hi.pop(slot, None)
+    return prg.deactivate_jit(decode_state, np.int32(slot)), engine.slot_pages.pop(slot)
+
+
+def attach(engine, decode_state, slot: int, pages: list[int], num_cached: int, last_token: int, init) -> Any:
+    """Give detached pages a free slot again, with the sequence's sampling state; the slot stays
+    inactive (extend() feeds the observation and activates it)."""
+    if slot in engine.slot_pages:
+        raise ValueError(f"slot {slot} is occupied")
+    engine.slot_pages[slot] = list(pages)
+    return prg.attach_jit(decode_state, np.int32(slot), si.page_row(engine.pages_per_seq, pages), np.int32(num_cached),
+                          np.int32(last_token), *si.init_arrays(engine._key_shape, init))
+
+
+def extend(engine, params: Any, decode_state, slot: int, observation_ids, num_cached: int, last_token: int,
+           num_generated: int, max_new: int) -> Any:
+    """Feed a parked slot's observation over its cached context, reactivate it.
+
+    num_cached: tokens whose KV the slot holds (prompt - 1 + response so far, the last sampled
+    token excluded); last_token: that last sampled token; num_generated: policy tokens sampled so
+    far (the sampling key's counter); max_new: the next turn's token budget. Pages for the
+    observation and the next turn are added to the slot's own; raises ValueError past
+    pages_per_seq, OutOfPages (state untouched) when the pool is short.
+    """
+    if slot not in engine.slot_pages:
+        raise ValueError(f"slot {slot} holds no sequence to extend")
+    ids, m = padded_ids(observation_ids)
+    # KV written from here: m fed now (last_token + m - 1 observation ids), the last observation
+    # id fed by the next generate(), then max_new - 1 sampled tokens: num_cached + m + max_new in all.
+    need = pages_needed(num_cached + m + max_new, engine.page_size)
+    if need > engine.pages_per_seq:
+        raise ValueError(f"extend: {num_cached + m + max_new} tokens need {need} pages, more than "
+                         f"rollout.pages_per_seq={engine.pages_per_seq}")
+    have = engine.slot_pages[slot]
+    if need > len(have):
+        have.extend(engine.allocator.allocate(need - len(have)))
+    engine._cached_hi[slot] = num_cached + m
+    leaves, _ = engine._bind(params)
+    # One row attends at most its own pages_per_seq pages.
+    program = extend_program(engine._spec, jax.tree.structure(params),
+                             engine.pages_per_seq if engine.schedule.uses_live_pages else 0)
+    return engine._settle(program(leaves, decode_state, np.int32(slot), si.page_row(engine.pages_per_seq, have), ids,
+                                  np.int32(m), np.int32(num_cached), np.int32(last_token), np.int32(num_generated),
+                                  np.int32(max_new)))

@@ -35,6 +35,7 @@ from laminar_jax.rollout.engine import MAX_STOP_IDS, make_engine
 from laminar_jax.rollout.offline import complete, per_prompt
 from laminar_jax.rollout.sampling import SamplingParams
 from laminar_jax.rollout.server import RolloutServer
+from laminar_jax.rollout.warmup import warmup as warmup_engine
 
 _DTYPES = ("float32", "bfloat16")
 
@@ -166,7 +167,7 @@ class LLM:
         self._server: Optional[RolloutServer] = None
         if warmup:
             with scoped_matmul_precision(self.matmul_precision):
-                self.engine.warmup(self.params)
+                warmup_engine(self.engine, self.params)
 
     def encode(self, prompt: Union[str, Sequence[int]], index: int) -> list[int]:
         if isinstance(prompt, str):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from laminar_jax.rollout.books import Live
+from laminar_jax.rollout.extend import park
 from laminar_jax.rollout.paged import SlotInit
 from laminar_jax.rollout.records import NoFreeSlotError, Request, SequenceState, TurnSpec, VersionMismatchError
 
@@ -30,7 +31,7 @@ def export_sequence(srv: "RolloutServer", slot: int) -> SequenceState:
     num_cached = len(live.prompt) + len(live.tokens) - 1
     k, v = srv.engine.read_slot(srv._state, slot, num_cached)
     srv._books.vacate(slot)
-    srv.engine.free_resource(slot)
+    srv.engine.free(slot)
     r = live.request
     return SequenceState(
         uid=r.uid, prompt_uid=r.prompt_uid, sample_index=r.sample_index, data_source=r.data_source,
@@ -90,7 +91,7 @@ def _import_episode(srv: "RolloutServer", slot: int, seq: SequenceState) -> int:
                                        seq.last_token, len(seq.prompt_ids) + n_obs, init)
     if ep["waiting"]:
         srv._state = srv.engine.deactivate(srv._state, slot)
-        srv.engine.park(slot)
+        park(srv.engine, slot)
     spec = ep["turn_spec"]
     turn = TurnSpec(int(spec["max_new_tokens"]), tuple(tuple(int(t) for t in q) for q in spec["stop_sequences"]),
                     int(spec["max_response_tokens"]), bool(spec.get("release_slot", False)))

@@ -1,7 +1,8 @@
-"""The decode schedule: how an engine lays its live slots out into generate() calls.
+"""The decode schedule: how an engine lays its prompts and live slots out into device calls.
 
-One frozen object holds the knobs (tokens per call, compaction chunks, row buckets, live-page
-buckets, packed prefill widths) and answers, from the engine's host bookkeeping alone (which slots
+One frozen object holds the knobs (prompt buckets, tokens per call, compaction chunks, row buckets,
+live-page buckets, packed prefill widths) and answers which bucket a prompt pads to, how many pages
+a sequence reserves, and, from the engine's host bookkeeping alone (which slots
 hold a sequence and an upper bound of each one's cached length), which rows the next call runs and
 which live-page bucket it compiles for: no device read.
 
@@ -19,6 +20,7 @@ import dataclasses
 import numpy as np
 
 from laminar_jax.rollout.config import RolloutSection
+from laminar_jax.rollout.paged import pages_needed
 
 # Tokens per slot per generate() call where rollout.decode_steps_per_call is 0 ('auto'): on an
 # accelerator each call is a host round trip (dispatch, then the host reads the step's tokens), so
@@ -43,6 +45,7 @@ class DecodeSchedule:
     row_buckets: tuple[int, ...]  # smaller batches for calls with few live slots
     live_buckets: tuple[int, ...]  # live-page counts generate() compiles for; (0,) when attention needs none
     packed_widths: tuple[int, ...]  # token counts prefill_insert_rows() pads its packed prompts to
+    buckets: tuple[int, ...]  # prompt lengths prefill() and prefill_insert() compile for
 
     @classmethod
     def of(cls, section: RolloutSection, platform: str, uses_live_pages: bool) -> "DecodeSchedule":
@@ -51,11 +54,36 @@ class DecodeSchedule:
         live = live_buckets(rows_per_call * section.pages_per_seq, section.live_buckets) if uses_live_pages else (0,)
         return cls(section.num_slots, section.pages_per_seq, section.page_size,
                    steps_per_call(section.decode_steps_per_call, platform), section.decode_chunk,
-                   tuple(section.decode_row_buckets), live, packed_widths(buckets[0], buckets[-1], section.prefill_rows))
+                   tuple(section.decode_row_buckets), live,
+                   packed_widths(buckets[0], buckets[-1], section.prefill_rows), buckets)
 
     @property
     def uses_live_pages(self) -> bool:
         return self.live_buckets != (0,)
+
+    @property
+    def prompt_pages(self) -> int:
+        """Pages share_prompt() copies: the most a prompt's KV (all but its last token) fills."""
+        return max(1, min(pages_needed(self.buckets[-1] - 1, self.page_size), self.pages_per_seq))
+
+    def bucket_for(self, n: int) -> int:
+        """The prompt bucket an n-token prompt pads to; ValueError past the largest."""
+        for b in self.buckets:
+            if b >= n:
+                return b
+        raise ValueError(f"prompt of {n} tokens exceeds the largest prefill bucket {self.buckets[-1]}")
+
+    def pad_prompt(self, prompt_ids) -> tuple[np.ndarray, int]:
+        """i32[1, bucket] right-padded with 0, and the true length."""
+        ids = np.asarray(prompt_ids, np.int32).reshape(-1)
+        out = np.zeros((1, self.bucket_for(len(ids))), np.int32)
+        out[0, :len(ids)] = ids
+        return out, len(ids)
+
+    def reserve_pages(self, prompt_len: int, max_new: int) -> int:
+        """Pages a sequence needs for its whole life: KV of prompt + max_new - 1 tokens (the last
+        sampled token is never fed)."""
+        return pages_needed(prompt_len + max_new - 1, self.page_size)
 
     @property
     def num_rows(self) -> int:

@@ -38,12 +38,13 @@ from laminar_jax.rollout.episodes import Episodes
 from laminar_jax.rollout.records import QueueFullError, Request, SequenceState, ServerStats
 from laminar_jax.rollout.sampling import default_sampling
 from laminar_jax.rollout.server_stats import TokenRate, server_stats
+from laminar_jax.rollout.warmup import warmup as warmup_engine
 from laminar_jax.types import Trajectory
 
 
 class HostWeights(NamedTuple):
     """A version's weights as a host tree shaped like the engine's params, to be streamed onto a
-    server's devices at its swap (Engine.swap_params: each old tensor deleted before its
+    server's devices at its swap (ParamPlacement.swap: each old tensor deleted before its
     replacement is placed). on_leaf(i, placed) observes each placement (tests)."""
 
     tree: Any
@@ -60,7 +61,7 @@ class RolloutServer:
         owns its weights and streams every later HostWeights version into place)."""
         self.engine = engine
         self.section = engine.section
-        self._params = engine.place_params(params.tree) if isinstance(params, HostWeights) else params
+        self._params = engine.placement.place(params.tree) if isinstance(params, HostWeights) else params
         self._version = int(version)
         self._state = engine.init_decode_state()
         self._books = SlotBooks(engine, self.section.server_id)
@@ -84,7 +85,7 @@ class RolloutServer:
     def warmup(self) -> None:
         """Compile the engine's programs for this server's weights (on a throwaway decode state)."""
         with self._lock:
-            self.engine.warmup(self._params)
+            warmup_engine(self.engine, self._params)
 
     @classmethod
     def from_model(cls, model, section, version: int = 0, **engine_kwargs) -> "RolloutServer":
@@ -229,7 +230,7 @@ class RolloutServer:
             if isinstance(params, HostWeights):
                 # Streamed in place: no program may still read the old buffers once they are deleted.
                 jax.block_until_ready(self._state)
-                params = self.engine.swap_params(self._params, params.tree, params.on_leaf)
+                params = self.engine.placement.swap(self._params, params.tree, params.on_leaf)
             self._params, self._version, self._pending = params, version, None
 
     def release_params(self) -> None:
@@ -237,7 +238,7 @@ class RolloutServer:
         successor's version is placed only after). The server cannot generate afterwards."""
         with self._lock:
             if self._params is not None:
-                self.engine.release_params(self._params)
+                self.engine.placement.release(self._params)
             self._params = None
 
     # ---------------------------------------------------------------- moving live sequences (moves.py)
@@ -249,7 +250,7 @@ class RolloutServer:
     def live_sequences(self) -> list[tuple[int, str, int]]:
         """[(slot, uid, KV pages reserved)] of live sequences: what the repack planner weighs."""
         with self._lock:
-            return [(i, x.request.uid, self.engine.reserve_pages(len(x.prompt), x.sampling.max_new_tokens))
+            return [(i, x.request.uid, self.engine.schedule.reserve_pages(len(x.prompt), x.sampling.max_new_tokens))
                     for i, x in enumerate(self._books.slots) if x is not None]
 
     def export_sequence(self, slot: int) -> SequenceState:

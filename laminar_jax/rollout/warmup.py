@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from laminar_jax.rollout.batch_admit import share_prompt
 from laminar_jax.rollout.paged import DecodeState, SlotInit
 from laminar_jax.rollout.slot_inputs import init_columns, pack_prompts
 
@@ -24,8 +25,8 @@ def warmup(engine, params: Any) -> None:
     free_slot = next((s for s in range(engine.num_slots) if s not in engine.slot_pages), None)
     init = SlotInit(np.zeros(engine._key_shape, np.uint32), 0.0, 0, 1.0, 1, np.zeros(0, np.int32))
     shared = False  # share_prompt()'s programs serve every prompt bucket: compiled from the first
-    for b in engine.buckets:
-        if free_slot is None or engine.allocator.num_free < engine.reserve_pages(b, 1):
+    for b in engine.schedule.buckets:
+        if free_slot is None or engine.allocator.num_free < engine.schedule.reserve_pages(b, 1):
             jax.block_until_ready(engine.prefill(params, np.zeros((1, b), np.int32), 1))
             continue
         state = engine.prefill_insert(params, state, free_slot, np.zeros(b, np.int32), init)  # a b-token prompt
@@ -33,7 +34,7 @@ def warmup(engine, params: Any) -> None:
             state, shared = _share_prompt(engine, state, free_slot, b, init)
             state = _move(engine, state, free_slot, b, init)
         state = engine.deactivate(state, free_slot)
-        engine.free_resource(free_slot)
+        engine.free(free_slot)
     state = _prefill_rows(engine, params, state, init)
     leaves, _ = engine._bind(params)
     sched = engine.schedule
@@ -53,13 +54,13 @@ def _share_prompt(engine, state: DecodeState, src_slot: int, bucket: int, init: 
     b, compiled = 1, False
     while b // 2 + 1 < engine.num_slots:  # the fewest rows that pad to b, besides the source
         free = [s for s in range(engine.num_slots) if s not in engine.slot_pages][:b // 2 + 1]
-        if len(free) < b // 2 + 1 or engine.allocator.num_free < len(free) * engine.reserve_pages(bucket, 1):
+        if len(free) < b // 2 + 1 or engine.allocator.num_free < len(free) * engine.schedule.reserve_pages(bucket, 1):
             break
-        state = engine.share_prompt(state, [src_slot] * len(free), free, [np.zeros(bucket, np.int32)] * len(free),
+        state = share_prompt(engine, state, [src_slot] * len(free), free, [np.zeros(bucket, np.int32)] * len(free),
                                     [init] * len(free))
         for slot in free:
             state = engine.deactivate(state, slot)
-            engine.free_resource(slot)
+            engine.free(slot)
         b, compiled = b * 2, True
     return state, compiled
 
@@ -72,7 +73,7 @@ def _move(engine, state: DecodeState, slot: int, prompt_len: int, init: SlotInit
     num_cached = prompt_len - 1
     k, v = engine.read_slot(state, slot, num_cached)
     state = engine.deactivate(state, slot)
-    engine.free_resource(slot)
+    engine.free(slot)
     return engine.write_slot(state, slot, k, v, num_cached, 0, prompt_len, init)
 
 

@@ -83,7 +83,7 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
     and the leaves a version does not carry (a value head) are cast to it too, so every version
     gives the engine's programs the same argument types.
     stream: the server owns its weights; the result is HostWeights, streamed onto its devices at the
-    swap tensor by tensor, each old buffer deleted first (Engine.swap_params), so a swap never
+    swap tensor by tensor, each old buffer deleted first (ParamPlacement.swap), so a swap never
     holds two versions on a device. Otherwise (servers sharing one copy on the default device)
     the weights are placed now, one device copy per version for all of them (Handoff.placed).
     """
@@ -108,7 +108,7 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
         import jax
 
         return lambda flat: jax.device_put(host(flat))
-    return lambda flat: engine.place_params(host(flat))
+    return lambda flat: engine.placement.place(host(flat))
 
 
 def server_mesh(devices):
@@ -147,7 +147,7 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
         if isinstance(params, HostWeights) and on_default:
             params = params.tree
         if not isinstance(params, HostWeights):
-            params = engine.place_params(params)  # host leaves: each device gets its shard (device arrays: kept)
+            params = engine.placement.place(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
                                buffer, policy,

@@ -18,6 +18,7 @@ from flax import nnx
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.rollout import RolloutSection, kernels_gpu, kernels_tpu, make_engine
 from laminar_jax.rollout.paged import SlotInit
+from laminar_jax.rollout.batch_admit import share_prompt
 
 PAGE = 8
 SECTION = RolloutSection(num_slots=4, page_size=PAGE, num_pages=48, max_prompt_len=24, max_total_len=64,
@@ -53,7 +54,7 @@ def admit(eng, params, temperature: float = 0.0):
     state = eng.init_decode_state()
     for slot, p in enumerate(PROMPTS):
         state = eng.prefill_insert(params, state, slot, p, init(slot, temperature))
-    return eng.share_prompt(state, [0], [3], [PROMPTS[0]], [init(3, temperature)])
+    return share_prompt(eng, state, [0], [3], [PROMPTS[0]], [init(3, temperature)])
 
 
 def decode(eng, params, state, steps: int):
@@ -80,7 +81,7 @@ def move(src, dst, src_params, dst_params, src_state, slot: int):
     last = int(jax.device_get(src_state.last_token)[slot])
     done = int(jax.device_get(src_state.num_generated)[slot])
     k, v = src.read_slot(src_state, slot, n)
-    src.free_resource(slot)
+    src.free(slot)
     state = dst.write_slot(dst.init_decode_state(), slot, k, v, n, last, len(PROMPTS[slot]),
                            init(slot, max_new=STEPS + 2, num_generated=done))
     return src_state, state

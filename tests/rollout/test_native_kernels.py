@@ -302,7 +302,7 @@ def test_a_short_prefill_runs_its_products_on_the_kernel_and_writes_the_same_kv(
     for policy in ("xla", "native"):
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
         leaves, progs = engine._bind(params)
-        padded, n = engine.pad_prompt([1, 2, 3, 4, 5])
+        padded, n = engine.schedule.pad_prompt([1, 2, 3, 4, 5])
         assert padded.size <= engine.kernels.products.kernel_rows or policy == "xla"  # one prompt's bucket fits the kernel
         text = progs.prefill.lower(leaves, padded, np.int32(n)).as_text()
         assert ("laminar_row_products" in text) == (policy == "native")

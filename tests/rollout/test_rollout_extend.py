@@ -7,6 +7,7 @@ import pytest
 
 from laminar_jax.rollout import RolloutSection, kernels_gpu, make_engine
 from laminar_jax.rollout.paged import SlotInit
+from laminar_jax.rollout import extend as ext
 from tests.rollout.rollout_helpers import tiny_model
 
 PROMPT = [1, 17, 33, 4, 60, 61, 62, 63, 64, 70]
@@ -51,9 +52,9 @@ def test_extend_equals_fresh_prefill_of_the_whole_context(backend, chunk, atol):
     state = engine.prefill_insert(params, state, 0, [1, 2, 3, 4], _init(engine, 30))
     state = engine.prefill_insert(params, state, 1, PROMPT, _init(engine, 6))
     state, turn1, _ = _decode(engine, params, state, 1, 6)  # slot 1 finishes its turn at max_new
-    engine.park(1)
+    ext.park(engine, 1)
     num_cached = len(PROMPT) - 1 + len(turn1)  # prompt[:-1] by prefill, then one fed per sampled token but the last
-    state = engine.extend(params, state, 1, OBS, num_cached, turn1[-1], len(turn1), max_new=6)
+    state = ext.extend(engine, params, state, 1, OBS, num_cached, turn1[-1], len(turn1), max_new=6)
     state, turn2, lp2 = _decode(engine, params, state, 1, 6)
 
     fresh, params2 = make_engine(tiny_model(0), _section(backend, chunk), attention_backends=extra)
@@ -67,8 +68,8 @@ def test_extend_refuses_past_the_sequence_limit_and_unknown_slots():
     engine, params = make_engine(tiny_model(0), _section("live_pages", 0))
     state = engine.prefill_insert(params, engine.init_decode_state(), 0, PROMPT, _init(engine, 2))
     state, _, _ = _decode(engine, params, state, 0, 2)
-    engine.park(0)
+    ext.park(engine, 0)
     with pytest.raises(ValueError, match="more than rollout.pages_per_seq"):
-        engine.extend(params, state, 0, list(range(3, 60)), len(PROMPT), 5, 2, max_new=8)
+        ext.extend(engine, params, state, 0, list(range(3, 60)), len(PROMPT), 5, 2, max_new=8)
     with pytest.raises(ValueError, match="slot 1 holds no sequence"):
-        engine.extend(params, state, 1, OBS, 3, 5, 2, max_new=2)
+        ext.extend(engine, params, state, 1, OBS, 3, 5, 2, max_new=2)

@@ -14,6 +14,7 @@ from laminar_jax.rollout.programs import programs as _programs
 from laminar_jax.rollout.schedule import live_buckets as _live_buckets
 from laminar_jax.rollout.llm import kv_bytes_per_page, row_buckets, size_section
 from laminar_jax.rollout.offline import default_section
+from laminar_jax.rollout.warmup import warmup
 from tests.model.hf_fixtures import save_hf_model
 from tests.rollout.rollout_helpers import SECTION, make_server, request, run_until, tiny_model
 
@@ -211,9 +212,9 @@ def test_warmup_compiles_only_the_first_live_buckets(first_n, slots):
     engine, params = make_engine(tiny_model(1), sec)
     progs = engine._bind(params)[1]
     before = progs.generate._cache_size()  # shared with the other geometry's engine (same program graph)
-    engine.warmup(params)
-    assert engine.live_buckets == ((16, 60) if slots == 3 else (16, 64, 100))
-    assert progs.generate._cache_size() - before == (first_n or len(engine.live_buckets))
+    warmup(engine, params)
+    assert engine.schedule.live_buckets == ((16, 60) if slots == 3 else (16, 64, 100))
+    assert progs.generate._cache_size() - before == (first_n or len(engine.schedule.live_buckets))
     # A bucket left out still works: it compiles on first use.
     out = generate((engine, params), [[1, 2, 3]] * slots,
                    SamplingParams(temperature=0.0, max_new_tokens=60, stop_token_ids=()))

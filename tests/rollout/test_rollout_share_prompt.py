@@ -9,6 +9,7 @@ import pytest
 
 from laminar_jax.rollout import OutOfPages, Request, SamplingParams, SlotInit
 from laminar_jax.rollout.paged import pages_needed
+from laminar_jax.rollout.batch_admit import share_prompt
 from tests.rollout.rollout_helpers import SECTION, layer_pools, make_server, run_until
 
 OFF = dataclasses.replace(SECTION, share_prompt_kv=False)
@@ -78,7 +79,7 @@ def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
     long, short = np.arange(3, 14, dtype=np.int32), np.arange(20, 25, dtype=np.int32)  # KV in 2 pages and 1
     a = eng.prefill_insert(params, eng.init_decode_state(), 0, long, inits[0])
     a = eng.prefill_insert(params, a, 1, short, inits[1])
-    a = eng.share_prompt(a, [0, 1, 0], [3, 2, 5], [long, short, long], inits[2:] + inits[:1])  # padded to 4 rows
+    a = share_prompt(eng, a, [0, 1, 0], [3, 2, 5], [long, short, long], inits[2:] + inits[:1])  # padded to 4 rows
     b = two.engine.init_decode_state()
     for slot, prompt, init in zip((0, 1, 3, 2, 5), (long, short, long, short, long), inits + inits[:1]):
         b = two.engine.prefill_insert(params, b, slot, prompt, init)
@@ -96,12 +97,12 @@ def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
                 np.testing.assert_array_equal(x, y)
     state = eng.init_decode_state()
     with pytest.raises(ValueError, match="distinct and free"):
-        eng.share_prompt(state, [2], [0], [long], inits[:1])
+        share_prompt(eng, state, [2], [0], [long], inits[:1])
     with pytest.raises(ValueError, match="source slot 4 holds no sequence"):
-        eng.share_prompt(state, [4], [6], [long], inits[:1])
+        share_prompt(eng, state, [4], [6], [long], inits[:1])
     eng.allocator.allocate(eng.allocator.num_free - 3)  # room for one sequence, not two: nothing changes
     with pytest.raises(OutOfPages):
-        eng.share_prompt(state, [0, 0], [6, 7], [long, long], inits[:2])
+        share_prompt(eng, state, [0, 0], [6, 7], [long, long], inits[:2])
     assert 6 not in eng.slot_pages and 7 not in eng.slot_pages and eng.allocator.num_free == 3
 
 

@@ -20,6 +20,9 @@ from laminar_jax.rollout.attention import (
     to_pool,
 )
 from laminar_jax.rollout import programs as programs_mod
+from laminar_jax.rollout import batch_admit
+from laminar_jax.rollout.batch_admit import prefill_insert_rows
+from laminar_jax.rollout.warmup import warmup
 from tests.rollout.rollout_helpers import SECTION, layer_pools, make_server, request, run_until
 
 
@@ -167,7 +170,7 @@ def _check_multi_step_equals_single_step(steps, up_front):
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     server = make_server(dataclasses.replace(SECTION, attention_impl="live_pages"))  # the backend with buckets
     engine = server.engine
-    engine.warmup(server._params)  # compiles every variant; leaves no slot or page taken
+    warmup(engine, server._params)  # compiles every variant; leaves no slot or page taken
     assert not engine.slot_pages and engine.allocator.num_used == 0
     for i in range(4):
         server.submit(request(i, max_new=20, prompt_len=9))
@@ -177,7 +180,8 @@ def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     # The next call (k = 1) attends positions <= lengths: pages 0 .. lengths // page of each active slot.
     live = sum(int(state.lengths[s]) // engine.page_size + 1 for s in range(engine.num_slots) if state.active[s])
     reserved = sum(len(p) for p in engine.slot_pages.values())
-    assert live <= engine.live_pages_bound() <= reserved and engine.live_bucket() >= live
+    bound = engine.schedule.live_pages_bound(engine._cached_hi, engine.slot_pages)
+    assert live <= bound <= reserved and engine.live_bucket() >= live
     # Simulate broken bookkeeping with exact-size buckets: the device must refuse silently wrong output.
     engine.schedule = dataclasses.replace(engine.schedule,
                                           live_buckets=tuple(range(1, engine.num_slots * engine.pages_per_seq + 1)))
@@ -269,7 +273,7 @@ def test_prefill_insert_equals_prefill_then_insert():
     params = one._params
     init = SlotInit(np.arange(2, dtype=np.uint32), 0.7, 5, 0.9, 9, np.array([3], np.int32))
     prompt = np.arange(3, 14, dtype=np.int32)
-    a = one.engine.insert(one.engine.prefill(params, *one.engine.pad_prompt(prompt)),
+    a = one.engine.insert(one.engine.prefill(params, *one.engine.schedule.pad_prompt(prompt)),
                           one.engine.init_decode_state(), 1, init)
     b = two.engine.prefill_insert(params, two.engine.init_decode_state(), 1, prompt, init)
     assert one.engine.slot_pages == two.engine.slot_pages
@@ -288,7 +292,7 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
     rows4 = dataclasses.replace(SECTION, prefill_rows=4)
     one, two = make_server(), make_server(rows4)
     params = one._params
-    assert two.engine.packed_widths == (16, 32, 48, 64)
+    assert two.engine.schedule.packed_widths == (16, 32, 48, 64)
     inits = [SlotInit(np.arange(2, dtype=np.uint32) + i, 0.7, 5, 0.9, 9, np.array([3], np.int32)) for i in range(3)]
     # 10 + 2 + 14 tokens packed into a width of 32 (attended in two windows of 16), across pages of 8;
     # the rest is padding (null page)
@@ -296,7 +300,7 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
     a = one.engine.init_decode_state()
     for slot, p, init in zip((1, 3, 0), prompts, inits):
         a = one.engine.prefill_insert(params, a, slot, p, init)
-    b = two.engine.prefill_insert_rows(params, two.engine.init_decode_state(), [1, 3, 0], prompts, inits)
+    b = prefill_insert_rows(two.engine, params, two.engine.init_decode_state(), [1, 3, 0], prompts, inits)
     assert one.engine.slot_pages == two.engine.slot_pages and one.engine._cached_hi == two.engine._cached_hi
     a, b = jax.device_get(a), jax.device_get(b)
     for f in a._fields:
@@ -312,26 +316,25 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
     free = eng.allocator.num_free
     big = [SlotInit(np.zeros(2, np.uint32), 1.0, 0, 1.0, 48, np.zeros(0, np.int32))] * 4
     with pytest.raises(OutOfPages):
-        eng.prefill_insert_rows(params, eng.init_decode_state(), [0, 1, 2, 3], [np.arange(3, 19)] * 4, big)
+        prefill_insert_rows(eng, params, eng.init_decode_state(), [0, 1, 2, 3], [np.arange(3, 19)] * 4, big)
     assert eng.allocator.num_free == free and not eng.slot_pages and not eng._cached_hi
     with pytest.raises(ValueError, match="distinct and free"):
-        eng.prefill_insert_rows(params, eng.init_decode_state(), [0, 0], prompts[:2], inits[:2])
+        prefill_insert_rows(eng, params, eng.init_decode_state(), [0, 0], prompts[:2], inits[:2])
     with pytest.raises(ValueError, match="rollout.prefill_rows=1 at most"):  # more prompts than one call takes
         solo = make_server().engine
-        solo.prefill_insert_rows(params, solo.init_decode_state(), [1, 3], prompts[:2], inits[:2])
+        prefill_insert_rows(solo, params, solo.init_decode_state(), [1, 3], prompts[:2], inits[:2])
 
 
-def test_server_prefilling_admissions_together_gives_the_same_tokens():
+def test_server_prefilling_admissions_together_gives_the_same_tokens(monkeypatch):
     """rollout.prefill_rows: admissions of one step share prefill calls, with the tokens of
     one-prompt prefill."""
     server = make_server(dataclasses.replace(SECTION, prefill_rows=3))
     calls = []
-    real = server.engine.prefill_insert_rows
 
-    def spy(params, state, slots, prompts, inits):
+    def spy(engine, params, state, slots, prompts, inits):
         calls.append(len(slots))
-        return real(params, state, slots, prompts, inits)
-    server.engine.prefill_insert_rows = spy
+        return prefill_insert_rows(engine, params, state, slots, prompts, inits)
+    monkeypatch.setattr(batch_admit, "prefill_insert_rows", spy)
     _assert_matches_default_server(server, _mixed_requests())
     assert calls and calls[0] == 3  # the first step admits 4 prompts: one call of 3, then one alone
     with pytest.raises(ValueError, match="rollout.prefill_rows"):

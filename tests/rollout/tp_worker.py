@@ -85,7 +85,7 @@ def host_pull():
     """New weights from a host (numpy) copy land in the TP 2 layout, each device holding only its shard."""
     s = _server(2)
     host = jax.tree.map(np.asarray, nnx.split(Transformer(CFG, rngs=nnx.Rngs(1)))[1])
-    placed = s.engine.place_params(host)
+    placed = s.engine.placement.place(host)
     shards = {}
     for path, leaf in jax.tree_util.tree_flatten_with_path(placed)[0]:
         name, devs = jax.tree_util.keystr(path), sorted(d.id for d in leaf.sharding.device_set)
