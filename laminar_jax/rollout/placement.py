@@ -45,7 +45,7 @@ class ParamPlacement:
     def shardings(self, params) -> list:
         """NamedSharding per leaf of ``jax.tree.leaves(params)`` in this TP layout."""
         if self.mesh is None:
-            raise ValueError("param_shardings: this engine has no mesh")
+            raise ValueError("ParamPlacement.shardings: this engine has no mesh")
         treedef = jax.tree.structure(params)
         if self._shardings[0] is None or self._shardings[0] != treedef:
             self._shardings = (treedef, tpl.param_shardings_list(params, self.mesh))
@@ -71,7 +71,7 @@ class ParamPlacement:
         old_leaves = jax.tree.leaves(old)
         host_leaves, treedef = jax.tree.flatten(host)
         if len(old_leaves) != len(host_leaves):
-            raise ValueError(f"swap_params: {len(host_leaves)} new tensors for {len(old_leaves)} old ones")
+            raise ValueError(f"ParamPlacement.swap: {len(host_leaves)} new tensors for {len(old_leaves)} old ones")
         cached = self._bound[1] if self._bound[0] is old else None  # bind()'s resharded copies
         self._bound = (None, None, None)
         shardings = self.shardings(host) if self.mesh is not None else None
