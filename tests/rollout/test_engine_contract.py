@@ -32,7 +32,9 @@ def test_the_engine_runs_the_schedule_it_receives():
     advances a live slot by 3."""
     base, params = _engine()
     assert base.schedule.steps_per_call == 1
-    engine, _ = _engine(dataclasses.replace(base.schedule, steps_per_call=3))
+    schedule = DecodeSchedule.of(SECTION, "cpu", base.kernels.needs_live_pages)
+    assert schedule == base.schedule  # what the engine derives from its section
+    engine, _ = _engine(dataclasses.replace(schedule, steps_per_call=3))
     init = SlotInit(np.zeros(engine._key_shape, np.uint32), 0.0, 0, 1.0, 10, np.zeros(0, np.int32))
     state = engine.prefill_insert(params, engine.init_decode_state(), 0, [1, 5, 7, 9], init)
     state, out = engine.generate(params, state)
