@@ -76,7 +76,7 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
+def params_from_flat(model, engine=None, dtype=None, stream: bool = True, base=None):
     """flat published weights -> what a server built on ``model`` (abstract or not) swaps to.
 
     dtype: the serving dtype (rollout.dtype): a version in another dtype is refused, naming both,
@@ -86,7 +86,12 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
     swap tensor by tensor, each old buffer deleted first (Engine.swap_params), so a swap never
     holds two versions on a device. Otherwise (servers sharing one copy on the default device)
     the weights are placed now, one device copy per version for all of them (Handoff.placed).
+    base: a LoRA run's ServedBase (runtime/lora_serve.py): versions are adapters merged into it.
     """
+    if base is not None:
+        from laminar_jax.runtime.lora_serve import lora_params_from_flat
+
+        return lora_params_from_flat(base, engine, stream)
     from flax import nnx
 
     from laminar_jax.model.precision import cast_floating, check_served_dtype
@@ -95,6 +100,9 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
     _, template = nnx.split(model)
 
     def host(flat):
+        if "lora.base_sha256" in flat:  # model/lora_version.BASE_ID
+            raise ValueError("weight version: an adapter version (LoRA), but this server holds no base "
+                             "(learner.lora is off in its config)")
         if dtype is None:
             return host_params(flat, template)
         check_served_dtype(flat, dtype)
