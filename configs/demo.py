@@ -74,6 +74,18 @@ def get_config(variant: str = ""):
         c.runtime.sft_warmup_steps = 20
         c.runtime.progress = False
         c.runtime.eval_every = 0  # tests that want eval rounds turn them on
+    elif variant == "lora":
+        _lora(c)
     elif variant:
-        raise ValueError(f"configs/demo.py: unknown variant {variant!r} (known: '', 'short')")
+        raise ValueError(f"configs/demo.py: unknown variant {variant!r} (known: '', 'short', 'lora')")
     return c
+
+
+def _lora(c) -> None:
+    """demo.py:lora: the same run training rank-8 adapters on every projection of the frozen
+    (supervised warm-started) base; each version published carries only the adapters."""
+    c.learner.compile_ahead = "none"
+    lora = getattr(c.learner, "lora", None)
+    if lora is not None:
+        c.learner.lora.rank = 8
+        c.learner.lora.alpha = 16.0

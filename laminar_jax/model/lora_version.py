@@ -1,7 +1,8 @@
 """A LoRA weight version as published: the adapters and the identity of the base they apply to.
 
-A LoRA learner publishes only its adapters: every tensor named '<param>.lora_a' / '<param>.lora_b'
-(stacked under the layers' scan as '<param>' is), plus two small tensors: ``lora.base_sha256``
+A LoRA learner publishes only its adapters: every tensor named '<module>.lora_a' / '<module>.lora_b'
+(model/lora.py's names and shapes: adapters of '<module>.weight', stacked under the layers' scan as
+it is), plus two small tensors: ``lora.base_sha256``
 (uint8[32], the SHA-256 of the base the adapters were trained on, ``base_identity``) and
 ``lora.scale`` (float32[1], alpha / rank). They travel as ordinary tensors through every path of
 the weight plane (host copy, store, relays, signatures, pulls), so a version's base identity is
@@ -30,7 +31,7 @@ class BaseMismatchError(ValueError):
 class AdapterVersion(NamedTuple):
     base_id: str  # hex SHA-256 of the base (base_identity)
     scale: float  # alpha / rank
-    pairs: dict  # '<param>' -> (lora_a, lora_b) host arrays
+    pairs: dict  # '<module>.weight' -> (lora_a, lora_b) host arrays
 
 
 def _bytes(a) -> memoryview:
@@ -79,17 +80,14 @@ def read_adapter_version(flat: Mapping[str, np.ndarray], where: str = "adapter v
     for name in flat:
         if name in (BASE_ID, SCALE):
             continue
-        if name.endswith(SUFFIX_A):
-            param = name[:-len(SUFFIX_A)]
-            if param + SUFFIX_B not in flat:
-                raise ValueError(f"{where}: {name!r} has no {param + SUFFIX_B!r}")
-            pairs[param] = (flat[name], flat[param + SUFFIX_B])
-        elif name.endswith(SUFFIX_B):
-            if name[:-len(SUFFIX_B)] + SUFFIX_A not in flat:
-                raise ValueError(f"{where}: {name!r} has no {name[:-len(SUFFIX_B)] + SUFFIX_A!r}")
-        else:
+        if not name.endswith((SUFFIX_A, SUFFIX_B)):
             raise ValueError(f"{where}: tensor {name!r} is not an adapter (a LoRA version carries only "
-                             f"'<param>{SUFFIX_A}' / '<param>{SUFFIX_B}', {BASE_ID!r} and {SCALE!r})")
+                             f"'<module>{SUFFIX_A}' / '<module>{SUFFIX_B}', {BASE_ID!r} and {SCALE!r})")
+        stem = name[:-len(SUFFIX_A)]  # both suffixes have one length
+        a, b = stem + SUFFIX_A, stem + SUFFIX_B
+        if a not in flat or b not in flat:
+            raise ValueError(f"{where}: {name!r} has no {(b if name == a else a)!r}")
+        pairs[stem + ".weight"] = (flat[a], flat[b])
     if not pairs:
         raise ValueError(f"{where}: no adapter tensors")
     return AdapterVersion(base_id, scale, pairs)

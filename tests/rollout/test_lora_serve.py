@@ -35,15 +35,17 @@ def _adapters(base: dict, seed: int) -> dict:
     out = {}
     for name in TARGETS:
         layers, d_out, d_in = base[name].shape
-        out[name + ".lora_a"] = rng.normal(0, 0.3, (layers, RANK, d_in)).astype(np.float32)
-        out[name + ".lora_b"] = rng.normal(0, 0.3, (layers, d_out, RANK)).astype(np.float32)
+        stem = name[:-len(".weight")]  # model/lora.py adapter_names
+        out[stem + ".lora_a"] = rng.normal(0, 0.3, (layers, RANK, d_in)).astype(np.float32)
+        out[stem + ".lora_b"] = rng.normal(0, 0.3, (layers, d_out, RANK)).astype(np.float32)
     return out
 
 
 def _learner_merged(base: dict, adapters: dict, scale: float) -> dict:
     """The learner's merged model: every targeted parameter merged, the others the base."""
-    return {n: np.asarray(merge(w, adapters[n + ".lora_a"], adapters[n + ".lora_b"], scale))
-            if n + ".lora_a" in adapters else w for n, w in base.items()}
+    stems = {n: n[:-len(".weight")] for n in base}
+    return {n: np.asarray(merge(w, adapters[stems[n] + ".lora_a"], adapters[stems[n] + ".lora_b"], scale))
+            if stems[n] + ".lora_a" in adapters else w for n, w in base.items()}
 
 
 def _logits(flat: dict, tokens: np.ndarray) -> np.ndarray:
@@ -100,8 +102,8 @@ def test_bad_adapter_versions_are_refused_naming_the_tensor():
     adapters = _adapters(base, 1)
     with pytest.raises(ValueError, match="full weight version"):
         from_flat(base)
-    lonely = {k: v for k, v in adapters.items() if not k.endswith("q_proj.weight.lora_b")}
-    with pytest.raises(ValueError, match="q_proj.weight.lora_a"):
+    lonely = {k: v for k, v in adapters.items() if not k.endswith("q_proj.lora_b")}
+    with pytest.raises(ValueError, match="q_proj.lora_a"):
         from_flat(adapter_version(lonely, served.id, 1.0))
     with pytest.raises(ValueError, match="no base"):  # a server without a base cannot take adapters
         params_from_flat(tiny_model(0), None, stream=True)(adapter_version(adapters, served.id, 1.0))
