@@ -85,7 +85,5 @@ def _lora(c) -> None:
     """demo.py:lora: the same run training rank-8 adapters on every projection of the frozen
     (supervised warm-started) base; each version published carries only the adapters."""
     c.learner.compile_ahead = "none"
-    lora = getattr(c.learner, "lora", None)
-    if lora is not None:
-        c.learner.lora.rank = 8
-        c.learner.lora.alpha = 16.0
+    c.learner.lora.rank = 8
+    c.learner.lora.alpha = 16.0

@@ -23,7 +23,7 @@ from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
 from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
-from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
+from laminar_jax.learner.publish import HostCopy, LoraVersions, Publisher, adapters_of, flatten_params
 from laminar_jax.model.attention import resolve_train_attention
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step, make_updates)
@@ -206,9 +206,13 @@ class Learner:
         flat = flatten_params(self.state.params["actor"])
         self.publish_dtype = as_dtype(publish_dtype if publish_dtype is not None
                                       else _compute_dtype(model) or next(iter(flat.values())).dtype)
+        # LoRA (learner.lora): a version carries only the adapters, in float32 as trained, with the
+        # base's identity (AdapterPublisher); servers merge them into the base they hold.
+        self.lora = LoraVersions.of(section, lambda: self._cast(flatten_params(self.state.params["actor"])))
+        flat = self._published_flat()
         # A cast writes new buffers, which no train step donates: the host copy reads those.
-        self._casts = any(np.dtype(x.dtype) != self.publish_dtype for x in flat.values())
-        self._snapshot = _snapshot_fn(flat, self.publish_dtype)
+        self._casts = self.lora is None and any(np.dtype(x.dtype) != self.publish_dtype for x in flat.values())
+        self._snapshot = _snapshot_fn(flat, self.publish_dtype if self.lora is None else np.float32)
         self._cast = jax.jit(lambda f: cast_floating(f, self.publish_dtype))
         self.publish_wait_s = 0.0  # the learner's total wait for host copies of its weights
 
@@ -355,7 +359,7 @@ class Learner:
             else:
                 self._train_step.lower(self.state, batch).compile()
         if self.snapshot_publish or self._casts:
-            jax.block_until_ready(self._snapshot(flatten_params(self.state.params["actor"])))
+            jax.block_until_ready(self._snapshot(self._published_flat()))
         return len(shapes)
 
     def _abstract_batch(self, rows: int, t: int, slots: int) -> TrainBatch:
@@ -374,7 +378,7 @@ class Learner:
         self.publish_wait_s += time.perf_counter() - t0
 
     def _start_publish(self, publish: bool) -> None:
-        flat = flatten_params(self.state.params["actor"])
+        flat = self._published_flat()
         across_processes = not all(x.is_fully_addressable for x in flat.values())
         if not publish or (self.publisher is None and not across_processes):
             self._pending = None
@@ -386,11 +390,20 @@ class Learner:
         elif self._casts:  # each process casts its shards before the gather: the serving dtype's bytes move
             flat = self._cast(flat)
         # Across processes every process joins the gather; the one holding a publisher publishes.
-        self._pending = HostCopy(self.version, flat, self.publisher, self._publish_worker)
+        publisher = self.publisher if self.lora is None or self.publisher is None else self.lora.wrap(self.publisher)
+        self._pending = HostCopy(self.version, flat, publisher, self._publish_worker)
+
+    def _published_flat(self) -> dict:
+        """The actor's tensors a version carries: all, or (LoRA) only the adapters."""
+        flat = flatten_params(self.state.params["actor"])
+        return flat if self.lora is None else adapters_of(flat)
 
     def policy_params(self) -> dict[str, np.ndarray]:
-        """Host copy of the current policy weights (blocking), flat as published: in the serving dtype."""
-        flat = flatten_params(self.state.params["actor"])
+        """Host copy of the current policy weights (blocking), flat as published: in the serving dtype
+        (LoRA: the adapter version, model/lora_version.py)."""
+        flat = self._published_flat()
+        if self.lora is not None:
+            return self.lora.version(host_arrays(flat))
         return host_arrays(self._cast(flat) if self._casts else flat)
 
     def master_params(self) -> dict[str, np.ndarray]:

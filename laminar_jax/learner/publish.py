@@ -166,3 +166,64 @@ def load_model_params(model, flat: dict[str, np.ndarray]) -> None:
         if tuple(np.shape(flat[n])) != tuple(np.shape(leaf)):
             raise ValueError(f"initial learner params: {n} has shape {np.shape(flat[n])}, the model {np.shape(leaf)}")
     nnx.update(model, unflatten_params(flat, state, drop=()))
+
+
+def adapters_of(flat: dict[str, Any]) -> dict[str, Any]:
+    """The adapter tensors of a LoRA actor's flat params ('<module>.lora_a' / '.lora_b', model/lora.py)."""
+    from laminar_jax.model.lora_version import SUFFIX_A, SUFFIX_B
+
+    return {n: x for n, x in flat.items() if n.endswith((SUFFIX_A, SUFFIX_B))}
+
+
+def base_of(flat: dict[str, Any]) -> dict[str, Any]:
+    """Everything but the adapters: the frozen base a LoRA actor's adapters apply to."""
+    adapters = adapters_of(flat)
+    return {n: x for n, x in flat.items() if n not in adapters}
+
+
+class AdapterPublisher:
+    """A LoRA learner's publisher: each version (its adapters, host arrays) goes on with the base's
+    identity and the scale (model/lora_version.adapter_version), the only other bytes it carries."""
+
+    def __init__(self, publisher: Publisher, base_id: str, scale: float):
+        self.publisher, self.base_id, self.scale = publisher, base_id, scale
+
+    def publish(self, version: int, params: dict[str, np.ndarray]) -> None:
+        from laminar_jax.model.lora_version import adapter_version
+
+        self.publisher.publish(version, adapter_version(params, self.base_id, self.scale))
+
+
+class LoraVersions:
+    """A LoRA learner's versions (learner.lora): the adapters only, with the frozen base's identity
+    and the scale. ``cast_actor()`` gives the actor's flat params in the serving dtype (device)."""
+
+    def __init__(self, scale: float, cast_actor):
+        self.scale, self._cast_actor = scale, cast_actor
+        self._base_id: Optional[str] = None
+
+    @classmethod
+    def of(cls, section, cast_actor) -> Optional["LoraVersions"]:
+        lora = getattr(section, "lora", None)
+        return cls(lora.scale, cast_actor) if lora is not None and lora.enabled else None
+
+    def base(self) -> dict[str, np.ndarray]:
+        """Host copy of the frozen base as servers hold it (the serving dtype, no value head)."""
+        return host_arrays(base_of(self._cast_actor()))
+
+    @property
+    def base_id(self) -> str:
+        """base_identity of `base()`; the base is frozen, so computed once."""
+        if self._base_id is None:
+            from laminar_jax.model.lora_version import base_identity
+
+            self._base_id = base_identity(self.base())
+        return self._base_id
+
+    def version(self, adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from laminar_jax.model.lora_version import adapter_version
+
+        return adapter_version(adapters, self.base_id, self.scale)
+
+    def wrap(self, publisher: Publisher) -> "AdapterPublisher":
+        return AdapterPublisher(publisher, self.base_id, self.scale)

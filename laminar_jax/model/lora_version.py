@@ -19,6 +19,8 @@ from typing import Mapping, NamedTuple
 
 import numpy as np
 
+from laminar_jax.model.lora import adapter_names, base_name
+
 BASE_ID = "lora.base_sha256"
 SCALE = "lora.scale"
 SUFFIX_A, SUFFIX_B = ".lora_a", ".lora_b"
@@ -83,11 +85,11 @@ def read_adapter_version(flat: Mapping[str, np.ndarray], where: str = "adapter v
         if not name.endswith((SUFFIX_A, SUFFIX_B)):
             raise ValueError(f"{where}: tensor {name!r} is not an adapter (a LoRA version carries only "
                              f"'<module>{SUFFIX_A}' / '<module>{SUFFIX_B}', {BASE_ID!r} and {SCALE!r})")
-        stem = name[:-len(SUFFIX_A)]  # both suffixes have one length
-        a, b = stem + SUFFIX_A, stem + SUFFIX_B
+        param = base_name(name)
+        a, b = adapter_names(param)
         if a not in flat or b not in flat:
             raise ValueError(f"{where}: {name!r} has no {(b if name == a else a)!r}")
-        pairs[stem + ".weight"] = (flat[a], flat[b])
+        pairs[param] = (flat[a], flat[b])
     if not pairs:
         raise ValueError(f"{where}: no adapter tensors")
     return AdapterVersion(base_id, scale, pairs)
