@@ -197,6 +197,8 @@ class LearnerSection:
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")
         expect(self.publish_timeout_s > 0, f"{prefix}.publish_timeout_s", self.publish_timeout_s, "> 0")
+        expect(not self.lora.enabled or self.critic != "shared", f"{prefix}.lora.rank", self.lora.rank,
+               f"0 with {prefix}.critic='shared' (the shared value head would stay frozen with the base)")
 
 
     def _validate_corrections(self, prefix: str) -> None:

@@ -196,20 +196,20 @@ class AdapterPublisher:
 
 class LoraVersions:
     """A LoRA learner's versions (learner.lora): the adapters only, with the frozen base's identity
-    and the scale. ``cast_actor()`` gives the actor's flat params in the serving dtype (device)."""
+    and the scale. ``base_flat()`` gives the frozen base, flat, in the serving dtype (device)."""
 
-    def __init__(self, scale: float, cast_actor):
-        self.scale, self._cast_actor = scale, cast_actor
+    def __init__(self, scale: float, base_flat):
+        self.scale, self._base_flat = scale, base_flat
         self._base_id: Optional[str] = None
 
     @classmethod
-    def of(cls, section, cast_actor) -> Optional["LoraVersions"]:
+    def of(cls, section, base_flat) -> Optional["LoraVersions"]:
         lora = getattr(section, "lora", None)
-        return cls(lora.scale, cast_actor) if lora is not None and lora.enabled else None
+        return cls(lora.scale, base_flat) if lora is not None and lora.enabled else None
 
     def base(self) -> dict[str, np.ndarray]:
         """Host copy of the frozen base as servers hold it (the serving dtype, no value head)."""
-        return host_arrays(base_of(self._cast_actor()))
+        return host_arrays(base_of(self._base_flat()))
 
     @property
     def base_id(self) -> str:
@@ -227,3 +227,17 @@ class LoraVersions:
 
     def wrap(self, publisher: Publisher) -> "AdapterPublisher":
         return AdapterPublisher(publisher, self.base_id, self.scale)
+
+
+def snapshot_fn(flat: dict[str, jax.Array], dtype: Any):
+    """A program copying the flat policy weights out of the state's buffers, cast to the serving
+    `dtype` on the devices (so only the serving dtype's bytes cross to the host): into pinned host
+    memory where the devices have it (the copy is then a DMA inside the program, and the publish
+    only wraps host memory as numpy), else into device memory, which the host copy then reads."""
+    from laminar_jax.model.precision import cast_floating
+    from laminar_jax.naming import pinned_host_sharding
+
+    pinned = {k: pinned_host_sharding(v.sharding) for k, v in flat.items()}
+    if all(s is not None for s in pinned.values()):
+        return jax.jit(lambda f: cast_floating(f, dtype), out_shardings=pinned)
+    return jax.jit(lambda f: {k: jax.numpy.array(v, copy=True) for k, v in cast_floating(f, dtype).items()})

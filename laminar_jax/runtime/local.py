@@ -98,7 +98,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
             from laminar_jax.runtime.lora_serve import ServedBase
 
             base = ServedBase(learner.lora.base(), nnx_params(abstract), cfg.rollout.dtype)
-            host = HostWeights(base.tree, lora=base.delta(learner.policy_params()))
+            host = HostWeights(base.tree, lora=base.delta(learner.published_params()))
         else:
             host = cast_floating(host_params(learner.policy_params(), nnx_params(abstract)), cfg.rollout.dtype)
         fleet = ThreadFleet.build(cfg, abstract, buffer, weights, monitor.timeline, learner.version, host,

@@ -82,10 +82,11 @@ class WeightsPlane:
 
             self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses,
                                        keys=self.keys, handoff=self.handoff)
+        published = getattr(learner, "published_params", learner.policy_params)  # LoRA: the adapter version
         if initial and not stored:
-            self.publisher.publish(learner.version, learner.policy_params())
+            self.publisher.publish(learner.version, published())
         elif initial:  # stored already (resume): put it where servers take it from (hand-off or relays)
-            self._seed(learner.version, learner.policy_params())
+            self._seed(learner.version, published())
         learner.publisher = self.publisher
 
     def _seed(self, version: int, params) -> None:

@@ -1,23 +1,22 @@
 """A LoRA learner publishes adapters only, and a server given that version serves the learner's model.
 
-Real Learner (tiny model with adapters attached, model/lora.py) and a real rollout engine: the
-version the learner publishes (through its HostCopy path, after a real step) holds only the adapters, the base's identity and the scale; a server that
+Real Learner (learner.lora on the tiny model) and a real rollout engine: the version the learner
+publishes (through its HostCopy path, after real steps) holds only the adapters, the base's identity and the scale; a server that
 holds the learner's base (ServedBase) swaps to it, and its logits equal the learner's own model's
-(the low-rank path x W^T + s (x A^T) B^T, i.e. the merged model) to float rounding.
+(policy_params: the base with the adapters merged) to float rounding.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 from flax import nnx
 
 from laminar_jax.learner import Learner, LearnerSection
 from laminar_jax.learner.publish import LocalPublisher, flatten_params
 from laminar_jax.model import PRESETS, Transformer
-from laminar_jax.model.lora import LoRASection, attach, merge_params
+from laminar_jax.model.lora import LoRASection, merge_params
 from laminar_jax.model.lora_version import BASE_ID, SCALE, base_identity
 from laminar_jax.rollout import RolloutServer, make_engine
 from laminar_jax.runtime.fleet import params_from_flat
@@ -26,16 +25,8 @@ from laminar_jax.types import Trajectory
 from tests.rollout.rollout_helpers import SECTION as ROLLOUT
 
 LORA = LoRASection(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "up_proj", "down_proj"))
-SECTION = LearnerSection(lr=1e-3, adv_estimator="grpo", off_policy="tis", seq_len_buckets=(16,), pack_length=0,
-                         weight_decay=0.0, lora=LORA)
-
-
-def _model():
-    model = attach(Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), LORA)
-    rng = np.random.default_rng(3)  # B starts at zero: give it values, or the adapters change nothing
-    adapters = nnx.state(model, nnx.LoRAParam)
-    nnx.update(model, jax.tree.map(lambda x: jax.numpy.asarray(rng.normal(0, 0.2, x.shape), x.dtype), adapters))
-    return model
+SECTION = LearnerSection(lr=1e-2, adv_estimator="grpo", off_policy="tis", seq_len_buckets=(16,), pack_length=0,
+                         lora=LORA)
 
 
 def _trajectories() -> list[Trajectory]:
@@ -45,14 +36,14 @@ def _trajectories() -> list[Trajectory]:
 
 
 def test_a_lora_learner_publishes_adapters_and_the_server_serves_its_model():
-    model = _model()
     pub = LocalPublisher()
-    learner = Learner(SECTION, model, publisher=pub)
-    learner.step(_trajectories())
+    learner = Learner(SECTION, Transformer(PRESETS["tiny"], rngs=nnx.Rngs(0)), publisher=pub)
+    for _ in range(3):  # B starts at zero: a few steps make the adapters count
+        learner.step(_trajectories())
     learner.flush(60)
     version, flat = pub.latest()
     adapters = {n for n in flat if n not in (BASE_ID, SCALE)}
-    assert version == 1 and adapters and all(n.endswith((".lora_a", ".lora_b")) for n in adapters)
+    assert version == 3 and adapters and all(n.endswith((".lora_a", ".lora_b")) for n in adapters)
     assert len(adapters) == 2 * len(LORA.targets)
     base = learner.lora.base()
     assert not any(n.endswith((".lora_a", ".lora_b")) for n in base)
@@ -64,7 +55,7 @@ def test_a_lora_learner_publishes_adapters_and_the_server_serves_its_model():
     served = ServedBase(base, nnx.split(plain)[1])
     engine, _ = make_engine(plain, ROLLOUT)
     from_flat = params_from_flat(plain, engine, stream=True, base=served)
-    server = RolloutServer(engine, from_flat(learner.policy_params()), version=0)
+    server = RolloutServer(engine, from_flat(learner.published_params()), version=0)
     server.set_params(version, from_flat(flat), force=True)
     server.step()
     assert server.version == version
@@ -77,11 +68,8 @@ def test_a_lora_learner_publishes_adapters_and_the_server_serves_its_model():
     from laminar_jax.runtime.rollout_worker import host_params
 
     served_logits = np.asarray(nnx.merge(graphdef, host_params(got, state))(tokens))
-    from laminar_jax.learner.publish import load_model_params
-
-    load_model_params(model, learner.master_params())  # the learner's model after its step
-    learner_logits = np.asarray(model(tokens))
-    np.testing.assert_allclose(served_logits, learner_logits, rtol=1e-5, atol=1e-5)
+    learner_logits = np.asarray(nnx.merge(graphdef, host_params(learner.policy_params(), state))(tokens))
+    np.testing.assert_allclose(served_logits, learner_logits, rtol=1e-5, atol=1e-5)  # the learner's merged model
     base_logits = np.asarray(nnx.merge(graphdef, host_params(base, state))(tokens))
     assert not np.allclose(served_logits, base_logits, atol=1e-3)  # the adapters count
     learner.close()
