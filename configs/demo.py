@@ -2,6 +2,7 @@
 
 python launch/run.py --config=configs/demo.py            # laminar mode, under a minute cold on 2 cores
 python launch/run.py --config=configs/demo.py:short      # a short smoke variant (tests use it)
+python launch/run.py --config=configs/demo.py:lora       # rank-8 LoRA adapters on the frozen base
 python launch/run.py --config=configs/demo.py --config.runtime.mode=sync
 """
 
