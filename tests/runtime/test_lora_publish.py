@@ -8,7 +8,6 @@ holds the learner's base (ServedBase) swaps to it, and its logits equal the lear
 
 from __future__ import annotations
 
-import dataclasses
 
 import numpy as np
 from flax import nnx
