@@ -1,0 +1,28 @@
+"""learner.lora in a whole run: the demo trains adapters through the local runtime (versions reach the
+servers merged), stops, and a second run resumes from its checkpoint (adapters, their optimizer state,
+the ledger) without losing or repeating a prompt."""
+
+import pytest
+
+from laminar_jax.config import finalize, repo_config
+
+
+@pytest.mark.slow
+def test_lora_demo_runs_then_resumes_exactly_once(tmp_path):
+    from laminar_jax.runtime.local import run_local
+
+    def config(steps):
+        c = repo_config("demo", "short")
+        c.learner.lora.rank = 4
+        c.learner.compile_ahead = "none"
+        c.runtime.total_steps = steps
+        c.runtime.run_dir = str(tmp_path / "run")
+        return finalize(c)
+
+    first = run_local(config(2))
+    assert first["steps"] == 2 and first["lost_prompts"] == 0 and first["duplicated_prompts"] == 0
+    second = run_local(config(4))
+    assert second["steps"] == 4 and second["steps_this_run"] == 2
+    assert second["restore"]["step"] == 2
+    assert second["lost_prompts"] == 0 and second["duplicated_prompts"] == 0
+    assert second["consumed_prompts"] == 4 * config(4).runtime.prompts_per_step
