@@ -223,7 +223,7 @@ class Learner:
             else mesh.devices.flat[0].platform != "cpu"
         # Under learner.lora a version is the base with the adapters merged, in the serving dtype.
         self._merged = merged_fn(section.lora.scale, serving) if section.lora.enabled else None
-        flat = self._policy_flat()
+        flat = self.policy_arrays()
         self.publish_dtype = as_dtype(publish_dtype if publish_dtype is not None
                                       else _compute_dtype(model) or next(iter(flat.values())).dtype)
         # A cast (or a merge) writes new buffers, which no train step donates: the host copy reads those.
@@ -375,7 +375,7 @@ class Learner:
             else:
                 self._train_step.lower(self.state, batch).compile()
         if self.snapshot_publish or self._casts:
-            jax.block_until_ready(self._snapshot(self._policy_flat()))
+            jax.block_until_ready(self._snapshot(self.policy_arrays()))
         return len(shapes)
 
     def _abstract_batch(self, rows: int, t: int, slots: int) -> TrainBatch:
@@ -397,7 +397,7 @@ class Learner:
         """The prepare pass's trailing frozen-params argument: (frozen,) under learner.lora, else ()."""
         return (frozen,) if self.section.lora.enabled else ()
 
-    def _policy_flat(self) -> dict[str, jax.Array]:
+    def policy_arrays(self) -> dict[str, jax.Array]:
         """The policy weights on the devices, flat: the actor's params, or under learner.lora the base
         with the adapters merged (model.lora.merge), in the serving dtype."""
         if self._merged is not None:
@@ -412,7 +412,7 @@ class Learner:
         return host_arrays(flatten_params(self.state.params["actor"]))
 
     def _start_publish(self, publish: bool) -> None:
-        flat = self._policy_flat()
+        flat = self.policy_arrays()
         across_processes = not all(x.is_fully_addressable for x in flat.values())
         if not publish or (self.publisher is None and not across_processes):
             self._pending = None
@@ -428,7 +428,7 @@ class Learner:
 
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat as published: in the serving dtype."""
-        flat = self._policy_flat()
+        flat = self.policy_arrays()
         return host_arrays(self._cast(flat) if self._casts else flat)
 
     def master_params(self) -> dict[str, np.ndarray]:
