@@ -213,8 +213,8 @@ def lora_table(arch, rank: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[i
 
     section = LoRASection(rank=rank, targets=targets)
     model = nnx.eval_shape(lambda: attach(Transformer(arch, rngs=nnx.Rngs(0)), section))
-    return tuple((tuple(v.get_value().shape), tuple(v.get_metadata()["out_sharding"]))
-                 for v in jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable)))
+    variables = jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return tuple((tuple(v.get_value().shape), tuple(v.get_metadata()["out_sharding"])) for v in variables)
 
 
 def lora_items(cfg, arch, axes: dict[str, int], items: dict[str, int], shard: int) -> dict[str, int]:

@@ -30,7 +30,8 @@ def _bytes(tree) -> int:
 def _with_lora(cfg, rank: int):
     from laminar_jax.model.lora import LoRASection
 
-    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lora=LoRASection(rank=rank, alpha=2.0 * rank)))
+    section = LoRASection(rank=rank, alpha=2.0 * rank)
+    return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lora=section))
 
 
 def measured(rank: int, steps: int) -> dict:
@@ -106,9 +107,10 @@ def main(argv: list[str]) -> dict:
     print(f"demo model, live learner state: full {demo['full']['state_bytes'] / 1e6:.2f} MB, "
           f"LoRA r={args.rank} {demo['lora']['state_bytes'] / 1e6:.2f} MB ({demo['state_ratio']:.1%}); "
           f"step {demo['full']['step_s'] * 1e3:.0f} ms vs {demo['lora']['step_s'] * 1e3:.0f} ms")
+    full_gb, lora_gb = (plan[k]["learner_state_gb_per_device"] for k in ("full", "lora"))
     print(f"{plan['preset']} plan ({args.devices} x {args.accelerator}): learner state per learner device "
-          f"{plan['full']['learner_state_gb_per_device']:.1f} GB full vs {plan['lora']['learner_state_gb_per_device']:.1f} GB "
-          f"LoRA; whole {plan['full_state_gb']:.1f} GB vs {plan['lora_state_gb']:.1f} GB ({plan['state_ratio']:.1%})")
+          f"{full_gb:.1f} GB full vs {lora_gb:.1f} GB LoRA; whole {plan['full_state_gb']:.1f} GB vs "
+          f"{plan['lora_state_gb']:.1f} GB ({plan['state_ratio']:.1%})")
     print(f"published per version: full {plan['publish_bytes_full'] / 1e9:.2f} GB, adapters "
           f"{plan['publish_bytes_lora'] / 1e6:.1f} MB = {plan['publish_ratio']:.2%} (goal <= {GOAL:.0%}: "
           f"{'met' if plan['goal_met'] else 'NOT met'})")

@@ -366,7 +366,8 @@ class Learner:
         shapes = self.batch_shapes(num_trajectories, max_tokens) if s.compile_ahead == "all" else []
         for b, t in shapes:
             batch = self._abstract_batch(b, t, slots)
-            self._prepare.lower(self.state.params, self.ref_params, batch).compile()
+            frozen = self._frozen(self.state.frozen)
+            self._prepare.lower(self.state.params, self.ref_params, batch, *frozen).compile()
             if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
                 mb = b // s.mini_batches
                 order = jax.ShapeDtypeStruct((s.ppo_epochs * s.mini_batches, mb), np.int32,

@@ -33,3 +33,30 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     nnx.update(model, host_params(store.read(version), state))
     write_hf_dir(model, cfg.model, out_dir)
     return model
+
+
+def export_peft(run_dir: str, out_dir: str) -> dict:
+    """Write the newest checkpoint's LoRA adapters (learner.lora) of the run to ``out_dir`` in PEFT's
+    format (adapter_config.json + adapter_model.safetensors, model/peft.py); the restore report."""
+    import dataclasses
+
+    from laminar_jax.config import load_config
+    from laminar_jax.learner import Learner
+    from laminar_jax.model import build_model
+    from laminar_jax.model.peft import write_peft_adapter
+
+    cfg = load_config(os.path.join(run_dir, "config.json"))
+    if not cfg.learner.lora.enabled:
+        raise ValueError(f"{run_dir}: learner.lora.rank is 0 in this run (full fine-tuning has no adapters); "
+                         "use export_pretrained")
+    section = dataclasses.replace(cfg.learner, checkpoint_dir=cfg.learner.checkpoint_dir
+                                  or os.path.join(run_dir, "checkpoints"))
+    learner = Learner(section, build_model(cfg.model), publish_dtype=cfg.rollout.dtype)
+    try:
+        learner.restore_latest()
+        if learner.restore_report is None or learner.restore_report["step"] is None:
+            raise FileNotFoundError(f"{section.checkpoint_dir}: no checkpoint to export adapters from")
+        write_peft_adapter(learner.adapter_params(), section.lora, out_dir, base_model=cfg.model.path)
+        return {"version": learner.version, **learner.restore_report}
+    finally:
+        learner.close()

@@ -31,7 +31,8 @@ def test_peft_names():
     assert peft_names("layers.self_attn.q_proj.lora_a", 2) == [
         "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
         "base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight"]
-    assert peft_names("layers.mlp.down_proj.lora_b", 1) == ["base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
+    assert peft_names("layers.mlp.down_proj.lora_b", 1) == [
+        "base_model.model.model.layers.0.mlp.down_proj.lora_B.weight"]
     assert peft_names("lm_head.lora_b") == ["base_model.model.lm_head.lora_B.weight"]
 
 
