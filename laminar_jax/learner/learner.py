@@ -223,7 +223,7 @@ class Learner:
             else mesh.devices.flat[0].platform != "cpu"
         # Under learner.lora a version is the base with the adapters merged, in the serving dtype.
         self._merged = merged_fn(section.lora.scale, serving) if section.lora.enabled else None
-        flat = self._policy_flat()
+        flat = self.policy_arrays()
         self.publish_dtype = as_dtype(publish_dtype if publish_dtype is not None
                                       else _compute_dtype(model) or next(iter(flat.values())).dtype)
         # LoRA (learner.lora): a version carries only the adapters, in float32 as trained, with the
@@ -370,7 +370,8 @@ class Learner:
         shapes = self.batch_shapes(num_trajectories, max_tokens) if s.compile_ahead == "all" else []
         for b, t in shapes:
             batch = self._abstract_batch(b, t, slots)
-            self._prepare.lower(self.state.params, self.ref_params, batch).compile()
+            frozen = self._frozen(self.state.frozen)
+            self._prepare.lower(self.state.params, self.ref_params, batch, *frozen).compile()
             if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
                 mb = b // s.mini_batches
                 order = jax.ShapeDtypeStruct((s.ppo_epochs * s.mini_batches, mb), np.int32,
@@ -401,7 +402,7 @@ class Learner:
         """The prepare pass's trailing frozen-params argument: (frozen,) under learner.lora, else ()."""
         return (frozen,) if self.section.lora.enabled else ()
 
-    def _policy_flat(self) -> dict[str, jax.Array]:
+    def policy_arrays(self) -> dict[str, jax.Array]:
         """The policy weights on the devices, flat: the actor's params, or under learner.lora the base
         with the adapters merged (model.lora.merge), in the serving dtype."""
         if self._merged is not None:
@@ -433,7 +434,7 @@ class Learner:
 
     def _published_flat(self) -> dict:
         """The tensors a version carries: the policy weights, or (LoRA) only the adapters."""
-        return self._policy_flat() if self.lora is None else adapters_of(flatten_params(self.state.params["actor"]))
+        return self.policy_arrays() if self.lora is None else adapters_of(flatten_params(self.state.params["actor"]))
 
     def published_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current version as published (LoRA: the adapter version, model/lora_version.py)."""
@@ -442,7 +443,7 @@ class Learner:
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat, in the serving dtype (under
         learner.lora the base with the adapters merged; what is published is `published_params`)."""
-        flat = self._policy_flat()
+        flat = self.policy_arrays()
         return host_arrays(self._cast(flat) if self._casts else flat)
 
     def master_params(self) -> dict[str, np.ndarray]:

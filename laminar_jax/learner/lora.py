@@ -62,3 +62,24 @@ def merged_fn(scale: float, dtype: Any):
 def adapter_bytes(adapters: Any, itemsize: Optional[int] = None) -> int:
     """Bytes of the adapters (at ``itemsize`` bytes per value, default their own dtype's)."""
     return sum(int(np.prod(x.shape)) * (itemsize or np.dtype(x.dtype).itemsize) for x in jax.tree.leaves(adapters))
+
+
+def export(learner, model_section, out_dir: str) -> dict[str, str]:
+    """A LoRA learner's policy as ``<out_dir>/merged`` (a self-contained HF directory of the base with
+    the adapters merged, in the serving dtype: model/export.py) and ``<out_dir>/adapter`` (PEFT's
+    adapter_config.json + adapter_model.safetensors, model/peft.py). Returns both paths."""
+    import os
+
+    from laminar_jax.learner.publish import unflatten_params
+    from laminar_jax.model.export import write_hf_dir
+    from laminar_jax.model.peft import write_peft_adapter
+    from laminar_jax.model.sharded import abstract_model
+
+    section = learner.section.lora
+    model = abstract_model(model_section)
+    graphdef, state = nnx.split(model)
+    nnx.update(model, unflatten_params(learner.policy_params(), state))
+    merged, adapter = os.path.join(out_dir, "merged"), os.path.join(out_dir, "adapter")
+    write_hf_dir(model, model_section, merged)
+    write_peft_adapter(learner.adapter_params(), section, adapter, base_model=model_section.path)
+    return {"merged": merged, "adapter": adapter}

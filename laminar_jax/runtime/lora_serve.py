@@ -98,4 +98,21 @@ def read_base(rcfg, store_url: str, template: Any, dtype: Any = None) -> ServedB
     return ServedBase(store.read(0), template, dtype)
 
 
+def merged_flat(rcfg, store_url: str, flat: dict) -> dict:
+    """An adapter version merged into the run's base (from its base store), flat on the host, in the
+    base's dtype: the full weights of that version (export)."""
+    from laminar_jax.model.lora import merge_params
+    from laminar_jax.model.lora_version import base_identity, check_base, read_adapter_version
+    from laminar_jax.relay import WeightStore
+
+    store = WeightStore.from_config(rcfg, base_store_url(store_url))
+    if store.newest_committed() is None:
+        raise FileNotFoundError(f"learner.lora: no base in {store.url} to merge the adapter version into")
+    base = store.read(0)
+    v = read_adapter_version(flat, "stored adapter version")
+    check_base(v.base_id, base_identity(base), "stored adapter version")
+    adapters = {n: x for n, x in flat.items() if n.endswith((".lora_a", ".lora_b"))}
+    return merge_params(base, adapters, v.scale)
+
+
 __all__ = ["ServedBase", "lora_params_from_flat", "base_store_url", "write_base", "read_base"]

@@ -134,3 +134,10 @@ def test_resume_restores_adapters_and_their_optimizer_state_exactly(tmp_path):
                  jax.tree.map(np.asarray, b.state.opt_state))
     a.close()
     b.close()
+
+
+def test_warmup_compiles_the_lora_programs():
+    """Warm-up lowers the prepare pass with the frozen base as the step calls it (learner.compile_ahead='all')."""
+    learner, _ = _learner()
+    assert learner.warmup(8) == 1
+    assert learner.step(_trajectories())["skipped"] == 0

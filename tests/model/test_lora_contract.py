@@ -23,9 +23,10 @@ def test_targeted_params_names_and_shapes():
     L, D, F, hd = TINY.num_layers, TINY.hidden_size, TINY.intermediate_size, TINY.head_dim
     assert lora.module_names(shapes) == sorted(lora.PROJECTIONS)  # tied embeddings: no lm_head
     targeted = lora.targeted_params(shapes, ("q_proj", "down_proj"))
-    assert targeted == {"layers.mlp.down_proj.weight": (F, D), "layers.self_attn.q_proj.weight": (D, TINY.num_heads * hd)}
+    q = TINY.num_heads * hd
+    assert targeted == {"layers.mlp.down_proj.weight": (F, D), "layers.self_attn.q_proj.weight": (D, q)}
     got = lora.adapter_shapes(shapes, ("q_proj", "down_proj"), 4)
-    assert got == {"layers.self_attn.q_proj.lora_a": (L, 4, D), "layers.self_attn.q_proj.lora_b": (L, TINY.num_heads * hd, 4),
+    assert got == {"layers.self_attn.q_proj.lora_a": (L, 4, D), "layers.self_attn.q_proj.lora_b": (L, q, 4),
                    "layers.mlp.down_proj.lora_a": (L, 4, F), "layers.mlp.down_proj.lora_b": (L, D, 4)}
     assert lora.adapter_names("layers.self_attn.q_proj.weight") == ("layers.self_attn.q_proj.lora_a",
                                                                     "layers.self_attn.q_proj.lora_b")
