@@ -220,6 +220,10 @@ class LoraVersions:
             self._base_id = base_identity(self.base())
         return self._base_id
 
+    def forget_base(self) -> None:
+        """The frozen base was replaced (a resume adopting the run's base): its identity is recomputed."""
+        self._base_id = None
+
     def version(self, adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from laminar_jax.model.lora_version import adapter_version
 

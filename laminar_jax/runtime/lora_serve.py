@@ -13,6 +13,8 @@ base identity is not the server's base is refused, naming both.
 from __future__ import annotations
 
 import threading
+
+import numpy as np
 from typing import Any, Callable
 
 BASE_SUFFIX = "lora_base"
@@ -86,6 +88,26 @@ def write_base(rcfg, store_url: str, flat: dict, base_id: str) -> None:
         store.write(0, flat)
         return
     check_base(base_identity(store.read(0)), base_id, f"LoRA base store {store.url}")
+
+
+def adopt_base(learner, rcfg, store_url: str) -> bool:
+    """A resumed LoRA learner takes the run's base from its base store: the frozen base is not
+    checkpointed, and the rebuilt one can differ (a resumed run skips the supervised warm-up that
+    made the base). False when the store holds no base yet (a fresh run)."""
+    import jax
+
+    from laminar_jax.learner.publish import unflatten_params
+    from laminar_jax.relay import WeightStore
+
+    store = WeightStore.from_config(rcfg, base_store_url(store_url))
+    if store.newest_committed() is None:
+        return False
+    frozen = learner.state.frozen["actor"]
+    host = unflatten_params(store.read(0), frozen, drop=())
+    placed = jax.tree.map(lambda h, x: jax.device_put(np.asarray(h, x.dtype), x.sharding), host, frozen)
+    learner.state = learner.state._replace(frozen={**learner.state.frozen, "actor": placed})
+    learner.lora.forget_base()
+    return True
 
 
 def read_base(rcfg, store_url: str, template: Any, dtype: Any = None) -> ServedBase:

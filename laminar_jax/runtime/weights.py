@@ -63,10 +63,13 @@ class WeightsPlane:
             self.store.retract_newer_than(learner.version)
         stored = self.store.newest_committed() == learner.version
         lora = getattr(learner, "lora", None)
-        if initial and lora is not None:  # the base, once, where every server reads it (runtime/lora_serve.py)
-            from laminar_jax.runtime.lora_serve import write_base
+        if lora is not None:  # the base, once, where every server reads it (runtime/lora_serve.py)
+            from laminar_jax.runtime.lora_serve import adopt_base, write_base
 
-            write_base(self.rcfg, self.store_url, lora.base(), lora.base_id)
+            if learner.version > 0:  # resumed: the run's base, not the one rebuilt (not checkpointed)
+                adopt_base(learner, self.rcfg, self.store_url)
+            if initial:
+                write_base(self.rcfg, self.store_url, lora.base(), lora.base_id)
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
             if self.handoff is not None:
                 raise ValueError("relay.local_handoff: a learner group publishes from its own process; "

@@ -35,3 +35,22 @@ def test_the_base_store_round_trips_and_refuses_another_base(tmp_path):
         write_base(rcfg, url, other, base_identity(other))
     assert base_identity(other) in str(e.value) and base_identity(base) in str(e.value)
     assert base_store_url(url).endswith("/lora_base")
+
+
+def test_a_resumed_learner_adopts_the_runs_base(tmp_path):
+    """The frozen base is not checkpointed and a resumed run skips the warm-up that made it: the
+    learner takes the run's base from the base store, so its versions keep the run's identity."""
+    from laminar_jax.learner import Learner
+    from laminar_jax.runtime.lora_serve import adopt_base
+    from tests.runtime.test_lora_publish import SECTION
+
+    rcfg, url = RelaySection(), str(tmp_path / "weights")
+    learner = Learner(SECTION, tiny_model(1))
+    assert not adopt_base(learner, rcfg, url)  # a fresh run: nothing to adopt
+    run_base = _flat(0)
+    write_base(rcfg, url, run_base, base_identity(run_base))
+    assert learner.lora.base_id != base_identity(run_base)
+    assert adopt_base(learner, rcfg, url)
+    assert learner.lora.base_id == base_identity(run_base)
+    assert bytes(learner.published_params()["lora.base_sha256"]).hex() == base_identity(run_base)
+    learner.close()
