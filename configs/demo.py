@@ -2,6 +2,7 @@
 
 python launch/run.py --config=configs/demo.py            # laminar mode, under a minute cold on 2 cores
 python launch/run.py --config=configs/demo.py:short      # a short smoke variant (tests use it)
+python launch/run.py --config=configs/demo.py:lora       # rank-8 LoRA adapters on the frozen base
 python launch/run.py --config=configs/demo.py --config.runtime.mode=sync
 """
 
@@ -74,6 +75,16 @@ def get_config(variant: str = ""):
         c.runtime.sft_warmup_steps = 20
         c.runtime.progress = False
         c.runtime.eval_every = 0  # tests that want eval rounds turn them on
+    elif variant == "lora":
+        _lora(c)
     elif variant:
-        raise ValueError(f"configs/demo.py: unknown variant {variant!r} (known: '', 'short')")
+        raise ValueError(f"configs/demo.py: unknown variant {variant!r} (known: '', 'short', 'lora')")
     return c
+
+
+def _lora(c) -> None:
+    """demo.py:lora: the same run training rank-8 adapters on every projection of the frozen
+    (supervised warm-started) base; each version published carries only the adapters."""
+    c.learner.compile_ahead = "none"
+    c.learner.lora.rank = 8
+    c.learner.lora.alpha = 16.0

@@ -92,6 +92,11 @@ class Config:
                    f"data.val_size with {GENERATED_HINT})")
             expect(not self.env.enabled, key, value, "0/False with env.enabled=True (evaluation of multi-turn "
                    "episodes is not supported)")
+        if self.learner.lora.enabled:
+            from laminar_jax.model.lora import check_targets, param_shapes_of
+            from laminar_jax.model.sharded import model_config
+
+            check_targets(self.learner.lora, param_shapes_of(model_config(self.model), self.model.value_head))
         if self.learner.pack_length:
             # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
             expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",

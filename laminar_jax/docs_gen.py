@@ -145,6 +145,9 @@ def config_sections() -> list[tuple[str, type, str]]:
     for f in dataclasses.fields(Config):
         if dataclasses.is_dataclass(hints[f.name]):
             out.append((f.name, hints[f.name], top.get(f.name, "")))
+            inner, docs = typing.get_type_hints(hints[f.name]), attribute_docs(hints[f.name])
+            out += [(f"{f.name}.{g.name}", inner[g.name], docs.get(g.name, ""))  # a section's own sections
+                    for g in dataclasses.fields(hints[f.name]) if dataclasses.is_dataclass(inner[g.name])]
     out.append(("sim", SimSection, "Cluster simulator (laminar_jax.sim; its own config, see docs/SIMULATION.md)."))
     return out
 

@@ -54,6 +54,7 @@ ITEM_KEYS = {
     "adam_moments": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
     "gradients": "placement.learner_devices (more devices for the learner's mesh.fsdp)",
     "ref_params": "learner.kl_coef (a reference copy is kept only for a KL term)",
+    "frozen_base": "placement.learner_devices (more devices for the learner's mesh.fsdp) or rollout.dtype",
     "compute_copy": "mesh.tensor (gathered layers are split over the tensor axis)",
     "gathered_grads": "mesh.tensor (gathered layers are split over the tensor axis)",
     "activations": "learner.micro_batches (fewer rows per pass) or learner.remat",
@@ -65,7 +66,8 @@ ITEM_KEYS = {
     "swap_staging": "placement.rollout_tp",
     "decode_temporaries": "rollout.num_slots",
 }
-LEARNER_ITEMS = ("master_params", "adam_moments", "gradients", "ref_params", "compute_copy", "gathered_grads",
+LEARNER_ITEMS = ("master_params", "adam_moments", "gradients", "ref_params", "frozen_base", "compute_copy",
+                 "gathered_grads",
                  "activations", "logprob_chunks", "batch", "publish_snapshot")
 ROLLOUT_ITEMS = ("serving_weights", "kv_pool", "swap_staging", "decode_temporaries")
 BATCH_FIELDS_2D = 14  # TrainBatch fields of shape [rows, seq] (4 bytes each)
@@ -185,7 +187,7 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
     chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)
     trajectories = cfg.runtime.prompts_per_step * cfg.runtime.samples_per_prompt
     snapshot = cfg.learner.publish_snapshot if cfg.learner.publish_snapshot is not None else pinned_host
-    return {
+    items = {
         "master_params": shard * p,
         "adam_moments": 2 * shard * p,
         "gradients": (2 if cfg.learner.micro_batches > 1 else 1) * shard * p,
@@ -197,6 +199,37 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
         "batch": 2 * math.ceil(trajectories / ranks) * seq * BATCH_FIELDS_2D * 4,
         "publish_snapshot": shard * itemsize(serving_dtype(cfg)) if snapshot and not pinned_host else 0,
     }
+    return lora_items(cfg, arch, axes, items, shard) if cfg.learner.lora.enabled else items
+
+
+@functools.lru_cache(maxsize=16)
+def lora_table(arch, rank: int, targets: tuple[str, ...]) -> tuple[tuple[tuple[int, ...], tuple], ...]:
+    """(shape, logical axes) of every adapter tensor of learner.lora (model/lora.py), abstractly."""
+    import jax
+    from flax import nnx
+
+    from laminar_jax.model.lora import LoRASection, attach
+    from laminar_jax.model.transformer import Transformer
+
+    section = LoRASection(rank=rank, targets=targets)
+    model = nnx.eval_shape(lambda: attach(Transformer(arch, rngs=nnx.Rngs(0)), section))
+    variables = jax.tree.leaves(nnx.state(model, nnx.LoRAParam), is_leaf=lambda x: isinstance(x, nnx.Variable))
+    return tuple((tuple(v.get_value().shape), tuple(v.get_metadata()["out_sharding"])) for v in variables)
+
+
+def lora_items(cfg, arch, axes: dict[str, int], items: dict[str, int], shard: int) -> dict[str, int]:
+    """The learner's items under learner.lora (learner/lora.py): master, moments and gradients are the
+    float32 adapters'; the base (``shard`` elements here) is frozen in the serving dtype and is the KL
+    reference; the pass casts it to the compute dtype only where the two differ; no base gradient is
+    gathered; each version is first merged into a device copy of the base (the snapshot's source)."""
+    ln = cfg.learner
+    adapters = sum(shard_elements(lora_table(arch, ln.lora.rank, tuple(ln.lora.targets)), cfg.mesh.rules, axes))
+    p, c, s = itemsize(cfg.model.param_dtype), itemsize(cfg.model.dtype), itemsize(serving_dtype(cfg))
+    base_cast = (shard * c if c != p else 0)  # what learner_items counted for the master's compute copy
+    return dict(items, master_params=4 * adapters, adam_moments=2 * 4 * adapters,
+                gradients=(2 if ln.micro_batches > 1 else 1) * 4 * adapters, ref_params=0, frozen_base=shard * s,
+                compute_copy=items["compute_copy"] - base_cast + (shard * c if c != s else 0) + adapters * c,
+                gathered_grads=0, publish_snapshot=items["publish_snapshot"] + shard * s)
 
 
 def rollout_items(cfg, arch, tp: int) -> dict[str, int]:

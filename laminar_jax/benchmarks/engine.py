@@ -191,6 +191,10 @@ def decode_step_b64(model, section, device_kind: str, batch: int = 64, context: 
 
 
 def main(argv: list[str]) -> dict:
+    if "--lora" in argv:  # a LoRA version merged at the swap vs unmerged in the decode step (lora_serve.py)
+        from laminar_jax.benchmarks.lora_serve import main as lora_main
+
+        return lora_main([a for a in argv if a != "--lora"])
     ap = argparse.ArgumentParser(prog="bench engine")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--preset", default="small")

@@ -296,7 +296,17 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--packing", action="store_true",
                     help="only time the demo's packed step under each mini-batch draw and row-bucket setting, "
                          "side by side (benchmarks/packing.py; --quick, --steps)")
-    args = ap.parse_args(argv)
+    ap.add_argument("--lora", action="store_true",
+                    help="only compare learner state and published bytes per version, learner.lora (--rank, "
+                         "default 16) against full fine-tuning: on the demo model and in the 7B plan "
+                         "(benchmarks/learner_lora.py)")
+    args, rest = ap.parse_known_args(argv)
+    if args.lora:
+        from laminar_jax.benchmarks import learner_lora
+
+        return learner_lora.main(argv)
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if args.packing:
         from laminar_jax.benchmarks import packing
 

@@ -3,6 +3,7 @@ and the naive orbax save+restore alternative, measured side by side in one run.
 
     python -m laminar_jax.benchmarks.relay [--quick] [--sizes-mb 100,500,2000] [--link-mb-s 200]
     python -m laminar_jax.benchmarks.relay --auth-overhead [--chain-mb 64] [--reps 5]
+    python -m laminar_jax.benchmarks.relay --lora [--rank 16]   (bytes per version, LoRA vs full: relay_lora.py)
 
 ``--auth-overhead`` measures only what the run key costs: the same relays with and without a
 key, side by side, alternating versions (rate-limited 2-relay chain, unlimited 1-hop publish,
@@ -368,6 +369,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str]) -> dict:
+    if "--lora" in argv:  # publish bytes per version, LoRA adapters against the full model (relay_lora.py)
+        from laminar_jax.benchmarks.relay_lora import main as lora_main
+
+        return lora_main([a for a in argv if a != "--lora"])
     args = parse_args(argv)
     if args.poll_cost:
         print(f"load average before: {os.getloadavg()}", flush=True)

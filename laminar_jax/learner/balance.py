@@ -5,6 +5,8 @@ from __future__ import annotations
 import heapq
 from typing import Sequence
 
+import numpy as np
+
 
 def karmarkar_karp(lengths: Sequence[int], k: int) -> list[list[int]]:
     """Partition item indices into k bins with near-equal length sums (largest differencing method).
@@ -51,3 +53,33 @@ def balanced_microbatches(token_counts: Sequence[int], num_micro: int) -> list[l
         bins[j].append(i)
         sums[j] += token_counts[i]
     return [sorted(b) for b in bins]
+
+
+def balance_ranks(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> np.ndarray:
+    """Reorder rows within each mini-batch (`rows` consecutive entries of `perm`) so that the
+    `ranks` contiguous blocks the data-parallel ranks receive carry near-equal token counts (equal
+    row counts, longest row to the lightest rank; learner.balance_tokens). Membership of every
+    mini-batch is unchanged, so the update is the same up to summation order."""
+    out = []
+    for j in range(len(perm) // rows):
+        idx = np.asarray(perm[j * rows:(j + 1) * rows])
+        out += [idx[b] for b in balanced_microbatches(row_tokens[idx].tolist(), ranks)]
+    return np.concatenate(out)
+
+
+def rank_imbalance(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> float:
+    """max / min tokens over the data-parallel ranks' blocks of each mini-batch (the worst one; 1.0 = even)."""
+    worst = 1.0
+    for j in range(len(perm) // rows):
+        sums = row_tokens[np.asarray(perm[j * rows:(j + 1) * rows])].reshape(ranks, -1).sum(axis=1)
+        worst = max(worst, float(sums.max()) / max(float(sums.min()), 1.0))
+    return worst
+
+
+def epoch_rows(rng: np.random.Generator, b: int, mini_batches: int, packed: bool) -> np.ndarray:
+    """Row order of one epoch: mini-batch j takes rows [j b/m, (j+1) b/m) of it. Packed batches
+    keep their trajectory blocks whole (blocks shuffled); unpacked rows are shuffled freely."""
+    if not packed:
+        return rng.permutation(b)
+    per = b // mini_batches
+    return np.concatenate([np.arange(j * per, (j + 1) * per) for j in rng.permutation(mini_batches)])

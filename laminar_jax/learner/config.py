@@ -6,6 +6,7 @@ import dataclasses
 from typing import Literal, Optional
 
 from laminar_jax.configlib import expect
+from laminar_jax.model.lora import LoRASection
 
 AdvEstimator = Literal["gae", "grpo", "rloo"]
 LossAgg = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
@@ -83,6 +84,7 @@ class LearnerSection:
       publish_timeout_s: Longest wait for the previous weight copy to reach host memory.
       publish_snapshot: Publish from a snapshot of the policy weights that a small program writes into the devices' pinned host memory (a DMA at the link's speed, where copying device arrays into unpinned numpy memory is staged by the host and many times slower), so the next step's donating update need not wait and the publish only wraps host memory. Devices without pinned host memory snapshot into device memory (one more copy of the actor weights) and the host copy reads that. None = on where the learner's devices are accelerators, off on CPU (there the host copy is a view).
       seed: Seed of the learner RNG and of the mini-batch shuffles.
+      lora: Low-rank adapters on a frozen base (rank 0 = full fine-tuning); see laminar_jax.model.lora.
     """
 
     lr: float = 1e-6
@@ -145,6 +147,7 @@ class LearnerSection:
     publish_timeout_s: float = 300.0
     publish_snapshot: Optional[bool] = None
     seed: int = 0
+    lora: LoRASection = LoRASection()
 
     @property
     def use_kl(self) -> bool:
@@ -194,6 +197,8 @@ class LearnerSection:
         expect(len(b) > 0 and all(x > 1 for x in b) and list(b) == sorted(set(b)), f"{prefix}.seq_len_buckets",
                b, "a non-empty strictly increasing list of lengths > 1")
         expect(self.publish_timeout_s > 0, f"{prefix}.publish_timeout_s", self.publish_timeout_s, "> 0")
+        expect(not self.lora.enabled or self.critic != "shared", f"{prefix}.lora.rank", self.lora.rank,
+               f"0 with {prefix}.critic='shared' (the shared value head would stay frozen with the base)")
 
 
     def _validate_corrections(self, prefix: str) -> None:

@@ -121,9 +121,8 @@ class LearnerProcess:
         """Collective: the full host copy of the policy weights, flat as published, on process 0
         (None on the others: they only send their shards, learner/gather.py)."""
         from laminar_jax.learner.gather import gather_to_root
-        from laminar_jax.learner.publish import flatten_params
 
-        return gather_to_root(flatten_params(self.learner.state.params["actor"]))
+        return gather_to_root(self.learner.policy_arrays())  # under learner.lora: the base with the adapters merged
 
     def host_copy_bytes(self) -> int:
         """Bytes of the host copy this process built for its last published version (0 on

@@ -13,22 +13,24 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
+from laminar_jax.learner.balance import balance_ranks, epoch_rows as _epoch_rows, rank_imbalance  # noqa: F401
 from laminar_jax.learner.batch import TrainBatch, bucket_length, collate, row_bucket, staleness, stratified_order
 from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
+from laminar_jax.learner.lora import merged_fn, split_actor
 from laminar_jax.learner.mesh import (
     batch_sharding, build_mesh, param_shardings, place, replicated, state_shardings_like)
-from laminar_jax.learner.publish import HostCopy, Publisher, flatten_params
+from laminar_jax.learner.publish import HostCopy, LoraVersions, Publisher, adapters_of, flatten_params
+from laminar_jax.learner.publish import snapshot_fn as _snapshot_fn
 from laminar_jax.model.attention import resolve_train_attention
 from laminar_jax.learner.step import (
     Graphs, init_train_state, make_optimizer, make_prepare_fn, make_train_step, make_updates)
 from laminar_jax.model.precision import as_dtype, cast_floating
-from laminar_jax.naming import host_arrays, pinned_host_sharding
+from laminar_jax.naming import host_arrays
 from laminar_jax.types import Trajectory
 
 log = logging.getLogger(__name__)
@@ -84,20 +86,29 @@ def _load_onto(path: str, mesh: Mesh, rules: Sequence[str]) -> nnx.Module:
 class _Models(NamedTuple):
     graphs: Graphs
     params: dict  # {'actor': nnx.State (+ 'critic')} of host arrays: the trainable params
-    ref: Optional[nnx.State]  # host reference params (None without a KL term)
+    ref: Optional[nnx.State]  # host reference params (None without a KL term, or the LoRA base)
+    frozen: Optional[dict] = None  # {'actor': the frozen base} under learner.lora (learner/lora.py)
 
 
 def _collect_models(section: LearnerSection, model: nnx.Module, critic_model: Optional[nnx.Module],
-                    ref_model: Optional[nnx.Module]) -> _Models:
+                    ref_model: Optional[nnx.Module], serving_dtype: Any) -> _Models:
     """Split the actor / critic / reference models into graphdefs and host param copies. With
     learner.master_weights the trainable params are float32 (the master copy, cast from the
-    model's param dtype); the reference keeps its model's dtype (it is never updated)."""
+    model's param dtype); the reference keeps its model's dtype (it is never updated). Under
+    learner.lora the actor's trainable params are its float32 adapters and its base is frozen in
+    ``serving_dtype``; the base is then the reference unless one is given."""
     actor_g, actor_p = _split_params(model, "model")
     if section.critic == "shared" and not getattr(model, "has_value_head", False):
         raise ValueError("learner.critic='shared' needs the actor built with value_head=True")
     master = (lambda p: cast_floating(p, np.float32)) if section.master_weights else (lambda p: p)
-    actor_host = _host(actor_p)
-    params = {"actor": master(actor_host)}
+    frozen = None
+    if section.lora.enabled:
+        split = split_actor(model, section.lora, serving_dtype, _host)
+        actor_g, actor_host, params, frozen = split.plain_graphdef, None, {"actor": split.adapters}, \
+            {"actor": split.base}
+    else:
+        actor_host = _host(actor_p)
+        params = {"actor": master(actor_host)}
     dtypes = {"actor": _compute_dtype(model)}
     critic_g = None
     if section.critic == "separate":
@@ -112,13 +123,15 @@ def _collect_models(section: LearnerSection, model: nnx.Module, critic_model: Op
             from laminar_jax.model import from_pretrained
             ref_model = from_pretrained(section.ref_path)
         if ref_model is None:  # frozen copy of the initial actor (its own buffers: the actor's get donated)
-            ref_g, ref = actor_g, actor_host
+            ref_g, ref = actor_g, actor_host  # under LoRA: None, the step reads the frozen base
             dtypes["ref"] = dtypes["actor"]
         else:
             ref_g, ref_p = _split_params(ref_model, "ref_model")
             ref = _host(ref_p)
             dtypes["ref"] = _compute_dtype(ref_model)
-    return _Models(Graphs(actor_g, critic_g, ref_g, dtypes), params, ref)
+    if frozen is not None:
+        actor_g = split.graphdef
+    return _Models(Graphs(actor_g, critic_g, ref_g, dtypes), params, ref, frozen)
 
 
 def _compute_dtype(model: nnx.Module) -> Any:
@@ -169,24 +182,29 @@ class Learner:
 
         if ref_model is None and section.use_kl and section.ref_path:
             ref_model = _load_onto(section.ref_path, mesh, self.rules)
-        models = _collect_models(section, model, critic_model, ref_model)
+        serving = as_dtype(publish_dtype if publish_dtype is not None else _compute_dtype(model) or np.float32)
+        models = _collect_models(section, model, critic_model, ref_model, serving)
         self.graphs = models.graphs
         p_shard = {k: param_shardings(v, mesh, self.rules) for k, v in models.params.items()}
         params = place(models.params, p_shard)
         self.ref_params = None if models.ref is None else place(
             models.ref, param_shardings(models.ref, mesh, self.rules))
+        f_shard = None if models.frozen is None else {
+            k: param_shardings(v, mesh, self.rules) for k, v in models.frozen.items()}
+        frozen = None if models.frozen is None else place(models.frozen, f_shard)
         self.optimizer = make_optimizer(section)
         rep = replicated(mesh)
-        abstract = jax.eval_shape(lambda p: init_train_state(p, self.optimizer, section.seed), params)
-        self.state_shardings = state_shardings_like(abstract, params, p_shard, mesh)._replace(params=p_shard)
-        init = jax.jit(lambda p: init_train_state(p, self.optimizer, section.seed), in_shardings=(p_shard,),
-                       out_shardings=self.state_shardings)
-        self.state = init(params)
+        init_fn = lambda p, f: init_train_state(p, self.optimizer, section.seed, f)  # noqa: E731
+        abstract = jax.eval_shape(init_fn, params, frozen)
+        self.state_shardings = state_shardings_like(abstract, params, p_shard, mesh)._replace(
+            params=p_shard, frozen=f_shard)
+        init = jax.jit(init_fn, in_shardings=(p_shard, f_shard), out_shardings=self.state_shardings)
+        self.state = init(params, frozen)
         bs = batch_sharding(mesh)
         self.batch_shardings = TrainBatch(*([bs] * len(TrainBatch._fields)))
         ref_shard = None if self.ref_params is None else jax.tree.map(lambda x: x.sharding, self.ref_params)
         self._prepare = jax.jit(make_prepare_fn(section, self.graphs, mesh),
-                                in_shardings=(p_shard, ref_shard, self.batch_shardings),
+                                in_shardings=(p_shard, ref_shard, self.batch_shardings) + self._frozen(f_shard),
                                 out_shardings=self.batch_shardings)
         train_step = make_train_step(section, self.graphs, self.optimizer, mesh)
         # One update over the whole batch (mini_batches = ppo_epochs = 1), else every update of a step
@@ -203,12 +221,18 @@ class Learner:
         # Publishing from a snapshot: the host copy then reads buffers no train step donates.
         self.snapshot_publish = section.publish_snapshot if section.publish_snapshot is not None \
             else mesh.devices.flat[0].platform != "cpu"
-        flat = flatten_params(self.state.params["actor"])
+        # Under learner.lora a version is the base with the adapters merged, in the serving dtype.
+        self._merged = merged_fn(section.lora.scale, serving) if section.lora.enabled else None
+        flat = self.policy_arrays()
         self.publish_dtype = as_dtype(publish_dtype if publish_dtype is not None
                                       else _compute_dtype(model) or next(iter(flat.values())).dtype)
+        # LoRA (learner.lora): a version carries only the adapters, in float32 as trained, with the
+        # base's identity (AdapterPublisher); servers merge them into the base they hold.
+        self.lora = LoraVersions.of(section, lambda: flatten_params(self.state.frozen["actor"]))
+        flat = self._published_flat()
         # A cast writes new buffers, which no train step donates: the host copy reads those.
-        self._casts = any(np.dtype(x.dtype) != self.publish_dtype for x in flat.values())
-        self._snapshot = _snapshot_fn(flat, self.publish_dtype)
+        self._casts = self.lora is None and any(np.dtype(x.dtype) != self.publish_dtype for x in flat.values())
+        self._snapshot = _snapshot_fn(flat, self.publish_dtype if self.lora is None else np.float32)
         self._cast = jax.jit(lambda f: cast_floating(f, self.publish_dtype))
         self.publish_wait_s = 0.0  # the learner's total wait for host copies of its weights
 
@@ -265,7 +289,7 @@ class Learner:
                              f"trajectories; the learner is at version {self.version} with {len(trajectories)}")
         host, rng = prepared.host, prepared.rng
         stale = staleness(host.versions, self.version)
-        prep = self._prepare(self.state.params, self.ref_params, prepared.batch)
+        prep = self._prepare(self.state.params, self.ref_params, prepared.batch, *self._frozen(self.state.frozen))
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
         wait0 = self.publish_wait_s
@@ -346,7 +370,8 @@ class Learner:
         shapes = self.batch_shapes(num_trajectories, max_tokens) if s.compile_ahead == "all" else []
         for b, t in shapes:
             batch = self._abstract_batch(b, t, slots)
-            self._prepare.lower(self.state.params, self.ref_params, batch).compile()
+            frozen = self._frozen(self.state.frozen)
+            self._prepare.lower(self.state.params, self.ref_params, batch, *frozen).compile()
             if s.mini_batches > 1 or s.ppo_epochs > 1 or self._balance:
                 mb = b // s.mini_batches
                 order = jax.ShapeDtypeStruct((s.ppo_epochs * s.mini_batches, mb), np.int32,
@@ -355,7 +380,7 @@ class Learner:
             else:
                 self._train_step.lower(self.state, batch).compile()
         if self.snapshot_publish or self._casts:
-            jax.block_until_ready(self._snapshot(flatten_params(self.state.params["actor"])))
+            jax.block_until_ready(self._snapshot(self._published_flat()))
         return len(shapes)
 
     def _abstract_batch(self, rows: int, t: int, slots: int) -> TrainBatch:
@@ -373,8 +398,26 @@ class Learner:
         self._pending.wait_copied(self.section.publish_timeout_s)
         self.publish_wait_s += time.perf_counter() - t0
 
+    def _frozen(self, frozen: Any) -> tuple:
+        """The prepare pass's trailing frozen-params argument: (frozen,) under learner.lora, else ()."""
+        return (frozen,) if self.section.lora.enabled else ()
+
+    def policy_arrays(self) -> dict[str, jax.Array]:
+        """The policy weights on the devices, flat: the actor's params, or under learner.lora the base
+        with the adapters merged (model.lora.merge), in the serving dtype."""
+        if self._merged is not None:
+            return self._merged(self.state.params["actor"], self.state.frozen["actor"])
+        return flatten_params(self.state.params["actor"])
+
+    def adapter_params(self) -> dict[str, np.ndarray]:
+        """Host copy of the float32 adapters (learner.lora), flat under the contract's names
+        ('<module>.lora_a' / '.lora_b', model/lora.py)."""
+        if not self.section.lora.enabled:
+            raise ValueError("learner.adapter_params: learner.lora.rank is 0 (full fine-tuning has no adapters)")
+        return host_arrays(flatten_params(self.state.params["actor"]))
+
     def _start_publish(self, publish: bool) -> None:
-        flat = flatten_params(self.state.params["actor"])
+        flat = self._published_flat()
         across_processes = not all(x.is_fully_addressable for x in flat.values())
         if not publish or (self.publisher is None and not across_processes):
             self._pending = None
@@ -386,15 +429,26 @@ class Learner:
         elif self._casts:  # each process casts its shards before the gather: the serving dtype's bytes move
             flat = self._cast(flat)
         # Across processes every process joins the gather; the one holding a publisher publishes.
-        self._pending = HostCopy(self.version, flat, self.publisher, self._publish_worker)
+        publisher = self.publisher if self.lora is None or self.publisher is None else self.lora.wrap(self.publisher)
+        self._pending = HostCopy(self.version, flat, publisher, self._publish_worker)
+
+    def _published_flat(self) -> dict:
+        """The tensors a version carries: the policy weights, or (LoRA) only the adapters."""
+        return self.policy_arrays() if self.lora is None else adapters_of(flatten_params(self.state.params["actor"]))
+
+    def published_params(self) -> dict[str, np.ndarray]:
+        """Host copy of the current version as published (LoRA: the adapter version, model/lora_version.py)."""
+        return self.policy_params() if self.lora is None else self.lora.version(host_arrays(self._published_flat()))
 
     def policy_params(self) -> dict[str, np.ndarray]:
-        """Host copy of the current policy weights (blocking), flat as published: in the serving dtype."""
-        flat = flatten_params(self.state.params["actor"])
+        """Host copy of the current policy weights (blocking), flat, in the serving dtype (under
+        learner.lora the base with the adapters merged; what is published is `published_params`)."""
+        flat = self.policy_arrays()
         return host_arrays(self._cast(flat) if self._casts else flat)
 
     def master_params(self) -> dict[str, np.ndarray]:
-        """Host copy of the trained policy weights (blocking), flat, in their own (master) dtype."""
+        """Host copy of the trained policy weights (blocking), flat, in their own (master) dtype
+        (under learner.lora: the adapters)."""
         return host_arrays(flatten_params(self.state.params["actor"]))
 
     def flush(self, timeout: Optional[float] = None) -> None:
@@ -409,7 +463,8 @@ class Learner:
         """Async orbax save of the TrainState, version and caller JSON `extra` under `step`."""
         if self._ckpt is None:
             raise ValueError("learner.checkpoint_dir is None: checkpointing is disabled")
-        self._ckpt.save(step, self.state, {"version": self.version, "extra": extra or {}})
+        # The frozen base (learner.lora) is not saved: it is rebuilt from the initial model, as the reference is.
+        self._ckpt.save(step, self.state._replace(frozen=None), {"version": self.version, "extra": extra or {}})
 
     def restore_latest(self) -> Optional[dict]:
         """Restore the newest checkpoint that restores, if any; returns its `extra` (None when there
@@ -417,12 +472,12 @@ class Learner:
         step was restored and which were moved where (for the run summary)."""
         if self._ckpt is None:
             return None
-        got = self._ckpt.restore_newest(self.state)
+        got = self._ckpt.restore_newest(self.state._replace(frozen=None))
         if got is None:
             log.info("no checkpoint in %s: the learner starts from its initial weights", self._ckpt.directory)
             self.restore_report = {"step": None, "skipped": []}
             return None
-        self.state, self.version = got.state, int(got.meta["version"])
+        self.state, self.version = got.state._replace(frozen=self.state.frozen), int(got.meta["version"])
         self.restore_report = {"step": got.step, "skipped": [d._asdict() for d in got.skipped]}
         return got.meta["extra"]
 
@@ -431,17 +486,6 @@ class Learner:
         self._publish_worker.shutdown(wait=False)
         if self._ckpt is not None:
             self._ckpt.close()
-
-
-def _snapshot_fn(flat: dict[str, jax.Array], dtype: Any):
-    """A program copying the flat policy weights out of the state's buffers, cast to the serving
-    `dtype` on the devices (so only the serving dtype's bytes cross to the host): into pinned host
-    memory where the devices have it (the copy is then a DMA inside the program, and the publish
-    only wraps host memory as numpy), else into device memory, which the host copy then reads."""
-    pinned = {k: pinned_host_sharding(v.sharding) for k, v in flat.items()}
-    if all(s is not None for s in pinned.values()):
-        return jax.jit(lambda f: cast_floating(f, dtype), out_shardings=pinned)
-    return jax.jit(lambda f: {k: jnp.array(v, copy=True) for k, v in cast_floating(f, dtype).items()})
 
 
 def _values(x: Any) -> np.ndarray:
@@ -454,35 +498,3 @@ def _values(x: Any) -> np.ndarray:
 def _scalar(x: Any) -> float:
     """Replicated scalar -> float (works for arrays that span processes)."""
     return float(_values(x))
-
-
-def balance_ranks(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> np.ndarray:
-    """Reorder rows within each mini-batch (`rows` consecutive entries of `perm`) so that the
-    `ranks` contiguous blocks the data-parallel ranks receive carry near-equal token counts (equal
-    row counts, longest row to the lightest rank; learner.balance_tokens). Membership of every
-    mini-batch is unchanged, so the update is the same up to summation order."""
-    from laminar_jax.learner.balance import balanced_microbatches
-
-    out = []
-    for j in range(len(perm) // rows):
-        idx = np.asarray(perm[j * rows:(j + 1) * rows])
-        out += [idx[b] for b in balanced_microbatches(row_tokens[idx].tolist(), ranks)]
-    return np.concatenate(out)
-
-
-def rank_imbalance(perm: np.ndarray, row_tokens: np.ndarray, rows: int, ranks: int) -> float:
-    """max / min tokens over the data-parallel ranks' blocks of each mini-batch (the worst one; 1.0 = even)."""
-    worst = 1.0
-    for j in range(len(perm) // rows):
-        sums = row_tokens[np.asarray(perm[j * rows:(j + 1) * rows])].reshape(ranks, -1).sum(axis=1)
-        worst = max(worst, float(sums.max()) / max(float(sums.min()), 1.0))
-    return worst
-
-
-def _epoch_rows(rng: np.random.Generator, b: int, mini_batches: int, packed: bool) -> np.ndarray:
-    """Row order of one epoch: mini-batch j takes rows [j b/m, (j+1) b/m) of it. Packed batches
-    keep their trajectory blocks whole (blocks shuffled); unpacked rows are shuffled freely."""
-    if not packed:
-        return rng.permutation(b)
-    per = b // mini_batches
-    return np.concatenate([np.arange(j * per, (j + 1) * per) for j in rng.permutation(mini_batches)])

@@ -166,3 +166,82 @@ def load_model_params(model, flat: dict[str, np.ndarray]) -> None:
         if tuple(np.shape(flat[n])) != tuple(np.shape(leaf)):
             raise ValueError(f"initial learner params: {n} has shape {np.shape(flat[n])}, the model {np.shape(leaf)}")
     nnx.update(model, unflatten_params(flat, state, drop=()))
+
+
+def adapters_of(flat: dict[str, Any]) -> dict[str, Any]:
+    """The adapter tensors of a LoRA actor's flat params ('<module>.lora_a' / '.lora_b', model/lora.py)."""
+    from laminar_jax.model.lora_version import SUFFIX_A, SUFFIX_B
+
+    return {n: x for n, x in flat.items() if n.endswith((SUFFIX_A, SUFFIX_B))}
+
+
+def base_of(flat: dict[str, Any]) -> dict[str, Any]:
+    """Everything but the adapters: the frozen base a LoRA actor's adapters apply to."""
+    adapters = adapters_of(flat)
+    return {n: x for n, x in flat.items() if n not in adapters}
+
+
+class AdapterPublisher:
+    """A LoRA learner's publisher: each version (its adapters, host arrays) goes on with the base's
+    identity and the scale (model/lora_version.adapter_version), the only other bytes it carries."""
+
+    def __init__(self, publisher: Publisher, base_id: str, scale: float):
+        self.publisher, self.base_id, self.scale = publisher, base_id, scale
+
+    def publish(self, version: int, params: dict[str, np.ndarray]) -> None:
+        from laminar_jax.model.lora_version import adapter_version
+
+        self.publisher.publish(version, adapter_version(params, self.base_id, self.scale))
+
+
+class LoraVersions:
+    """A LoRA learner's versions (learner.lora): the adapters only, with the frozen base's identity
+    and the scale. ``base_flat()`` gives the frozen base, flat, in the serving dtype (device)."""
+
+    def __init__(self, scale: float, base_flat):
+        self.scale, self._base_flat = scale, base_flat
+        self._base_id: Optional[str] = None
+
+    @classmethod
+    def of(cls, section, base_flat) -> Optional["LoraVersions"]:
+        lora = getattr(section, "lora", None)
+        return cls(lora.scale, base_flat) if lora is not None and lora.enabled else None
+
+    def base(self) -> dict[str, np.ndarray]:
+        """Host copy of the frozen base as servers hold it (the serving dtype, no value head)."""
+        return host_arrays(base_of(self._base_flat()))
+
+    @property
+    def base_id(self) -> str:
+        """base_identity of `base()`; the base is frozen, so computed once."""
+        if self._base_id is None:
+            from laminar_jax.model.lora_version import base_identity
+
+            self._base_id = base_identity(self.base())
+        return self._base_id
+
+    def forget_base(self) -> None:
+        """The frozen base was replaced (a resume adopting the run's base): its identity is recomputed."""
+        self._base_id = None
+
+    def version(self, adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from laminar_jax.model.lora_version import adapter_version
+
+        return adapter_version(adapters, self.base_id, self.scale)
+
+    def wrap(self, publisher: Publisher) -> "AdapterPublisher":
+        return AdapterPublisher(publisher, self.base_id, self.scale)
+
+
+def snapshot_fn(flat: dict[str, jax.Array], dtype: Any):
+    """A program copying the flat policy weights out of the state's buffers, cast to the serving
+    `dtype` on the devices (so only the serving dtype's bytes cross to the host): into pinned host
+    memory where the devices have it (the copy is then a DMA inside the program, and the publish
+    only wraps host memory as numpy), else into device memory, which the host copy then reads."""
+    from laminar_jax.model.precision import cast_floating
+    from laminar_jax.naming import pinned_host_sharding
+
+    pinned = {k: pinned_host_sharding(v.sharding) for k, v in flat.items()}
+    if all(s is not None for s in pinned.values()):
+        return jax.jit(lambda f: cast_floating(f, dtype), out_shardings=pinned)
+    return jax.jit(lambda f: {k: jax.numpy.array(v, copy=True) for k, v in cast_floating(f, dtype).items()})

@@ -40,6 +40,16 @@ class TrainState(NamedTuple):
     rng: jax.Array  # u32[2] raw key data, split once per step
     consecutive_skips: jax.Array  # i32[] non-finite updates in a row
     total_skips: jax.Array  # i32[]
+    # Untrained params beside `params` (same roles): under learner.lora the frozen base, {'actor':
+    # nnx.State} in the serving dtype; no gradient, no optimizer state, never checkpointed. None otherwise.
+    frozen: Any = None
+
+
+def join(params: dict, frozen: Optional[dict]) -> dict:
+    """The models' whole states: each role's trained params with its frozen ones (learner.lora's base)."""
+    if not frozen:
+        return params
+    return {k: nnx.merge_state(frozen[k], v) if k in frozen else v for k, v in params.items()}
 
 
 class Graphs(NamedTuple):
@@ -143,8 +153,11 @@ def make_prepare_fn(section: LearnerSection, graphs: Graphs,
     """
     shards = batch_shards(mesh)
 
-    def prepare(params: dict, ref_params: Any, batch: TrainBatch) -> TrainBatch:
+    def prepare(params: dict, ref_params: Any, batch: TrainBatch, frozen: Optional[dict] = None) -> TrainBatch:
         mask = batch.loss_mask
+        if section.use_kl and ref_params is None:  # learner.lora without a reference model: the base is it
+            ref_params = frozen["actor"]
+        params = join(params, frozen)
         need_actor = section.off_policy != "none" or section.critic == "shared"
         actor_out = forward(graphs.actor, params["actor"], batch, section, shards, score=section.off_policy != "none",
                             remat="none", dtype=graphs.dtype("actor"), mesh=mesh) if need_actor else None
@@ -256,18 +269,19 @@ def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] =
     loss_fn = make_loss_fn(section, graphs, batch_shards(mesh), mesh)
     m = section.micro_batches
 
-    def grads(params: dict, batch: TrainBatch):
+    def grads(params: dict, batch: TrainBatch, frozen: Optional[dict] = None):
         if batch.tokens.shape[0] % m:
             raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into micro_batches={m}")
         norm = agg_norm(batch.loss_mask, batch.seq_tokens)
-        vg = jax.value_and_grad(loss_fn, has_aux=True)
+        # Differentiated by the trained params only: the frozen ones get no gradient.
+        vg = jax.value_and_grad(lambda p, mb, n: loss_fn(join(p, frozen), mb, n), has_aux=True)
         if m == 1:
             (_, metrics), g = vg(params, batch, norm)
             return g, metrics
         micro = split_micro(batch, m, mesh)
         first = jax.tree.map(lambda x: x[0], micro)
         zero_metrics = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype),
-                                    jax.eval_shape(loss_fn, params, first, norm)[1])
+                                    jax.eval_shape(loss_fn, join(params, frozen), first, norm)[1])
         init = _Accum(jax.tree.map(jnp.zeros_like, params), zero_metrics)
 
         def body(acc: _Accum, mb: TrainBatch):
@@ -285,7 +299,7 @@ def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.Gr
     grad_fn = make_grad_fn(section, graphs, mesh)
 
     def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        grads, metrics = grad_fn(state.params, batch)
+        grads, metrics = grad_fn(state.params, batch, state.frozen)
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
@@ -297,7 +311,7 @@ def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.Gr
             params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
             step=state.step + 1, rng=jax.random.key_data(jax.random.split(key)[0]),
             consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
-            total_skips=state.total_skips + skipped)
+            total_skips=state.total_skips + skipped, frozen=state.frozen)
         metrics = dict(metrics, grad_norm=grad_norm, skipped=skipped,
                        consecutive_skips=new_state.consecutive_skips)
         return new_state, metrics
@@ -324,8 +338,10 @@ def make_updates(train_step: Callable[[TrainState, TrainBatch], tuple[TrainState
     return updates
 
 
-def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int) -> TrainState:
-    """Unjitted constructor (call under jit with shardings for placement)."""
+def init_train_state(params: dict, optimizer: optax.GradientTransformation, seed: int,
+                     frozen: Optional[dict] = None) -> TrainState:
+    """Unjitted constructor (call under jit with shardings for placement); the optimizer sees `params` only."""
     return TrainState(params=params, opt_state=optimizer.init(params), step=jnp.zeros((), jnp.int32),
                       rng=jax.random.key_data(jax.random.key(seed)),
-                      consecutive_skips=jnp.zeros((), jnp.int32), total_skips=jnp.zeros((), jnp.int32))
+                      consecutive_skips=jnp.zeros((), jnp.int32), total_skips=jnp.zeros((), jnp.int32),
+                      frozen=frozen)

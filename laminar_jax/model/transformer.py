@@ -72,7 +72,17 @@ class Linear(nnx.Module):
                                     preferred_element_type=products.low_out if low else None)
         if self.bias is not None:
             y = y + self.bias[...].astype(y.dtype)
+        if getattr(self, "lora_a", None) is not None:  # adapters attached by model/lora.py `attach`
+            y = y + self._lora(x.astype(dtype)).astype(y.dtype)
         return y.astype(dtype) if low else y
+
+    def _lora(self, x: jax.Array) -> jax.Array:
+        """scale * (x A^T) B^T: the low-rank path, never the merged [out, in] matrix (model/lora.py)."""
+        a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
+        h = jax.lax.dot_general(x, a, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        y = jax.lax.dot_general(h.astype(x.dtype), b, (((h.ndim - 1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32)
+        return y * self.lora_scale
 
 
 class RMSNorm(nnx.Module):

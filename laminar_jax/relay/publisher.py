@@ -76,6 +76,7 @@ class PublisherStats:
     last_stall_s: float
     max_stall_s: float
     timings: dict  # version -> {"stall": s, "store_visible": s, "relay_visible": s}
+    bytes_per_version: int = 0  # the newest published version's bytes (a LoRA run's: its adapters)
 
 
 class Publisher:
@@ -113,6 +114,7 @@ class Publisher:
         self._stalls: list[float] = []
         self._relay_failures: list[str] = []
         self._timings: dict[int, dict] = {}
+        self._last_bytes = 0
         self._io = ThreadPoolExecutor(1, thread_name_prefix="publisher-store")
         # Per-version failures are recorded in _errors and the loop goes on; the Worker keeps a
         # failure of the loop itself.
@@ -139,6 +141,7 @@ class Publisher:
         items = tree_items(params)
         leaves = start_host_copies([leaf for _, leaf in items])
         host = {name: self._host_copy(name, leaf) for (name, _), leaf in zip(items, leaves)}
+        self._last_bytes = sum(int(a.nbytes) for a in host.values())
         with self._cond:
             self._counts["published"] += 1
             if version < self._newest_queued:  # a newer one overtook this copy: it supersedes it
@@ -214,7 +217,8 @@ class Publisher:
         c = self._counts
         return PublisherStats(c["published"], c["superseded"], c["stored"], c["relayed"],
                               tuple(self._relay_failures[-10:]), self._stalls[-1] if self._stalls else 0.0,
-                              max(self._stalls, default=0.0), {k: dict(v) for k, v in self._timings.items()})
+                              max(self._stalls, default=0.0), {k: dict(v) for k, v in self._timings.items()},
+                              self._last_bytes)
 
     # ---- background
     def _run(self) -> None:

@@ -18,7 +18,7 @@ The page allocator, page tables and exported sequences speak of one layer's page
 from __future__ import annotations
 
 import functools
-from typing import Callable, NamedTuple
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -73,12 +73,15 @@ def _set_layer(stack: jax.Array, layer: jax.Array, index: jax.Array) -> jax.Arra
     return jax.lax.dynamic_update_index_in_dim(stack, layer.astype(stack.dtype), index, 0)
 
 
-def refill_stacked(old: jax.Array, host, place_layer: Callable) -> jax.Array:
+def refill_stacked(old: jax.Array, host, place_layer: Callable,
+                   merge_layer: Optional[Callable[[int, jax.Array], jax.Array]] = None) -> jax.Array:
     """A stacked parameter (leading layer axis) refilled in place from its host copy, one layer at a
     time: the old buffer is donated to each layer's update, so the devices hold the stack plus one
     layer of it during a weight swap, not two stacks. ``place_layer(host_layer)`` puts one layer on
-    the devices in the stack's layout minus its first axis."""
+    the devices in the stack's layout minus its first axis; ``merge_layer(i, layer)``, if given,
+    turns the placed layer into what is stored (a LoRA merge, rollout/lora_merge.py)."""
     out = old
     for i in range(old.shape[0]):
-        out = _set_layer(out, place_layer(np.asarray(host[i])), np.int32(i))
+        layer = place_layer(np.asarray(host[i]))
+        out = _set_layer(out, layer if merge_layer is None else merge_layer(i, layer), np.int32(i))
     return out

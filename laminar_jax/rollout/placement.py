@@ -16,8 +16,10 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from laminar_jax.model.hf import is_stacked
+from laminar_jax.naming import path_name
 from laminar_jax.rollout import tp as tpl
 from laminar_jax.rollout.layered import refill_stacked
+from laminar_jax.rollout.lora_merge import LoraDelta, layer_merger, merge_whole
 
 
 class ParamPlacement:
@@ -62,12 +64,15 @@ class ParamPlacement:
         leaves, treedef = jax.tree.flatten(params)
         return jax.tree.unflatten(treedef, tpl.place_leaves(leaves, self.shardings(params)))
 
-    def swap(self, old, host, on_leaf: Optional[Callable[[int, jax.Array], None]] = None):
+    def swap(self, old, host, on_leaf: Optional[Callable[[int, jax.Array], None]] = None,
+             lora: Optional[LoraDelta] = None):
         """The weights ``old`` replaced by the host tree ``host`` (same structure) one tensor at a
         time: each old buffer is deleted before its replacement is placed, so the devices hold one
         version plus one tensor at any moment, never two versions. The caller owns ``old`` (no other
         server runs on those buffers) and has no program in flight on them. on_leaf(i, placed) is
-        called after each placement (tests measure the devices' live bytes there)."""
+        called after each placement (tests measure the devices' live bytes there). ``lora``: ``host``
+        is the pristine base and these adapters are merged into it layer by layer; leaves they do
+        not target are kept in place (rollout/lora_merge.py)."""
         old_leaves = jax.tree.leaves(old)
         host_leaves, treedef = jax.tree.flatten(host)
         if len(old_leaves) != len(host_leaves):
@@ -77,8 +82,15 @@ class ParamPlacement:
         shardings = self.shardings(host) if self.mesh is not None else None
         stacked = [is_stacked(tuple(getattr(k, "key", getattr(k, "name", k)) for k in p[:1]))
                    for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
+        names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]] if lora else []
+        put = (lambda x: jax.device_put(x, self.devices[0])) if self.mesh is None else \
+            (lambda x: jax.device_put(x, jax.sharding.NamedSharding(self.mesh, P())))  # adapters: replicated
         new = []
         for i, (o, h) in enumerate(zip(old_leaves, host_leaves)):
+            merge = lora is not None and names[i] in lora.pairs
+            if lora is not None and not merge and _refillable(o, h):  # the base, unchanged by any adapter
+                new.append(o)
+                continue
             in_place = stacked[i] and _refillable(o, h)  # the layer stack: refilled a layer at a time
             for x in ([] if in_place else [o]) + ([] if cached is None or cached[i] is o else [cached[i]]):
                 if isinstance(x, jax.Array) and not x.is_deleted():
@@ -86,10 +98,13 @@ class ParamPlacement:
             if in_place:
                 layer = None if shardings is None else jax.sharding.NamedSharding(self.mesh, P(*o.sharding.spec[1:]))
                 new.append(refill_stacked(o, h, lambda x: jax.device_put(x, self.devices[0]) if layer is None
-                                          else tpl.place_leaf(x, layer)))
+                                          else tpl.place_leaf(x, layer),
+                                          layer_merger(lora, names[i], put) if merge else None))
             else:
                 new.append(jax.device_put(h, self.devices[0]) if shardings is None
                            else tpl.place_leaf(h, shardings[i]))
+                if merge:
+                    new[-1] = merge_whole(new[-1], lora, names[i], put)
             if on_leaf is not None:
                 on_leaf(i, new[-1])
         return jax.tree.unflatten(treedef, new)

@@ -45,10 +45,13 @@ from laminar_jax.types import Trajectory
 class HostWeights(NamedTuple):
     """A version's weights as a host tree shaped like the engine's params, to be streamed onto a
     server's devices at its swap (ParamPlacement.swap: each old tensor deleted before its
-    replacement is placed). on_leaf(i, placed) observes each placement (tests)."""
+    replacement is placed). on_leaf(i, placed) observes each placement (tests). lora: a LoraDelta
+    (rollout/lora_merge.py): ``tree`` is the pristine base and these adapters are merged into it
+    at the swap."""
 
     tree: Any
     on_leaf: Optional[Callable[[int, Any], None]] = None
+    lora: Any = None
 
 
 class RolloutServer:
@@ -61,6 +64,10 @@ class RolloutServer:
         owns its weights and streams every later HostWeights version into place)."""
         self.engine = engine
         self.section = engine.section
+        if isinstance(params, HostWeights) and params.lora is not None:
+            from laminar_jax.rollout.lora_merge import merged_tree
+
+            params = merged_tree(engine.placement.place(params.tree), params.lora)
         self._params = engine.placement.place(params.tree) if isinstance(params, HostWeights) else params
         self._version = int(version)
         self._state = engine.init_decode_state()
@@ -230,7 +237,7 @@ class RolloutServer:
             if isinstance(params, HostWeights):
                 # Streamed in place: no program may still read the old buffers once they are deleted.
                 jax.block_until_ready(self._state)
-                params = self.engine.placement.swap(self._params, params.tree, params.on_leaf)
+                params = self.engine.placement.swap(self._params, params.tree, params.on_leaf, lora=params.lora)
             self._params, self._version, self._pending = params, version, None
 
     def release_params(self) -> None:

@@ -317,6 +317,8 @@ class Driver:
         if self.profiler is not None:
             s["profile"] = self.profiler.report(self.monitor.trained_tokens,
                                                 int(self.buffer_stats.get("generated_tokens", 0)))
+        pub = self.weights.last_stats  # the publisher's, kept when it closed
+        s["publish_bytes_per_version"] = getattr(pub, "bytes_per_version", None) or None
         if self.summary_extra is not None:
             s.update(self.summary_extra(self))
         return s

@@ -76,7 +76,7 @@ def server_section(cfg, i: int, generation: int):
     return dataclasses.replace(cfg.rollout, server_id=server_name(i, generation), seed=cfg.seed + 17 * i + generation)
 
 
-def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
+def params_from_flat(model, engine=None, dtype=None, stream: bool = True, base=None):
     """flat published weights -> what a server built on ``model`` (abstract or not) swaps to.
 
     dtype: the serving dtype (rollout.dtype): a version in another dtype is refused, naming both,
@@ -86,7 +86,12 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
     swap tensor by tensor, each old buffer deleted first (ParamPlacement.swap), so a swap never
     holds two versions on a device. Otherwise (servers sharing one copy on the default device)
     the weights are placed now, one device copy per version for all of them (Handoff.placed).
+    base: a LoRA run's ServedBase (runtime/lora_serve.py): versions are adapters merged into it.
     """
+    if base is not None:
+        from laminar_jax.runtime.lora_serve import lora_params_from_flat
+
+        return lora_params_from_flat(base, engine, stream)
     from flax import nnx
 
     from laminar_jax.model.precision import cast_floating, check_served_dtype
@@ -95,6 +100,9 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True):
     _, template = nnx.split(model)
 
     def host(flat):
+        if "lora.base_sha256" in flat:  # model/lora_version.BASE_ID
+            raise ValueError("weight version: an adapter version (LoRA), but this server holds no base "
+                             "(learner.lora is off in its config)")
         if dtype is None:
             return host_params(flat, template)
         check_served_dtype(flat, dtype)
@@ -122,20 +130,20 @@ def server_mesh(devices):
     return tp_mesh(devices)
 
 
-def server_factory(cfg, model, buffer, weights, timeline, devices=None):
+def server_factory(cfg, model, buffer, weights, timeline, devices=None, base=None):
     """make(i, generation, version, flat_or_params) -> a RolloutWorker for server i of a local run.
 
     model: the policy's (abstract) model: its graph and shapes. devices: per server index, the jax
     devices its engine runs on (placement); None = the default device. A server alone on its
     devices owns its weights and streams each swap into place; servers sharing the default device
-    share one placed copy per version instead.
+    share one placed copy per version instead. base: a LoRA run's ServedBase (runtime/lora_serve.py).
     """
     from laminar_jax.rollout import make_engine
     from laminar_jax.rollout.server import HostWeights, RolloutServer
 
     policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
     # one function: the hand-off places once for all servers sharing the default device
-    shared = params_from_flat(model, dtype=cfg.rollout.dtype, stream=False)
+    shared = params_from_flat(model, dtype=cfg.rollout.dtype, stream=False, base=base)
     n = cfg.runtime.num_servers
     on_default_device = n if devices is None else sum(server_mesh(d) is None for d in devices)
 
@@ -145,18 +153,27 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None):
         engine, _ = make_engine(model, section, mesh=server_mesh(None if devices is None else devices[i]))
         on_default = engine.mesh is None and on_default_device > 1  # other servers run there too
         if isinstance(params, HostWeights) and on_default:
-            params = params.tree
+            params = params.tree if params.lora is None else _merged(base, params.lora)
         if not isinstance(params, HostWeights):
             params = engine.placement.place(params)  # host leaves: each device gets its shard (device arrays: kept)
         episodes = episode_feed(cfg, buffer.tokenizer, buffer.episode_record)  # None unless env.enabled
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
                                buffer, policy,
-                               shared if on_default else params_from_flat(model, engine, cfg.rollout.dtype),
+                               shared if on_default else params_from_flat(model, engine, cfg.rollout.dtype, base=base),
                                pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
         buffer.register(i, name, version)
         return worker
 
     return make
+
+
+def _merged(base, delta):
+    """A LoRA version for servers sharing the default device: the base placed once, merged."""
+    import jax
+
+    from laminar_jax.rollout.lora_merge import merged_tree
+
+    return merged_tree(base.placed(jax.device_put), delta)
 
 
 class ThreadFleet:
@@ -171,8 +188,9 @@ class ThreadFleet:
         self.generations = [0] * len(self.workers)
 
     @classmethod
-    def build(cls, cfg, model, buffer, weights, timeline, version: int, params, devices=None) -> "ThreadFleet":
-        make = server_factory(cfg, model, buffer, weights, timeline, devices)
+    def build(cls, cfg, model, buffer, weights, timeline, version: int, params, devices=None,
+              base=None) -> "ThreadFleet":
+        make = server_factory(cfg, model, buffer, weights, timeline, devices, base)
         workers = [make(i, 0, version, params) for i in range(cfg.runtime.num_servers)]
         return cls(workers, make, cfg.scheduler.heartbeat_timeout_s)
 

@@ -92,9 +92,17 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
         fleet = _process_fleet(cfg, buffer, weights, keys.for_hosts(), monitor)
     else:
         # in the serving dtype throughout, the value head (not published) included: no recompile at a swap
-        host = cast_floating(host_params(learner.policy_params(), nnx_params(abstract)), cfg.rollout.dtype)
+        base = None
+        if learner.lora is not None:  # every server merges the adapter versions into this base
+            from laminar_jax.rollout.server import HostWeights
+            from laminar_jax.runtime.lora_serve import ServedBase
+
+            base = ServedBase(learner.lora.base(), nnx_params(abstract), cfg.rollout.dtype)
+            host = HostWeights(base.tree, lora=base.delta(learner.published_params()))
+        else:
+            host = cast_floating(host_params(learner.policy_params(), nnx_params(abstract)), cfg.rollout.dtype)
         fleet = ThreadFleet.build(cfg, abstract, buffer, weights, monitor.timeline, learner.version, host,
-                                  server_devices)
+                                  server_devices, base=base)
     return Driver(cfg, run_dir, learner=learner, make_learner=make_learner, buffer=buffer, fleet=fleet,
                   weights=weights, monitor=monitor, stop=stop, sft_losses=sft_losses, resumed=bool(extra),
                   summary_extra=lambda d: {"placement": layout, "weights": d.weights.path()})

@@ -31,6 +31,20 @@ def check_memory(cfg, mesh, model, name: str) -> None:
     check_server_devices(cfg, devices, model.cfg, f"rollout server {name}")
 
 
+def _lora_base(cfg, store_url: Optional[str], model):
+    """learner.lora: the base this server merges adapter versions into, read once from the run's
+    base store (runtime/lora_serve.py); None otherwise."""
+    if not cfg.learner.lora.enabled:
+        return None
+    from flax import nnx
+
+    from laminar_jax.runtime.lora_serve import read_base
+
+    if not store_url:
+        raise ValueError("learner.lora: a rollout host reads the base from the weight store, and has no store URL")
+    return read_base(cfg.relay, store_url, nnx.split(model)[1], cfg.rollout.dtype)
+
+
 class RolloutHost:
     def __init__(self, cfg, index: int, generation: int, addresses: Sequence[str], store_url: Optional[str],
                  buffer, keys, mesh=None, board_sync_s: float = 0.05):
@@ -53,7 +67,7 @@ class RolloutHost:
         store = WeightStore.from_config(cfg.relay, store_url) if store_url else None
         client = RelayClient(list(addresses), store=store, config=cfg.relay, holder=name, keys=keys)
         engine, _ = make_engine(model, section, mesh=mesh)
-        from_flat = params_from_flat(model, engine, cfg.rollout.dtype)
+        from_flat = params_from_flat(model, engine, cfg.rollout.dtype, base=_lora_base(cfg, store_url, model))
         version, flat = client.pull(newer_than=-1, timeout=pull_timeout(cfg))
         policy = get_policy(cfg.runtime.mode, cfg.scheduler.repack, cfg.scheduler.admit_lag)
         # Multi-turn episodes (env.enabled): this host's own EnvPool and environments, in its process.

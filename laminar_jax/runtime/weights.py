@@ -62,6 +62,14 @@ class WeightsPlane:
             self.redone_steps = max(0, (newest or 0) - learner.version)
             self.store.retract_newer_than(learner.version)
         stored = self.store.newest_committed() == learner.version
+        lora = getattr(learner, "lora", None)
+        if lora is not None:  # the base, once, where every server reads it (runtime/lora_serve.py)
+            from laminar_jax.runtime.lora_serve import adopt_base, write_base
+
+            if learner.version > 0:  # resumed: the run's base, not the one rebuilt (not checkpointed)
+                adopt_base(learner, self.rcfg, self.store_url)
+            if initial:
+                write_base(self.rcfg, self.store_url, lora.base(), lora.base_id)
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
             if self.handoff is not None:
                 raise ValueError("relay.local_handoff: a learner group publishes from its own process; "
@@ -77,10 +85,11 @@ class WeightsPlane:
 
             self.publisher = Publisher(self.rcfg, store=self.store, relay_addresses=self.relay_addresses,
                                        keys=self.keys, handoff=self.handoff)
+        published = getattr(learner, "published_params", learner.policy_params)  # LoRA: the adapter version
         if initial and not stored:
-            self.publisher.publish(learner.version, learner.policy_params())
+            self.publisher.publish(learner.version, published())
         elif initial:  # stored already (resume): put it where servers take it from (hand-off or relays)
-            self._seed(learner.version, learner.policy_params())
+            self._seed(learner.version, published())
         learner.publisher = self.publisher
 
     def _seed(self, version: int, params) -> None:
