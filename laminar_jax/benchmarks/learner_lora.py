@@ -34,9 +34,18 @@ def _with_lora(cfg, rank: int):
     return dataclasses.replace(cfg, learner=dataclasses.replace(cfg.learner, lora=section))
 
 
+def _trajectories(n: int, seq: int, vocab: int, group: int) -> list:
+    """Random scored trajectories of ``seq`` tokens in groups of ``group`` (a quarter prompt)."""
+    from laminar_jax.types import Trajectory
+
+    rng, p = np.random.default_rng(0), max(1, seq // 4)
+    return [Trajectory(f"b{i // group}/{i % group}", f"b{i // group}", i % group,
+                       rng.integers(3, vocab, p).astype(np.int32), rng.integers(3, vocab, seq - p).astype(np.int32),
+                       np.full(seq - p, -np.log(vocab), np.float32), 0, reward=float(rng.random())) for i in range(n)]
+
+
 def measured(rank: int, steps: int) -> dict:
     """Live learner state bytes (and step time) on the demo model, full fine-tuning vs LoRA."""
-    from laminar_jax.benchmarks.learner import synthetic_trajectories
     from laminar_jax.config import finalize, repo_config
     from laminar_jax.learner import Learner
     from laminar_jax.model import build_model
@@ -50,7 +59,7 @@ def measured(rank: int, steps: int) -> dict:
         trained = _bytes(st.params)
         items = {"trained_params": trained, "adam_moments": _bytes(st.opt_state), "gradients": trained,
                  "frozen_base": _bytes(st.frozen)}
-        trajs = synthetic_trajectories(8, 64, 100, 4, 0)
+        trajs = _trajectories(8, 64, 100, 4)
         learner.step(trajs)  # compile
         times = []
         for _ in range(steps):
