@@ -220,3 +220,12 @@ def staleness(versions: np.ndarray, learner_version: int) -> Staleness:
         return Staleness(0.0, 0, 0)
     s = learner_version - v
     return Staleness(float(s.mean()), int(s.max()), int(s.min()))
+
+
+def token_staleness(trajectories: Sequence[Trajectory], learner_version: int) -> Staleness:
+    """learner_version - the version that sampled each policy token, over every policy token of the
+    batch (runtime.mode='inflight' trajectories span versions: their tokens are judged one by one;
+    elsewhere every token has its trajectory's version)."""
+    v = [t.policy_token_versions() for t in trajectories]
+    v = np.concatenate(v) if v else np.zeros((0,), np.int32)
+    return staleness(v, learner_version)
