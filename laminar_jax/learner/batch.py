@@ -229,3 +229,11 @@ def token_staleness(trajectories: Sequence[Trajectory], learner_version: int) ->
     v = [t.policy_token_versions() for t in trajectories]
     v = np.concatenate(v) if v else np.zeros((0,), np.int32)
     return staleness(v, learner_version)
+
+
+def mixed_version_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of trajectories whose policy tokens were sampled by more than one version (0 outside
+    runtime.mode='inflight', where a trajectory is one version's by construction)."""
+    if not trajectories:
+        return 0.0
+    return float(np.mean([len(np.unique(t.policy_token_versions())) > 1 for t in trajectories]))

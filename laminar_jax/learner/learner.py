@@ -19,7 +19,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from laminar_jax.learner.batch import (TrainBatch, bucket_length, collate, row_bucket, staleness, stratified_order,
-                                      token_staleness)
+                                      token_staleness, mixed_version_frac)
 from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
 from laminar_jax.learner.mesh import (
@@ -291,7 +291,8 @@ class Learner:
             rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
                                                 self.ranks),
             staleness_mean=stale.mean, staleness_max=stale.max, token_staleness_mean=tok_stale.mean,
-            token_staleness_max=tok_stale.max, num_trajectories=n,
+            token_staleness_max=tok_stale.max, mixed_version_frac=mixed_version_frac(trajectories),
+            num_trajectories=n,
             num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
             seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
             pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),
