@@ -25,7 +25,7 @@ class RuntimeSection:
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
-      max_inflight_batches: Back-pressure for 'laminar': at most this many batches of prompts dispatched and not yet trained on.
+      max_inflight_batches: Back-pressure for 'laminar' and 'inflight': at most this many batches of prompts dispatched and not yet trained on.
       sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
       sft_lr: Learning rate of the warm-start.
       checkpoint_every: Learner steps between checkpoints (0 = only at the end).
