@@ -12,7 +12,9 @@ live sequence of the old version remains the swap happens and admission resumes.
 ``HostWeights`` (host arrays) are streamed into place at the swap, tensor by tensor, each old
 buffer deleted before its replacement is placed: the devices never hold two versions. ``force=True``
 swaps at the next step, aborting live old-version sequences (finish_reason='aborted', tokens so
-far, stamped with the old version) so no trajectory ever mixes versions.
+far, stamped with the old version) so no trajectory ever mixes versions. ``inflight=True``
+(runtime.mode='inflight', rollout/inflight.py) swaps at the next step without draining: live
+sequences go on under the new version, each token stamped with the version that sampled it.
 
 Its parts live beside it: admission.py (requests checked on submit, then started in free slots;
 no preemption), books.py (the slots' host books and finished trajectories), episodes.py
