@@ -92,3 +92,28 @@ def test_moves_carry_token_versions():
     t = run_until(dst, 1)[uid]
     assert t.token_versions.tolist()[:len(vs)] == vs and (t.token_versions[len(vs):] == 1).all()
     assert t.version == 0
+
+
+@pytest.mark.parametrize("kv", ["keep", "reprefill"])
+def test_episode_waiting_at_a_swap_goes_on_under_the_new_version(kv):
+    """A multi-turn episode parked on its environment when the swap comes: its next turn is the new
+    version's; with 'reprefill' its whole context (observation included) is the new weights' KV."""
+    from tests.rollout.test_rollout_episodes import OBS, PROMPT, SECTION as EP_SECTION, _req, _until_done, _until_turn
+    from laminar_jax.rollout.records import TurnSpec
+    from laminar_jax.rollout import RolloutServer, make_engine
+
+    engine, params = make_engine(tiny_model(0), dataclasses.replace(EP_SECTION, inflight_kv=kv))
+    srv = RolloutServer(engine, params, 0)
+    srv.submit(_req("e/0", PROMPT, 5, TurnSpec(max_new_tokens=6)))
+    _until_turn(srv)
+    srv.set_params(1, params_of(1), inflight=True)
+    srv.step()  # the swap, while the episode waits in its slot
+    assert srv.version == 1 and srv.num_waiting() == 1
+    assert srv.continue_episode("e/0", OBS)
+    _until_turn(srv)
+    srv.end_episode("e/0")
+    (t,) = _until_done(srv)
+    assert t.token_versions.tolist() == [0] * 5 + [1] * 6 and t.version == 0
+    pos = np.flatnonzero(t.policy_mask)[5:]  # the second turn's tokens in the response
+    gap = np.abs(np.asarray(t.behaviour_logprobs)[5:] - _fresh_logprobs(tiny_model(1), t)[pos]).max()
+    assert (gap < 1e-4) if kv == "reprefill" else (gap > 1e-3), gap
