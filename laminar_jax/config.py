@@ -85,6 +85,15 @@ class Config:
             expect(not self.scheduler.repack, "rollout.decode_row_buckets", self.rollout.decode_row_buckets,
                    "() with scheduler.repack=True in laminar mode (moves must be output-identical; "
                    "set scheduler.repack=False to use row buckets)")
+        if self.rollout.inflight_kv == "reprefill":
+            # Re-prefilling happens at in-flight swaps only; an episode waiting without a slot has no
+            # slot to recompute its KV in.
+            expect(rt.mode == "inflight", "rollout.inflight_kv", "reprefill",
+                   f"'keep' (the default) unless runtime.mode='inflight' (runtime.mode={rt.mode!r} never swaps "
+                   "weights under a live sequence)")
+            expect(not (self.env.enabled and self.env.release_slot_while_waiting), "rollout.inflight_kv", "reprefill",
+                   "'keep' with env.release_slot_while_waiting=True (an episode waiting without a slot cannot "
+                   "re-prefill its KV at an in-flight swap)")
         if rt.eval_every or rt.eval_before_train:
             key = "runtime.eval_every" if rt.eval_every else "runtime.eval_before_train"
             value = rt.eval_every or rt.eval_before_train

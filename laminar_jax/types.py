@@ -16,7 +16,8 @@ FinishReason = Literal["eos", "length", "aborted"]
 
 @dataclasses.dataclass(frozen=True)
 class Trajectory:
-    """One generated response to one prompt, produced entirely by one weight version.
+    """One generated response to one prompt: by one weight version, or (runtime.mode='inflight') by
+    several, each token stamped with the version that sampled it.
 
     Attributes:
       uid: Unique id of this trajectory: f"{prompt_uid}/{sample_index}".
@@ -26,7 +27,8 @@ class Trajectory:
       response_ids: i32[R] generated ids (including the stop token when finish_reason == 'eos').
       behaviour_logprobs: f32[N] log-prob of each *policy* token under `version` (sampling dist.):
         N = R without a policy mask, N = policy_mask.sum() with one.
-      version: The one weight version that generated every response token.
+      version: The weight version that generated the first response token: the oldest (versions only
+        grow along a trajectory), so trajectory-level staleness is judged on it.
       finish_reason: 'eos' (stop token), 'length' (max_new_tokens / max length) or 'aborted'.
       reward: Scalar reward, None until scored.
       data_source: Key of the reward function that scores it.
@@ -35,6 +37,9 @@ class Trajectory:
       policy_mask: u8[R] or None. Multi-turn episodes interleave generated tokens (1) with
         environment observation tokens (0) in response_ids; observations are context only (never
         trained on, no behaviour log-prob). None means every response token is generated.
+      token_versions: i32[N] or None: the weight version that sampled each policy token (aligned with
+        behaviour_logprobs). None means every token is `version`'s; outside runtime.mode='inflight'
+        every entry equals `version`.
     """
 
     uid: str
@@ -50,6 +55,7 @@ class Trajectory:
     ground_truth: Any = None
     extra: dict = dataclasses.field(default_factory=dict)
     policy_mask: Optional[np.ndarray] = None
+    token_versions: Optional[np.ndarray] = None
 
     @property
     def num_tokens(self) -> int:
@@ -65,6 +71,12 @@ class Trajectory:
             return np.ones(len(self.response_ids), np.float32)
         return np.asarray(self.policy_mask, np.float32)
 
+    def policy_token_versions(self) -> np.ndarray:
+        """i32[N]: the version of each policy token (all `version` without token_versions)."""
+        if self.token_versions is None:
+            return np.full(len(self.behaviour_logprobs), self.version, np.int32)
+        return np.asarray(self.token_versions, np.int32)
+
     def with_reward(self, reward: float) -> "Trajectory":
         return dataclasses.replace(self, reward=float(reward))
 
@@ -72,7 +84,7 @@ class Trajectory:
 # The fields a finished trajectory adds to its experience row (the row already holds the prompt's:
 # prompt_ids, prompt_uid, sample_index, data_source, ground_truth, extra_info).
 GENERATED_FIELDS = ("response_ids", "behaviour_logprobs", "finish_reason")
-# What makes a row trainable: generated, scored, and stamped with its one weight version.
+# What makes a row trainable: generated, scored, and stamped with its (first token's) weight version.
 REQUIRED_FIELDS = ("response_ids", "behaviour_logprobs", "version", "reward")
 
 
@@ -95,6 +107,8 @@ def to_row(traj: Trajectory) -> dict[str, Any]:
            "finish_reason": traj.finish_reason}
     if traj.policy_mask is not None:
         row["policy_mask"] = np.asarray(traj.policy_mask, np.uint8)
+    if traj.token_versions is not None:
+        row["token_versions"] = np.asarray(traj.token_versions, np.int32)
     return row
 
 
@@ -108,4 +122,6 @@ def from_row(row: dict[str, Any]) -> Trajectory:
                       reward=float(row["reward"]), data_source=row.get("data_source", ""),
                       ground_truth=row.get("ground_truth"),
                       policy_mask=(None if row.get("policy_mask") is None
-                                   else np.asarray(row["policy_mask"], np.uint8)))
+                                   else np.asarray(row["policy_mask"], np.uint8)),
+                      token_versions=(None if row.get("token_versions") is None
+                                      else np.asarray(row["token_versions"], np.int32)))

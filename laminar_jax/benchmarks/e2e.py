@@ -1,6 +1,7 @@
 """End-to-end benchmark: the same workload in every mode, side by side, in one run.
 
 python launch/bench.py e2e [--quick] [--budget-s 60] [--modes sync,one_step,stream,laminar,laminar_norepack]
+                           (also by name: inflight, inflight_reprefill: runtime.mode='inflight', rollout.inflight_kv)
                            [--workload demo|agentic] [--env-median-s 3.0] [--profile]
                            [--set section.key=value ...]
                            [--decode-steps K] [--no-engine-alone]
@@ -49,6 +50,9 @@ from typing import Optional
 from laminar_jax.benchmarks.machine import emit, usable_cores
 
 MODES = ("sync", "one_step", "stream", "laminar", "laminar_norepack")
+# runtime.mode='inflight' with rollout.inflight_kv 'keep' / 'reprefill': asked for by name (--modes).
+INFLIGHT = {"inflight": "keep", "inflight_reprefill": "reprefill"}
+KNOWN = MODES + tuple(INFLIGHT)
 
 
 def demo_config():
@@ -119,7 +123,9 @@ def mode_config(mode: str, model_dir: str, budget_s: float, run_root: str, args)
 
     c = _workload_config(args)
     c.model.path = model_dir
-    c.runtime.mode = "laminar" if mode == "laminar_norepack" else mode
+    c.runtime.mode = "laminar" if mode == "laminar_norepack" else ("inflight" if mode in INFLIGHT else mode)
+    if mode in INFLIGHT:
+        c.rollout.inflight_kv = INFLIGHT[mode]
     c.scheduler.repack = mode != "laminar_norepack"
     c.buffer.max_staleness = 1 if mode == "stream" else None
     c.runtime.sft_warmup_steps = 0
@@ -268,8 +274,8 @@ def main(argv: list[str]) -> dict:
     model_dir = args.warm_start or warm_start(os.path.join(out, "warm_start"), sft_steps)
     results = {}
     for mode in args.modes.split(","):
-        if mode not in MODES:
-            raise SystemExit(f"--modes: unknown mode {mode!r} (known: {', '.join(MODES)})")
+        if mode not in KNOWN:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (known: {', '.join(KNOWN)})")
         results[mode] = run_mode(mode, model_dir, budget, out, args)
     alone = None
     if not args.no_engine_alone and args.workload == "demo":  # agentic servers wait on environments
@@ -299,9 +305,10 @@ def main(argv: list[str]) -> dict:
     result = {
         "bench": "e2e", "device": jax.devices()[0].device_kind, "budget_s": budget,
         "overrides": dict(args.set or ()),
-        **{f"{m}_tps": tps.get(m) for m in MODES},
+        **{f"{m}_tps": tps.get(m) for m in KNOWN if m in MODES or m in tps},
         "laminar_vs_sync": ratio("laminar", "sync"), "laminar_vs_one_step": ratio("laminar", "one_step"),
         "laminar_vs_stream": ratio("laminar", "stream"), "repack_gain": ratio("laminar", "laminar_norepack"),
+        **({f"{m}_vs_laminar": ratio(m, "laminar") for m in INFLIGHT if m in tps}),
         "slot_util": {m: r["slot_util"] for m, r in results.items()},
         "kv_util": {m: r["kv_util"] for m, r in results.items()},
         "gen_tps": {m: r["gen_tokens_per_s"] for m, r in results.items()},
@@ -313,6 +320,9 @@ def main(argv: list[str]) -> dict:
         "prompts_shared_frac": {m: r["prompts_shared_frac"] for m, r in results.items()},
         "reward_at_budget": {m: reward_at(r["reward_curve"], budget) for m, r in results.items()},
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
+        # Per policy token (each judged on the version that sampled it) and trajectories spanning versions.
+        "mean_token_staleness": {m: r.get("mean_token_staleness") for m, r in results.items()},
+        "mixed_version_frac": {m: r.get("mixed_version_frac") for m, r in results.items()},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
         "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],

@@ -30,7 +30,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 DOC = os.path.join(ROOT, "docs", "SIMULATION.md")
 BEGIN, END = "<!-- sim-table:begin -->", "<!-- sim-table:end -->"
 BASELINES = ("sync", "one_step", "stream", "partial_rollout")
-MODES = "sync,one_step,stream,partial_rollout,laminar,laminar_norepack,laminar_unbounded"
+MODES = "sync,one_step,stream,partial_rollout,laminar,laminar_norepack,laminar_unbounded,inflight,inflight_reprefill"
 PR_SET_PDEATHSIG = 1
 
 

@@ -220,3 +220,28 @@ def staleness(versions: np.ndarray, learner_version: int) -> Staleness:
         return Staleness(0.0, 0, 0)
     s = learner_version - v
     return Staleness(float(s.mean()), int(s.max()), int(s.min()))
+
+
+def token_staleness(trajectories: Sequence[Trajectory], learner_version: int) -> Staleness:
+    """learner_version - the version that sampled each policy token, over every policy token of the
+    batch (runtime.mode='inflight' trajectories span versions: their tokens are judged one by one;
+    elsewhere every token has its trajectory's version)."""
+    v = [t.policy_token_versions() for t in trajectories]
+    v = np.concatenate(v) if v else np.zeros((0,), np.int32)
+    return staleness(v, learner_version)
+
+
+def mixed_version_frac(trajectories: Sequence[Trajectory]) -> float:
+    """Share of trajectories whose policy tokens were sampled by more than one version (0 outside
+    runtime.mode='inflight', where a trajectory is one version's by construction)."""
+    if not trajectories:
+        return 0.0
+    return float(np.mean([len(np.unique(t.policy_token_versions())) > 1 for t in trajectories]))
+
+
+def version_figures(versions: np.ndarray, trajectories: Sequence[Trajectory], learner_version: int) -> dict:
+    """A step's staleness figures: per trajectory (its first token's version), per policy token,
+    and the share of trajectories spanning versions."""
+    stale, tok = staleness(versions, learner_version), token_staleness(trajectories, learner_version)
+    return dict(staleness_mean=stale.mean, staleness_max=stale.max, token_staleness_mean=tok.mean,
+                token_staleness_max=tok.max, mixed_version_frac=mixed_version_frac(trajectories))

@@ -18,7 +18,8 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from laminar_jax.learner.balance import balance_ranks, epoch_rows as _epoch_rows, rank_imbalance  # noqa: F401
-from laminar_jax.learner.batch import TrainBatch, bucket_length, collate, row_bucket, staleness, stratified_order
+from laminar_jax.learner.batch import (TrainBatch, bucket_length, collate, row_bucket, stratified_order,
+                                      version_figures)
 from laminar_jax.learner.checkpoint import Checkpointer
 from laminar_jax.learner.config import DEFAULT_RULES, LearnerSection, MeshSection
 from laminar_jax.learner.lora import merged_fn, split_actor
@@ -288,7 +289,6 @@ class Learner:
             raise ValueError(f"learner.dispatch: batch prepared for version {prepared.version} with {prepared.n} "
                              f"trajectories; the learner is at version {self.version} with {len(trajectories)}")
         host, rng = prepared.host, prepared.rng
-        stale = staleness(host.versions, self.version)
         prep = self._prepare(self.state.params, self.ref_params, prepared.batch, *self._frozen(self.state.frozen))
         b = host.tokens.shape[0]
         rows = b // s.mini_batches
@@ -312,7 +312,7 @@ class Learner:
         figures = dict(
             rank_token_imbalance=rank_imbalance(perm if perm is not None else np.arange(b), row_tokens, rows,
                                                 self.ranks),
-            staleness_mean=stale.mean, staleness_max=stale.max, num_trajectories=n,
+            **version_figures(host.versions, trajectories, self.version), num_trajectories=n,
             num_tokens=int((host.segment_ids > 0).sum()), response_tokens=int(host.loss_mask.sum()),
             seq_len=int(host.tokens.shape[1]), rows=int(host.tokens.shape[0]),
             pad_frac=float(1.0 - (host.segment_ids > 0).mean()), reward_mean=float(host.rewards[:n].mean()),

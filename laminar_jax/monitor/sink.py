@@ -24,7 +24,8 @@ from laminar_jax.monitor.loggers import make_loggers
 from laminar_jax.monitor.timeline import Timeline
 
 # Learner metrics that go to TensorBoard under train/ (when the step reports them).
-TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "response_tokens", "step_s",
+TB_TRAIN = ("reward_mean", "loss", "pg_loss", "staleness_mean", "staleness_max", "token_staleness_mean",
+            "token_staleness_max", "mixed_version_frac", "response_tokens", "step_s",
             "entropy", "clipfrac", "dual_clipfrac", "approx_kl_old", "kl", "kl_loss", "lr", "grad_norm", "vf_loss",
             "vf_clipfrac", "rank_token_imbalance", "tool_call_rate", "publish_wait_s", "is_weight_mean",
             "seq_capped_frac", "seq_masked_frac", "zero_signal_drop_rate")
@@ -291,6 +292,12 @@ class Monitor:
             "reward_first": round(float(np.mean(rewards[:k])), 4) if rewards else None,
             "reward_last": round(float(np.mean(rewards[-k:])), 4) if rewards else None,
             "mean_staleness": round(float(np.mean([s.get("staleness_mean", 0.0) for s in self.steps])), 3)
+            if self.steps else None,
+            # Per policy token (a trajectory that spans versions, runtime.mode='inflight', counts each token's own).
+            "mean_token_staleness": round(float(np.mean([s.get("token_staleness_mean", 0.0) for s in self.steps])), 3)
+            if self.steps else None,
+            "max_token_staleness": max((int(s.get("token_staleness_max", 0)) for s in self.steps), default=None),
+            "mixed_version_frac": round(float(np.mean([s.get("mixed_version_frac", 0.0) for s in self.steps])), 4)
             if self.steps else None,
             # Prompts in flight (dispatched, not consumed) with no trace left to finish them.
             "lost_prompts": int(b.get("lost_prompts", 0)),

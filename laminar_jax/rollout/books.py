@@ -22,7 +22,7 @@ class Live:
     prompt: np.ndarray  # i32[P] (after truncation)
     sampling: SamplingParams  # max_new_tokens capped by max_total_len
     key_data: np.ndarray
-    version: int
+    version: int  # the weights generating it now (an in-flight swap moves it on)
     tokens: list
     logprobs: list
     moves: int = 0
@@ -35,6 +35,7 @@ class Live:
     pages: Optional[list] = None  # KV pages held while it waits without a slot (TurnSpec.release_slot)
     resume: Optional[tuple] = None  # (observation ids, next turn's budget) waiting for a free slot
     prompt_key: Optional[bytes] = None  # set while its slot's pages hold its prompt KV for others to share
+    versions: list = dataclasses.field(default_factory=list)  # the version of each policy token (as logprobs)
 
 
 class SlotBooks:
@@ -88,8 +89,10 @@ class SlotBooks:
         self.finished.append(Trajectory(
             uid=r.uid, prompt_uid=r.prompt_uid, sample_index=r.sample_index, prompt_ids=live.prompt.copy(),
             response_ids=np.asarray(live.tokens, np.int32), behaviour_logprobs=np.asarray(live.logprobs, np.float32),
-            version=live.version, finish_reason=reason, data_source=r.data_source, ground_truth=r.ground_truth,
-            extra=extra, policy_mask=None if live.mask is None else np.asarray(live.mask, np.uint8)))
+            version=live.versions[0] if live.versions else live.version, finish_reason=reason,
+            data_source=r.data_source, ground_truth=r.ground_truth, extra=extra,
+            policy_mask=None if live.mask is None else np.asarray(live.mask, np.uint8),
+            token_versions=np.asarray(live.versions, np.int32)))
 
     def take_finished(self) -> list[Trajectory]:
         done, self.finished = self.finished, []

@@ -36,6 +36,7 @@ class RolloutSection:
       live_buckets: Live-page bucket policy (attention_impl='live_pages' compiles one generate() per bucket): 'fine' = powers of two from 16 plus 1.5x midpoints from 64 (least padded attention), 'pow2' = powers of two, 'pow4' = powers of four (fewest programs; up to 4x the live pages attended).
       warmup_live_buckets: How many of the smallest live-page buckets warmup() compiles; 0 = all. The others compile on first use (a one-off pause mid-run).
       batching: 'continuous' admits into any free slot; 'static' waits for the whole batch to finish (baseline).
+      inflight_kv: runtime.mode='inflight' only: what live sequences do with their KV when their server takes a new version between decode steps. 'keep' (PipelineRL) goes on over the KV the old weights wrote (no extra work; the next tokens are sampled from new weights over old-weight context). 'reprefill' (AReaL's partial rollout) recomputes every live sequence's KV (prompt and tokens so far) under the new weights first, so its next tokens are exactly what the new weights give that context; it costs one pass over each live sequence's tokens per swap.
       seed: Base seed for requests that carry neither a seed nor a key.
       server_id: Name reported in stats and stamped into trajectories' extra.
       dtype: Serving dtype: the dtype of the weights a server holds and of every published version (the learner casts its master weights to it on its devices before the host copy, so a bfloat16 version is half a float32 one's bytes in the store and on the relays). None (default): model.dtype, set at finalize. A server given a version in another dtype refuses it, naming both.
@@ -64,6 +65,7 @@ class RolloutSection:
     live_buckets: Literal["fine", "pow2", "pow4"] = "fine"
     warmup_live_buckets: int = 0
     batching: Literal["continuous", "static"] = "continuous"
+    inflight_kv: Literal["keep", "reprefill"] = "keep"
     seed: int = 0
     server_id: str = "rollout-0"
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
@@ -106,6 +108,8 @@ class RolloutSection:
                ">= 0 (0 = auto)")
         expect(self.live_buckets in ("fine", "pow2", "pow4"), f"{prefix}.live_buckets", self.live_buckets,
                "one of ['fine', 'pow2', 'pow4']")
+        expect(self.inflight_kv in ("keep", "reprefill"), f"{prefix}.inflight_kv", self.inflight_kv,
+               "one of ['keep', 'reprefill']")
         expect(self.warmup_live_buckets >= 0, f"{prefix}.warmup_live_buckets", self.warmup_live_buckets,
                ">= 0 (0 = all)")
         expect(0 <= self.decode_chunk <= self.num_slots, f"{prefix}.decode_chunk", self.decode_chunk,

@@ -39,7 +39,7 @@ def export_sequence(srv: "RolloutServer", slot: int) -> SequenceState:
         generated_ids=np.asarray(live.tokens, np.int32), logprobs=np.asarray(live.logprobs, np.float32),
         key_data=live.key_data.copy(), num_cached=num_cached, sampling=live.sampling,
         page_size=srv.engine.page_size, k_pages=k, v_pages=v, moves=live.moves + 1,
-        episode=None if live.mask is None else _episode_books(live))
+        episode=None if live.mask is None else _episode_books(live), token_versions=[int(x) for x in live.versions])
 
 
 def import_sequence(srv: "RolloutServer", seq: SequenceState) -> int:
@@ -68,7 +68,7 @@ def import_sequence(srv: "RolloutServer", seq: SequenceState) -> int:
                   ground_truth=seq.ground_truth)
     srv._books.slots[slot] = Live(req, np.asarray(seq.prompt_ids, np.int32), sp, seq.key_data, seq.version,
                                   [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
-                                  moves=seq.moves)
+                                  moves=seq.moves, versions=seq.versions_list())
     return slot
 
 
@@ -101,7 +101,8 @@ def _import_episode(srv: "RolloutServer", slot: int, seq: SequenceState) -> int:
                                   [int(x) for x in seq.generated_ids], [float(x) for x in seq.logprobs],
                                   moves=seq.moves, mask=mask, turn=int(ep["turn"]), turn_start=int(ep["turn_start"]),
                                   waiting=bool(ep["waiting"]), turn_end=turn_end,
-                                  parked_at=srv._n_consumed - 1)  # no output of ours in flight: may release now
+                                  parked_at=srv._n_consumed - 1,  # no output of ours in flight: may release now
+                                  versions=seq.versions_list())
     return slot
 
 

@@ -154,7 +154,7 @@ class SequenceState:
       sample_index: Index within the prompt's group.
       data_source: Passed through.
       ground_truth: Passed through (JSON-serialisable).
-      version: Weight version that generated every token so far.
+      version: Weight version generating it now (the importing server must run it).
       prompt_ids: i32[P].
       generated_ids: i32[R] tokens sampled so far (R >= 0).
       logprobs: f32[R] behaviour log-probs of generated_ids.
@@ -167,6 +167,8 @@ class SequenceState:
       moves: How many times the sequence has been moved.
       episode: None, or a multi-turn episode's books (JSON data, see RolloutServer.export_sequence):
         its TurnSpec, policy mask, turn index and start, the current turn's end, whether it waits.
+      token_versions: The version of each behaviour log-prob's token (a list, as logprobs), or None:
+        all `version` (they differ only after an in-flight swap, runtime.mode='inflight').
       handoff: In-process only, never serialised: what the owner attaches to carry the episode's
         environment side along (runtime/rollout_worker.py); None after to_bytes/from_bytes.
     """
@@ -188,7 +190,14 @@ class SequenceState:
     v_pages: np.ndarray
     moves: int = 0
     episode: Optional[dict] = None
+    token_versions: Optional[list] = None
     handoff: Any = dataclasses.field(default=None, compare=False, repr=False)
+
+    def versions_list(self) -> list:
+        """Each behaviour log-prob's token version, as ints."""
+        if self.token_versions is None:
+            return [int(self.version)] * len(self.logprobs)
+        return [int(x) for x in self.token_versions]
 
     @property
     def last_token(self) -> int:

@@ -12,7 +12,9 @@ live sequence of the old version remains the swap happens and admission resumes.
 ``HostWeights`` (host arrays) are streamed into place at the swap, tensor by tensor, each old
 buffer deleted before its replacement is placed: the devices never hold two versions. ``force=True``
 swaps at the next step, aborting live old-version sequences (finish_reason='aborted', tokens so
-far, stamped with the old version) so no trajectory ever mixes versions.
+far, stamped with the old version) so no trajectory ever mixes versions. ``inflight=True``
+(runtime.mode='inflight', rollout/inflight.py) swaps at the next step without draining: live
+sequences go on under the new version, each token stamped with the version that sampled it.
 
 Its parts live beside it: admission.py (requests checked on submit, then started in free slots;
 no preemption), books.py (the slots' host books and finished trajectories), episodes.py
@@ -74,7 +76,7 @@ class RolloutServer:
         self._books = SlotBooks(engine, self.section.server_id)
         self._holders = self._books.holders  # the same dict: prompt bytes -> slots holding its KV
         self._queue: queue.Queue = queue.Queue(maxsize=self.section.queue_capacity)
-        self._pending: Optional[tuple[int, Any, bool]] = None  # (version, params, force)
+        self._pending: Optional[tuple[int, Any, bool, bool]] = None  # (version, params, force, inflight)
         self._inflight = None  # StepOutput of the last dispatched generate(), not yet read
         self._lock = threading.RLock()
         self._rate = TokenRate()
@@ -166,6 +168,7 @@ class RolloutServer:
                     continue  # decoded past a host-side stop sequence (pipelining): not part of the turn
                 live.tokens.append(tokens[i][slot])
                 live.logprobs.append(logprobs[i][slot])
+                live.versions.append(self._version)  # every output read was dispatched with these weights
                 n_tokens += 1
                 if live.mask is not None:
                     self._episodes.on_token(slot, live, done[i][slot], stopped[i][slot])
@@ -214,17 +217,27 @@ class RolloutServer:
     def version(self) -> int:
         return self._version
 
-    def set_params(self, version: int, params: Any, force: bool = False) -> None:
-        """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced)."""
+    def set_params(self, version: int, params: Any, force: bool = False, inflight: bool = False) -> None:
+        """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced).
+
+        ``inflight=True`` (runtime.mode='inflight'): at the next step, live sequences and all, without
+        draining; they go on under the new weights with their KV kept or re-prefilled as
+        rollout.inflight_kv says (rollout/inflight.py), each token stamped with its own version.
+        """
         with self._lock:
             if version <= self._version:
                 raise ValueError(f"set_params(version={version}): must be > current version {self._version}")
-            self._pending = (int(version), params, force)
+            self._pending = (int(version), params, force, inflight)
 
     def _maybe_swap(self) -> None:
         if self._pending is None:
             return
-        version, params, force = self._pending
+        version, params, force, inflight = self._pending
+        if inflight and not force:
+            from laminar_jax.rollout.inflight import swap_inflight
+
+            swap_inflight(self, version, params)
+            return
         if force:
             self._drain()
             for slot, live in enumerate(self._books.slots):
@@ -234,11 +247,15 @@ class RolloutServer:
             self._episodes.abort_released()
         if self.num_live == 0:
             self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
-            if isinstance(params, HostWeights):
-                # Streamed in place: no program may still read the old buffers once they are deleted.
-                jax.block_until_ready(self._state)
-                params = self.engine.placement.swap(self._params, params.tree, params.on_leaf, lora=params.lora)
-            self._params, self._version, self._pending = params, version, None
+            self._install(version, params)
+
+    def _install(self, version: int, params: Any) -> None:
+        """Make ``params`` the weights of ``version`` (no output in flight: the caller drained)."""
+        if isinstance(params, HostWeights):
+            # Streamed in place: no program may still read the old buffers once they are deleted.
+            jax.block_until_ready(self._state)
+            params = self.engine.placement.swap(self._params, params.tree, params.on_leaf, lora=params.lora)
+        self._params, self._version, self._pending = params, version, None
 
     def release_params(self) -> None:
         """Free this server's weights now (a server that owns them and is being replaced: its

@@ -8,7 +8,7 @@ from typing import Literal, Optional
 from laminar_jax.cpu import host_malloc
 from laminar_jax.configlib import expect
 
-MODES = ("sync", "one_step", "stream", "laminar")
+MODES = ("sync", "one_step", "stream", "laminar", "inflight")
 LOGGERS = ("tensorboard", "wandb")
 
 
@@ -18,14 +18,14 @@ class RuntimeSection:
 
     Attributes:
       kind: 'local' (threads in one process, the embedded default) or 'ray' (one actor per role).
-      mode: 'sync', 'one_step', 'stream' or 'laminar' (see docs/ARCHITECTURE.md, "Modes").
+      mode: 'sync', 'one_step', 'stream', 'laminar' or 'inflight' (see docs/ARCHITECTURE.md, "Modes"; inflight: docs/INFLIGHT.md).
       run_dir: Run directory (resolved config, checkpoints, weight store, TensorBoard, timeline). None: runs/<timestamp>.
       num_servers: Number of rollout servers.
       server_processes: kind='local' only: each rollout server runs in a child process of its own (a fresh interpreter; buffer calls over a socket pair, weights pulled from an in-process relay on loopback) instead of a thread of the learner's process, so the roles share neither the interpreter lock nor XLA's CPU pool. CPU backends, placement.rollout_tp=1.
       prompts_per_step: Prompts (GRPO groups) per learner step.
       samples_per_prompt: Responses generated per prompt (the GRPO group size).
       total_steps: Learner steps to run.
-      max_inflight_batches: Back-pressure for 'laminar': at most this many batches of prompts dispatched and not yet trained on.
+      max_inflight_batches: Back-pressure for 'laminar' and 'inflight': at most this many batches of prompts dispatched and not yet trained on.
       sft_warmup_steps: Supervised warm-start steps on the task's reference responses before RL (0 = none).
       sft_lr: Learning rate of the warm-start.
       checkpoint_every: Learner steps between checkpoints (0 = only at the end).
@@ -56,7 +56,7 @@ class RuntimeSection:
     """
 
     kind: Literal["local", "ray"] = "local"
-    mode: Literal["sync", "one_step", "stream", "laminar"] = "laminar"
+    mode: Literal["sync", "one_step", "stream", "laminar", "inflight"] = "laminar"
     run_dir: Optional[str] = None
     num_servers: int = 2
     server_processes: bool = False

@@ -136,7 +136,7 @@ class RolloutWorker:
             self.pull_timeouts += 1
             log.warning("rollout server %s: %s; pulling again (timeout %d)", self.name, e, self.pull_timeouts)
             return
-        s.set_params(version, params)  # applied by the next step()
+        s.set_params(version, params, inflight=self.policy.swap == "inflight")  # applied by the next step()
         self.swaps += 1
 
     def admitting(self) -> bool:

@@ -9,6 +9,11 @@ are the same code for all of them.
             updates: all servers drain, then all swap together (AsyncFlow-style).
   laminar   continuous dispatch; each server swaps on its own as soon as it has drained
             (trajectory-level asynchrony), helped by repack.
+  inflight  continuous dispatch; each server swaps on its own as soon as a newer version exists,
+            between two decode calls, without draining (PipelineRL / AReaL partial rollout): a
+            trajectory may span versions, each token stamped with its own (rollout.inflight_kv
+            says whether live sequences keep their KV or re-prefill it). No server ever drains,
+            so there is nothing for repack to empty: it is off.
 """
 
 from __future__ import annotations
@@ -21,7 +26,8 @@ from typing import Literal, Optional, Sequence
 class ModePolicy:
     """Attributes:
       name: Mode name.
-      swap: 'global' (every server swaps at one barrier) or 'per_server'.
+      swap: 'global' (every server swaps at one barrier), 'per_server' (each once drained) or
+        'inflight' (each at once, live sequences and all).
       repack: Whether dynamic repack runs in this mode.
       batches_ahead: For sync/one_step: how many batches dispatch may run ahead of the learner.
       bounded_staleness: Dispatch obeys the AReaL capacity rule with max_staleness.
@@ -30,7 +36,7 @@ class ModePolicy:
     """
 
     name: str
-    swap: Literal["global", "per_server"]
+    swap: Literal["global", "per_server", "inflight"]
     repack: bool
     batches_ahead: Optional[int]
     bounded_staleness: bool
@@ -42,6 +48,7 @@ POLICIES = {
     "one_step": ModePolicy("one_step", "global", False, 1, False),
     "stream": ModePolicy("stream", "global", False, None, True),
     "laminar": ModePolicy("laminar", "per_server", True, None, False),
+    "inflight": ModePolicy("inflight", "inflight", False, None, False),
 }
 
 
@@ -64,7 +71,7 @@ def dispatch_allowance(p: ModePolicy, learner_version: int, dispatched: int, pro
       sync/one_step: prompts of batch k may go out once learner_version >= k - batches_ahead,
                      so allowance = (learner_version + 1 + batches_ahead) * B - dispatched.
       stream:        AReaL capacity: (max_staleness + learner_version + 1) * B - dispatched.
-      laminar:       no staleness bound unless max_staleness is set (then as stream); only
+      laminar/inflight: no staleness bound unless max_staleness is set (then as stream); only
                      back-pressure: at most max_inflight_batches * B prompts dispatched and not
                      yet trained on, (max_inflight_batches + learner_version) * B - dispatched.
                      Without it, a learner slower than generation lets the buffer (and
@@ -88,7 +95,10 @@ def server_may_admit(p: ModePolicy, server_version: int, newest_version: int, gl
     laminar mode, is emptied sooner by repack). When the learner publishes faster than the long
     tail drains, admit_lag > 0 keeps slots filled between publishes at the price of staleness
     (each trajectory still uses one version). In global modes a pending barrier stops everyone.
+    In-flight swapping never drains: a server always admits.
     """
+    if p.swap == "inflight":
+        return True
     if p.swap == "global":
         return not global_pending
     return server_version >= newest_version - p.admit_lag
@@ -96,7 +106,9 @@ def server_may_admit(p: ModePolicy, server_version: int, newest_version: int, gl
 
 def swap_now(p: ModePolicy, server_live: int, live_per_server: Sequence[int]) -> bool:
     """May this server load the newest version now? Never with a live sequence (one version per
-    trajectory); in global modes only once every server has drained."""
+    trajectory); in global modes only once every server has drained. In-flight swapping: always."""
+    if p.swap == "inflight":
+        return True
     if server_live > 0:
         return False
     return p.swap == "per_server" or all(n == 0 for n in live_per_server)

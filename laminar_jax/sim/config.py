@@ -9,7 +9,7 @@ import ml_collections
 
 from laminar_jax.configlib import expect, from_config_dict, to_config_dict
 
-SIM_MODES = ("sync", "one_step", "stream", "partial_rollout", "laminar")
+SIM_MODES = ("sync", "one_step", "stream", "partial_rollout", "laminar", "inflight")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,16 +23,17 @@ class SimSection:
       learner_gpus: GPUs of the learner; None = half of `gpus` rounded to whole machines.
       rollout_tp: Tensor-parallel width of one rollout server; None = smallest that fits.
       colocate: sync only: learner and rollouts time-share all GPUs (verl hybrid engine); learner_gpus is ignored.
-      mode: 'sync', 'one_step', 'stream', 'partial_rollout' (AReaL-style, sim-only) or 'laminar'.
+      mode: 'sync', 'one_step', 'stream', 'partial_rollout' (AReaL-style, sim-only), 'laminar' or 'inflight' (runtime.mode='inflight': each server takes a new version as soon as it arrives, live sequences and all).
+      inflight_kv: mode='inflight': live sequences keep their KV at a swap ('keep', no extra work) or re-prefill it under the new weights ('reprefill', charged at prefill speed), as rollout.inflight_kv.
       repack: Run dynamic repack (laminar only).
       workload: Workload preset (math, agentic, uniform).
       prompts_per_step: Prompts (GRPO groups) per learner step (one publish = one version) in every mode, as runtime.prompts_per_step; None = 512 (the global batch of 8192 trajectories).
       samples_per_prompt: Responses per prompt.
       max_staleness: Staleness bound of the AReaL capacity rule for stream and partial_rollout.
-      laminar_max_staleness: Staleness bound for laminar dispatch; None = unbounded (the paper's default).
+      laminar_max_staleness: Staleness bound for laminar (and inflight) dispatch; None = unbounded (the paper's default).
       buffer_max_staleness: select_fifo drops groups staler than this; None = never.
       max_buffered_steps: Capacity: dispatch pauses while complete, unconsumed groups exceed this many steps.
-      max_inflight_batches: The runtime's back-pressure (runtime.max_inflight_batches) for unbounded laminar: at most this many steps of prompts dispatched and not yet trained on; None = off (slots and buffer capacity only).
+      max_inflight_batches: The runtime's back-pressure (runtime.max_inflight_batches) for unbounded laminar and inflight: at most this many steps of prompts dispatched and not yet trained on; None = off (slots and buffer capacity only).
       max_queued_prompts: The runtime's work-queue bound (prompts dispatched, not yet admitted by a server); None = the runtime's default, max(prompts_per_step, 2 * servers).
       admit_lag: Laminar: a server keeps admitting while at most this many versions behind (scheduler.admit_lag).
       max_mean_staleness: Planner: a plan must keep the mean staleness of consumed groups at or below this.
@@ -63,7 +64,8 @@ class SimSection:
     learner_gpus: Optional[int] = None
     rollout_tp: Optional[int] = None
     colocate: bool = False
-    mode: Literal["sync", "one_step", "stream", "partial_rollout", "laminar"] = "laminar"
+    mode: Literal["sync", "one_step", "stream", "partial_rollout", "laminar", "inflight"] = "laminar"
+    inflight_kv: Literal["keep", "reprefill"] = "keep"
     repack: bool = True
     workload: str = "math"
     prompts_per_step: Optional[int] = None
@@ -104,6 +106,8 @@ class SimSection:
             expect(self.prompts_per_step >= 1, f"{prefix}.prompts_per_step", self.prompts_per_step, ">= 1")
         expect(not self.colocate or self.mode == "sync", f"{prefix}.colocate", self.colocate,
                f"false unless mode='sync' (mode={self.mode!r})")
+        expect(self.inflight_kv in ("keep", "reprefill"), f"{prefix}.inflight_kv", self.inflight_kv,
+               "one of ['keep', 'reprefill']")
         expect(self.samples_per_prompt >= 1, f"{prefix}.samples_per_prompt", self.samples_per_prompt, ">= 1")
         expect(self.max_staleness >= 0, f"{prefix}.max_staleness", self.max_staleness, ">= 0")
         expect(self.max_buffered_steps > 0, f"{prefix}.max_buffered_steps", self.max_buffered_steps, "> 0")

@@ -47,6 +47,10 @@ def decode(sim: "Simulator", t: float, t1: float) -> None:
     left_a = rem_a - adv
     f["rem"][idx] = left_a
     f["ctx"][idx] = ctx_a + adv
+    # Each token's version summed per sequence (per-token staleness): a loading server decodes only
+    # after its load, under the version it loads. Slots hold distinct sequences: a plain scatter-add.
+    ver = np.where(sim.loading, sim.load_target, sim.version)
+    sim.seqs["vtok"][f["sid"][idx]] += adv * ver[row]
     sim.rec.tokens_generated += float(_dense_sum(sim, idx, adv))
     rmax = np.zeros(S)
     np.maximum.at(rmax, row, rem_a)
@@ -95,6 +99,8 @@ def _complete(sim: "Simulator", rows, cols, finish) -> None:
     np.maximum.at(g["ready"], gids, finish + sim.work.reward_latency_s)
     np.minimum.at(g["ver"], gids, s["ver"][sids])
     np.add.at(g["tok"], gids, tokens)
+    np.add.at(g["vtok"], gids, s["vtok"][sids])
+    np.add.at(g["rtok"], gids, s["rlen"][sids].astype(np.float64))
     sim.rec.trajectories += sids.size
     full = np.unique(gids[g["done"][gids] == sim.k])
     full = full[np.argsort(g["ready"][full], kind="stable")]

@@ -105,6 +105,7 @@ class Simulator:
         self.k = cfg.samples_per_prompt
         self.B = cfg.steps_prompts()
         self.partial = cfg.mode == partial.NAME
+        self.inflight = cfg.mode == "inflight"
         self.policy = partial.policy() if self.partial else modes.get_policy(cfg.mode, cfg.repack, cfg.admit_lag)
         S, M = place.servers, cfg.max_num_seqs
         self.S, self.M = S, M
@@ -135,9 +136,9 @@ class Simulator:
         self.hop = (np.arange(S) * place.tp) // cost.gpu.gpus_per_node
         # Sequences and groups.
         self.seqs = _Table(plen=(np.int64, 0), rlen=(np.int64, 0), turns=(np.int64, 1), ver=(np.int64, 0),
-                           t_adm=(np.float64, -1.0), t_fin=(np.float64, -1.0))
+                           t_adm=(np.float64, -1.0), t_fin=(np.float64, -1.0), vtok=(np.float64, 0.0))
         self.groups = _Table(done=(np.int64, 0), ready=(np.float64, 0.0), ver=(np.int64, 1 << 62),
-                             tok=(np.int64, 0))
+                             tok=(np.int64, 0), vtok=(np.float64, 0.0), rtok=(np.float64, 0.0))
         self.queue = np.zeros(1024, np.int64)
         self.q_head = self.q_tail = 0
         self.dispatched = 0
@@ -151,7 +152,7 @@ class Simulator:
         self.load_s = cost.weight_load_s()
         self.d2h_s = cost.publish_d2h_s(place.learner_gpus)
         self.max_st = {"stream": cfg.max_staleness, partial.NAME: cfg.max_staleness,
-                       "laminar": cfg.laminar_max_staleness}.get(cfg.mode)
+                       "laminar": cfg.laminar_max_staleness, "inflight": cfg.laminar_max_staleness}.get(cfg.mode)
         self.max_queued = (cfg.max_queued_prompts if cfg.max_queued_prompts is not None
                            else modes.default_max_queued_prompts(self.B, S))
 
@@ -218,20 +219,30 @@ class Simulator:
         if not want.any():
             return
         live = (self.sid >= 0).sum(1)
+        if self.inflight:  # as the runtime's swap_now: at once, live sequences and all
+            idx = np.nonzero(want)[0]
+            self._start_load(idx, t)
+            if idx.size and self.cfg.inflight_kv == "reprefill":
+                self._reprefill(idx)
+            return
         if self.partial:
             idx = [s for s in np.nonzero(want)[0]
                    if partial.interrupt_now(int(self.version[s]), newest, bool(self.loading[s]))]
             idx = np.asarray(idx, np.int64)
             self._start_load(idx, t)
-            if idx.size:  # re-prefill every kept sequence under the new weights
-                held = np.where(self.sid[idx] >= 0, self.ctx[idx], 0.0)
-                self.busy_until[idx] += self.cost.prefill_s(held.sum(1), (held ** 2).sum(1))
-                self.rec.reprefill_tokens += float(held.sum())
+            if idx.size:
+                self._reprefill(idx)
             return
         live_list = sorted(live.tolist(), reverse=True)  # swap_now's all(): nonzero first
         go = [s for s in np.nonzero(want & (live == 0))[0]
               if modes.swap_now(self.policy, 0, live_list)]
         self._start_load(np.asarray(go, np.int64), t)
+
+    def _reprefill(self, idx: np.ndarray) -> None:
+        """Re-prefill every kept sequence of servers ``idx`` under the new weights, after the load."""
+        held = np.where(self.sid[idx] >= 0, self.ctx[idx], 0.0)
+        self.busy_until[idx] += self.cost.prefill_s(held.sum(1), (held ** 2).sum(1))
+        self.rec.reprefill_tokens += float(held.sum())
 
     def _global_pending(self) -> bool:
         return bool((self.version < self.v_seen).any())

@@ -87,6 +87,10 @@ class SimLearner:
                 continue
             tokens = sum(m.num_tokens for m in sel.take)
             stale = [policies.staleness(self.steps, m.version) for m in sel.take]
+            # Per token: steps - the version that sampled it, summed over the batch's generated tokens.
+            g = [int(m.group) for m in sel.take]
+            rtok = float(sim.groups["rtok"][g].sum())
+            sim.rec.token_staleness(td, self.steps * rtok - float(sim.groups["vtok"][g].sum()), rtok)
             dur = sim.cost.learner_step_s(tokens, sim.place.learner_gpus)
             if sim.cfg.shared_host:  # the end depends on the host share it gets: found tick by tick
                 self.running, self.work, self.free = (td, tokens, stale), dur, math.inf

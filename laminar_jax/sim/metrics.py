@@ -83,6 +83,8 @@ class SimResult:
 
 
 def _mode_name(cfg) -> str:
+    if cfg.mode == "inflight":
+        return "inflight" if cfg.inflight_kv == "keep" else "inflight_reprefill"
     if cfg.mode == "laminar" and not cfg.repack:
         return "laminar_norepack"
     if cfg.mode == "laminar" and cfg.laminar_max_staleness is not None:
@@ -106,6 +108,7 @@ class Recorder:
         self.pull_lat: list[float] = []
         self.repacks = self.moves = self.preemptions = self.dropped = self.trajectories = 0
         self.moved_pages = self.reprefill_tokens = self.tokens_generated = 0.0
+        self.tok_stale_sum = self.tok_count = 0.0  # staleness per generated token (see token_staleness)
         self.learner_host_s = 0.0  # shared_host: learner work (host-seconds) of steps started in the window
         self.timeline = None
         if cfg.timeline_servers > 0:
@@ -132,6 +135,13 @@ class Recorder:
     def publish(self, t: float, version: int) -> None:
         if self.timeline is not None:
             self.timeline.publish(t, version)
+
+    def token_staleness(self, start: float, stale_sum: float, tokens: float) -> None:
+        """A consumed batch's staleness per generated token, summed over its tokens (each judged on the
+        version that sampled it: in mode='inflight' a trajectory's tokens span versions)."""
+        if start >= self.warm:
+            self.tok_stale_sum += stale_sum
+            self.tok_count += tokens
 
     def step(self, start: float, end: float, tokens: int, stale: list[int]) -> None:
         self.steps_log.append((start, end, tokens))
@@ -192,7 +202,9 @@ class Recorder:
                    "kv_pages_per_server": self.kv_cap,
                    # shared_host: fraction of the window the host had work (decode + prefill + learner
                    # host-seconds over window seconds): how busy the model keeps the CPU.
-                   "host_busy": (self.busy + self.learner_host_s) / win if cfg.shared_host else None})
+                   "host_busy": (self.busy + self.learner_host_s) / win if cfg.shared_host else None,
+                   # Token-weighted, each token judged on its own version (mean_staleness: per group, on its oldest).
+                   "mean_token_staleness": self.tok_stale_sum / self.tok_count if self.tok_count else float("nan")})
 
     def render_timeline(self, path: str, title: str = "") -> Optional[str]:
         if self.timeline is None:

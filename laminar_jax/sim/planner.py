@@ -23,8 +23,9 @@ from laminar_jax.sim.cost import CostParams
 from laminar_jax.sim.metrics import SimResult
 
 ALL_MODES = ("sync", "one_step", "stream", "partial_rollout", "laminar", "laminar_norepack", "laminar_bounded",
-             "laminar_unbounded")
-INFLIGHT_MODES = ("laminar", "laminar_norepack")  # back-pressured: the planner picks max_inflight_batches
+             "laminar_unbounded", "inflight", "inflight_reprefill")
+# Back-pressured: the planner picks max_inflight_batches.
+INFLIGHT_MODES = ("laminar", "laminar_norepack", "inflight", "inflight_reprefill")
 MAX_INFLIGHT = 8
 
 
@@ -81,8 +82,11 @@ def mode_config(base: SimSection, mode: str, cand: Candidate) -> SimSection:
     """base with mode and placement applied. Planner-only names: laminar_norepack = laminar with repack
     off; laminar_bounded = laminar whose dispatch obeys the same staleness bound as stream
     (laminar_max_staleness = max_staleness); laminar_unbounded = laminar without the runtime's
-    back-pressure (max_inflight_batches = None)."""
+    back-pressure (max_inflight_batches = None); inflight_reprefill = inflight with inflight_kv='reprefill'."""
     repack, lam_bound, inflight = base.repack, base.laminar_max_staleness, base.max_inflight_batches
+    kv = base.inflight_kv
+    if mode == "inflight_reprefill":
+        mode, kv = "inflight", "reprefill"
     if mode == "laminar_norepack":
         mode, repack = "laminar", False
     elif mode == "laminar_bounded":
@@ -91,7 +95,8 @@ def mode_config(base: SimSection, mode: str, cand: Candidate) -> SimSection:
         mode, inflight = "laminar", None
     if cand.inflight is not None:
         inflight = cand.inflight
-    return dataclasses.replace(base, mode=mode, repack=repack, laminar_max_staleness=lam_bound, rollout_tp=cand.tp,
+    return dataclasses.replace(base, mode=mode, inflight_kv=kv, repack=repack, laminar_max_staleness=lam_bound,
+                               rollout_tp=cand.tp,
                                learner_gpus=None if cand.colocate else cand.learner_gpus,
                                colocate=cand.colocate, max_inflight_batches=inflight)
 

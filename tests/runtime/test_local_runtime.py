@@ -37,6 +37,8 @@ def test_demo_short_runs_and_accounts_for_every_prompt(mode, tmp_path):
     assert 0.0 < s["learner_busy_frac"] < 1.0
     if mode == "sync":
         assert s["mean_staleness"] == 0.0  # sync is on-policy by construction
+    # Servers swap only once drained: every trajectory's tokens are its one version's.
+    assert s["mixed_version_frac"] == 0.0
     # Every server is in this process: versions go through the in-memory hand-off, no relay runs.
     assert s["weights"]["path"] == "handoff"
     assert s["weights"]["versions_handed_off"] >= 2  # the initial version and newer ones (some superseded)
