@@ -213,6 +213,16 @@ class RolloutServer:
                 raise ValueError(f"set_params(version={version}): must be > current version {self._version}")
             self._pending = (int(version), params, force)
 
+    def swap_pending(self) -> bool:
+        """Take the pending version now if no live sequence holds the old one (what step() does
+        first) and wait until its weights are on the devices; True if the server now runs it.
+        The runtime measures a swap's stall around this call."""
+        with self._lock:
+            self._maybe_swap()
+            if self._pending is None and self._params is not None:
+                jax.block_until_ready(self._params)
+            return self._pending is None
+
     def _maybe_swap(self) -> None:
         if self._pending is None:
             return

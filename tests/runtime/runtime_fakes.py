@@ -56,6 +56,9 @@ class FakeServer:
         assert not self.live, "a fake server swapped weights with live sequences"
         self._version = version
 
+    def swap_pending(self) -> bool:
+        return True  # set_params took it already
+
     def step(self) -> list[Trajectory]:
         if self.crash_in_step:
             raise RuntimeError(f"fake server {self.section.server_id} crashed in step")
