@@ -206,21 +206,19 @@ class RolloutServer:
     def version(self) -> int:
         return self._version
 
-    def set_params(self, version: int, params: Any, force: bool = False) -> None:
-        """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced)."""
+    def set_params(self, version: int, params: Any, force: bool = False, now: bool = False) -> bool:
+        """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced).
+        ``now``: take it in this call if nothing live holds the old version (else at a later step) and
+        wait until its weights are on the devices (the runtime measures a swap's stall around it).
+        Returns whether the server runs ``version`` on return."""
         with self._lock:
             if version <= self._version:
                 raise ValueError(f"set_params(version={version}): must be > current version {self._version}")
             self._pending = (int(version), params, force)
-
-    def swap_pending(self) -> bool:
-        """Take the pending version now if no live sequence holds the old one (what step() does
-        first) and wait until its weights are on the devices; True if the server now runs it.
-        The runtime measures a swap's stall around this call."""
-        with self._lock:
-            self._maybe_swap()
-            if self._pending is None and self._params is not None:
-                jax.block_until_ready(self._params)
+            if now:
+                self._maybe_swap()
+                if self._pending is None and self._params is not None:
+                    jax.block_until_ready(self._params)
             return self._pending is None
 
     def _maybe_swap(self) -> None:

@@ -156,8 +156,7 @@ class RolloutWorker:
             self.pull_timeouts += 1
             log.warning("rollout server %s: %s; pulling again (timeout %d)", self.name, e, self.pull_timeouts)
             return
-        s.set_params(version, params)
-        s.swap_pending()  # nothing live holds the old version (swap_now): taken now
+        s.set_params(version, params, now=True)  # nothing live holds the old version (swap_now): taken now
         stall = time.monotonic() - t_ready
         ahead = staged is not None and staged.t_done <= t_ready
         self.swaps += 1
