@@ -6,10 +6,11 @@ path, while the server decodes nothing. A `Prefetcher` fetches the newest announ
 thread of its own as soon as the server's board shows it, so that at the swap only the final copy
 onto the devices is left (AsyncFlow's delayed parameter update, per server).
 
-At most one version is staged: an announcement newer than the staged one drops it before the next
-fetch starts (a staged relay mapping pins that version's bytes on the relay). A failed fetch is
-logged and counted; the swap then pulls as it would without prefetch. Every wait is bounded, and
-`close` joins the thread.
+At most one version is staged: a fetch asks for a version newer than the staged one (the relay
+answers once it has one) and the staged one is dropped when that arrives, so the swap always has
+the newest version that has arrived, at once (a staged relay mapping pins that version's bytes on
+the relay until then). A failed fetch is logged and counted; the swap then pulls as it would
+without prefetch. Every wait is bounded, and `close` joins the thread.
 """
 
 from __future__ import annotations
@@ -63,11 +64,13 @@ class Prefetcher:
                 self._thread = Worker(f"{self.name}-prefetch", self._run, stop_on_failure=False).start()
 
     def take(self, current: int, timeout: float) -> Optional[Staged]:
-        """The staged version if newer than ``current`` (waiting up to ``timeout`` s for a fetch in
-        flight: it is the version a pull would fetch now), else None; nothing is staged afterwards."""
+        """The staged version if newer than ``current``, at once; with none staged, waiting up to
+        ``timeout`` s for the fetch in flight (it is the pull the swap would make now); else None.
+        Nothing is staged afterwards (a fetch of a newer version goes on, for the next swap)."""
         with self._cond:
             self._current = max(self._current, current)
-            self._cond.wait_for(lambda: not self._busy or self._closed, max(0.0, timeout))
+            self._cond.wait_for(lambda: not self._busy or self._closed or (
+                self._staged is not None and self._staged.version > current), max(0.0, timeout))
             staged, self._staged = self._staged, None
             if staged is not None and staged.version <= current:
                 self.counts["superseded"] += 1
@@ -82,12 +85,7 @@ class Prefetcher:
         if self._busy or self._closed or time.monotonic() < self._retry_at:
             return None
         have = max(self._current, self._staged.version if self._staged is not None else -1)
-        if self._want <= have:
-            return None
-        if self._staged is not None:  # older than the newest: dropped before the newer one is fetched
-            self._staged = None
-            self.counts["superseded"] += 1
-        return self._current
+        return have if self._want > have else None
 
     def _run(self) -> None:
         while True:
@@ -117,9 +115,11 @@ class Prefetcher:
             with self._cond:
                 self._busy = False
                 self.counts["fetched"] += 1
-                if version <= self._current or self._closed:
+                if version <= max(self._current, self._staged.version if self._staged else -1) or self._closed:
                     self.counts["superseded"] += 1  # the server swapped past it meanwhile
                 else:
+                    if self._staged is not None:  # the newer one replaces it
+                        self.counts["superseded"] += 1
                     self._staged = Staged(int(version), payload, time.monotonic() - t0, time.monotonic())
                 self._cond.notify_all()
 
