@@ -203,3 +203,24 @@ def test_a_version_superseded_while_prefetching_is_dropped_for_the_newest():
         finally:
             assert p.close(timeout=30.0)
             client.close()
+
+
+def test_the_timeline_gives_the_summary_swap_stall_percentiles_and_the_staged_share():
+    from laminar_jax.monitor.timeline import Timeline
+
+    tl = Timeline(t0=100.0)
+    assert tl.swap_figures() == {"swap_stall_p50_s": None, "swap_stall_p99_s": None, "swap_staged_frac": None,
+                                 "swaps": 0}
+    for i, (stall, staged) in enumerate([(0.01, True), (0.02, True), (0.03, True), (1.0, False)]):
+        tl.swap(101.0 + i, f"rollout-{i % 2}", stall, i + 2, staged)
+    f = tl.swap_figures()
+    assert f["swaps"] == 4 and f["swap_staged_frac"] == 0.75
+    assert f["swap_stall_p50_s"] == pytest.approx(0.025) and 0.9 < f["swap_stall_p99_s"] <= 1.0
+    assert tl.swaps[0][:2] == (1.0, "rollout-0")  # times relative to the timeline's t0
+
+
+def test_prefetch_device_without_prefetch_is_refused_naming_the_key():
+    from laminar_jax.configlib import ConfigError
+
+    with pytest.raises(ConfigError, match="rollout.prefetch_device"):
+        RolloutSection(prefetch=False, prefetch_device=True).validate()
