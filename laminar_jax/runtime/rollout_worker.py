@@ -133,7 +133,7 @@ class RolloutWorker:
         s = self.server
         if s.version >= self.board.newest:
             return
-        if self.prefetch is not None and not self.admitting():  # draining (admitting, it may not swap for long)
+        if self.prefetch is not None:  # also while it admits under admit_lag: it swaps once its work runs out
             self.prefetch.announce(self.board.newest, s.version)
         if not swap_now(self.policy, s.num_live, self.board.live_counts()):
             return
