@@ -205,7 +205,7 @@ def test_a_version_superseded_while_prefetching_is_dropped_for_the_newest():
             client.close()
 
 
-def test_the_timeline_gives_the_summary_swap_stall_percentiles_and_the_staged_share():
+def test_the_timeline_gives_the_summary_swap_stall_percentiles_and_the_staged_share(tmp_path):
     from laminar_jax.monitor.timeline import Timeline
 
     tl = Timeline(t0=100.0)
@@ -217,6 +217,9 @@ def test_the_timeline_gives_the_summary_swap_stall_percentiles_and_the_staged_sh
     assert f["swaps"] == 4 and f["swap_staged_frac"] == 0.75
     assert f["swap_stall_p50_s"] == pytest.approx(0.025) and 0.9 < f["swap_stall_p99_s"] <= 1.0
     assert tl.swaps[0][:2] == (1.0, "rollout-0")  # times relative to the timeline's t0
+    for t in (100.5, 106.0):
+        tl.sample(t, "rollout-0", 1, 2, 2)
+    assert tl.render(str(tmp_path / "timeline.png")).endswith("timeline.png")  # stalls drawn per server
 
 
 def test_prefetch_device_without_prefetch_is_refused_naming_the_key():
