@@ -319,7 +319,7 @@ def main(argv: list[str]) -> dict:
         "mean_staleness": {m: r["mean_staleness"] for m, r in results.items()},
         # per swap: drained and ready -> serving the new version (rollout.prefetch stages it ahead)
         **{k: {m: r.get(k) for m, r in results.items()}
-           for k in ("swap_stall_p50_s", "swap_stall_p99_s", "swap_staged_frac", "swaps")},
+           for k in ("swap_stall_p50_s", "swap_stall_p99_s", "swap_staged_frac", "swap_stall_staged_p50_s", "swaps")},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
         "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],

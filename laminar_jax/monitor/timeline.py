@@ -68,16 +68,18 @@ class Timeline:
     def swap_figures(self) -> dict:
         """The summary's swap figures over every server: stall p50/p99 (s), the share of swaps whose
         version was staged before the drain ended, and the swap count (None figures without swaps)."""
-        with self._lock:
-            stalls = [x[2] for x in self.swaps]
-            ahead = sum(x[4] for x in self.swaps)
-        if not stalls:
-            return {"swap_stall_p50_s": None, "swap_stall_p99_s": None, "swap_staged_frac": None, "swaps": 0}
         import numpy as np
 
-        return {"swap_stall_p50_s": round(float(np.percentile(stalls, 50)), 5),
-                "swap_stall_p99_s": round(float(np.percentile(stalls, 99)), 5),
-                "swap_staged_frac": round(ahead / len(stalls), 4), "swaps": len(stalls)}
+        def pct(xs, q):
+            return round(float(np.percentile(xs, q)), 5) if xs else None
+
+        with self._lock:
+            stalls = [x[2] for x in self.swaps]
+            staged = [x[2] for x in self.swaps if x[4]]
+        return {"swap_stall_p50_s": pct(stalls, 50), "swap_stall_p99_s": pct(stalls, 99),
+                "swap_staged_frac": round(len(staged) / len(stalls), 4) if stalls else None, "swaps": len(stalls),
+                # the staged swaps' own median: what is left of a swap once its pull is off the path
+                "swap_stall_staged_p50_s": pct(staged, 50)}
 
     def publish(self, t: float, version: int) -> None:
         with self._lock:

@@ -210,11 +210,11 @@ def test_the_timeline_gives_the_summary_swap_stall_percentiles_and_the_staged_sh
 
     tl = Timeline(t0=100.0)
     assert tl.swap_figures() == {"swap_stall_p50_s": None, "swap_stall_p99_s": None, "swap_staged_frac": None,
-                                 "swaps": 0}
+                                 "swaps": 0, "swap_stall_staged_p50_s": None}
     for i, (stall, staged) in enumerate([(0.01, True), (0.02, True), (0.03, True), (1.0, False)]):
         tl.swap(101.0 + i, f"rollout-{i % 2}", stall, i + 2, staged)
     f = tl.swap_figures()
-    assert f["swaps"] == 4 and f["swap_staged_frac"] == 0.75
+    assert f["swaps"] == 4 and f["swap_staged_frac"] == 0.75 and f["swap_stall_staged_p50_s"] == pytest.approx(0.02)
     assert f["swap_stall_p50_s"] == pytest.approx(0.025) and 0.9 < f["swap_stall_p99_s"] <= 1.0
     assert tl.swaps[0][:2] == (1.0, "rollout-0")  # times relative to the timeline's t0
     for t in (100.5, 106.0):
