@@ -17,7 +17,8 @@ else on the device.
 
 Rollout device (its TP shard, by the engine's TP rules): one version in the serving dtype
 (``rollout.dtype``, else ``model.dtype``), its KV-head share of the page pool, the swap's staging
-buffer (the largest single tensor: a swap streams the new version in one tensor at a time) and the
+buffer (the largest single tensor: a swap streams the new version in one tensor at a time; a whole
+version with ``rollout.prefetch_device``, which stages the next one on the devices) and the
 decode program's temporaries (float32 logits of every slot, three arrays; one layer's gathered live
 pages under the live-page attention).
 
@@ -248,7 +249,9 @@ def rollout_items(cfg, arch, tp: int) -> dict[str, int]:
     return {
         "serving_weights": sum(shards) * s,
         "kv_pool": kv_bytes(arch, ro, cfg.model.dtype) // tp,
-        "swap_staging": max(_swapped_elements(table, shards, arch.num_layers)) * s,
+        # rollout.prefetch_device stages a whole version on the devices before the swap
+        "swap_staging": (sum(shards) if getattr(ro, "prefetch_device", False)
+                         else max(_swapped_elements(table, shards, arch.num_layers))) * s,
         "decode_temporaries": 3 * rows * arch.vocab_size * 4 + live,
     }
 

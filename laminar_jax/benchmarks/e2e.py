@@ -28,6 +28,11 @@ splits it (loop_efficiency()): cores the run kept busy over the engine alone's, 
 alone's CPU per generated token over the whole loop's (learner included); `bound` is the figure
 with every core busy at the loop's own CPU cost per generated token.
 
+Swaps: `swap_stall_p50_s`/`swap_stall_p99_s` per mode (a server drained and ready -> serving the
+new version) and `swap_staged_frac` (versions prefetched before the drain ended); compare
+`--set rollout.prefetch=False` (pull after the drain) with the default, and `--set
+relay.local_handoff=False` to pull through the in-process relay as a Ray host does.
+
 --profile: every mode runs with runtime.profile=True (monitor/profile.py); a CPU-time table per
 mode (process CPU by phase, CPU-ms per 1k trained tokens, Python vs XLA threads, GIL wait) is
 printed, the JSON gets a `profile` block per mode and the 2-core bound on laminar/sync derived from
@@ -323,6 +328,9 @@ def main(argv: list[str]) -> dict:
         # Per policy token (each judged on the version that sampled it) and trajectories spanning versions.
         "mean_token_staleness": {m: r.get("mean_token_staleness") for m, r in results.items()},
         "mixed_version_frac": {m: r.get("mixed_version_frac") for m, r in results.items()},
+        # per swap: drained and ready -> serving the new version (rollout.prefetch stages it ahead)
+        **{k: {m: r.get(k) for m, r in results.items()}
+           for k in ("swap_stall_p50_s", "swap_stall_p99_s", "swap_staged_frac", "swap_stall_staged_p50_s", "swaps")},
         "lost_prompts": sum(r["lost_prompts"] for r in results.values()),
         "duplicated_prompts": sum(r["duplicated_prompts"] for r in results.values()),
         "plot": plot, "wall_s": round(time.time() - t0, 1), "load_avg_end": [round(x, 2) for x in os.getloadavg()],

@@ -331,6 +331,9 @@ class Monitor:
             "gen_tokens_per_s": round(generated / rl_wall, 2) if generated else None,
             "latency_p50_s": _round(b.get("latency_p50_s")),
             "latency_p99_s": _round(b.get("latency_p99_s")),
+            # Weight swaps, per server: drained and ready -> serving the new version (rollout.prefetch
+            # stages it while the server drains), and the share staged before the drain ended.
+            **self.timeline.swap_figures(),
             "sft_loss": [round(stats.sft_losses[0], 4), round(stats.sft_losses[-1], 4)] if stats.sft_losses else None,
             "reward_curve": [(round(s["t"], 2), round(s["reward_mean"], 4)) for s in self.steps if "reward_mean" in s],
             "staleness_curve": [(round(s["t"], 2), round(s.get("staleness_mean", 0.0), 3)) for s in self.steps],

@@ -21,6 +21,9 @@ class Timeline:
         self._last_t: dict[str, float] = {}
         self.waiting: list[tuple[float, str, int, int]] = []  # t, server, slots waiting on envs, slots total
         self.env: dict[str, object] = {}  # server -> its EpisodeDriver's latest DriverStats
+        # Weight swaps: t (drained and ready to swap), server, stall s (until serving the new
+        # version), version, staged ahead (prefetched before the drain ended).
+        self.swaps: list[tuple[float, str, float, int, bool]] = []
 
     def sample(self, t: float, server: str, used: int, total: int, version: int,
                kv_used: Optional[int] = None, kv_total: Optional[int] = None) -> None:
@@ -57,6 +60,27 @@ class Timeline:
             last[p[1]] = p
         return points + [(self._last_t[s], *p[1:]) for s, p in last.items() if self._last_t[s] > p[0]]
 
+    def swap(self, t: float, server: str, stall_s: float, version: int, staged: bool) -> None:
+        """One swap of `server`: ready at `t` (time.time()), serving `version` `stall_s` later."""
+        with self._lock:
+            self.swaps.append((t - self.t0, server, float(stall_s), int(version), bool(staged)))
+
+    def swap_figures(self) -> dict:
+        """The summary's swap figures over every server: stall p50/p99 (s), the share of swaps whose
+        version was staged before the drain ended, and the swap count (None figures without swaps)."""
+        import numpy as np
+
+        def pct(xs, q):
+            return round(float(np.percentile(xs, q)), 5) if xs else None
+
+        with self._lock:
+            stalls = [x[2] for x in self.swaps]
+            staged = [x[2] for x in self.swaps if x[4]]
+        return {"swap_stall_p50_s": pct(stalls, 50), "swap_stall_p99_s": pct(stalls, 99),
+                "swap_staged_frac": round(len(staged) / len(stalls), 4) if stalls else None, "swaps": len(stalls),
+                # the staged swaps' own median: what is left of a swap once its pull is off the path
+                "swap_stall_staged_p50_s": pct(staged, 50)}
+
     def publish(self, t: float, version: int) -> None:
         with self._lock:
             self.publishes.append((t - self.t0, version))
@@ -88,6 +112,7 @@ class Timeline:
         shift = 0.0 if t_start is None else t_start - self.t0
         with self._lock:
             waiting = [(t - shift, *rest) for t, *rest in self._closed(list(self.waiting))]
+            swaps = list(self.swaps)
         servers = sorted({s for _, s, *_ in samples})
         versions = sorted({v for *_, v in samples}) or [0]
         # A colour scale over versions (a legend of 80 entries covered the bars).
@@ -104,11 +129,14 @@ class Timeline:
             for (h, v), xr in bars.items():
                 ax.broken_barh(xr, (row, 0.9 * h), color=color[v], linewidth=0)
             _waiting_bars(ax, row, [w for w in waiting if w[1] == server])
+            stalls = [(t - shift, d) for t, s, d, *_ in swaps if s == server]
+            if stalls:  # each swap's stall, drawn at least a pixel wide: the server serves nothing then
+                ax.broken_barh(stalls, (row + 0.9, 0.1), color="black", linewidth=0.8)
         for t, v in publishes:
             ax.axvline(t, color="red", linewidth=0.6, alpha=0.6)
         ax.set_yticks([i + 0.45 for i in range(len(servers))], servers)
         ax.set_xlim(left=0.0)
-        ax.set_xlabel("seconds of RL (bar height = slot occupancy; red = publish"
+        ax.set_xlabel("seconds of RL (bar height = slot occupancy; red = publish; black = swap stall"
                       + ("; orange = slots waiting on environments)" if waiting else ")"))
         ax.set_title(title or "rollout slot occupancy")
         fig.colorbar(matplotlib.cm.ScalarMappable(norm=norm, cmap=cmap), ax=ax, label="weight version", pad=0.01)

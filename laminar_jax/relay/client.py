@@ -92,7 +92,13 @@ class RelayClient:
     def pull_placed(self, newer_than: int, timeout: float, place: Callable[[dict], Any]) -> tuple[int, Any]:
         """pull() of flat host arrays, then ``place`` (flat -> the caller's params, e.g. on its devices)."""
         version, flat = self.pull(newer_than, timeout=timeout)
-        return version, place(flat)
+        return version, self.placed(version, flat, place, self.last_source)
+
+    @staticmethod
+    def placed(version: int, flat: dict, place: Callable[[dict], Any], source: Optional[str] = None) -> Any:
+        """place(flat) of a version pulled earlier (a prefetch places it at the swap); ``source``
+        is the pull's last_source (the hand-off client shares placements by it)."""
+        return place(flat)
 
     def latest_version(self, timeout: float = 5.0) -> Optional[int]:
         """Newest complete version at the first reachable relay, else the store's LATEST."""

@@ -104,9 +104,14 @@ class HandoffClient:
         """pull(), then ``place`` (flat -> the server's params): from the hand-off, shared with the
         other servers that place the same way (Handoff.placed); from the store, this caller's own."""
         version, flat = self.pull(newer_than, timeout)
-        if self.last_source == "handoff":
-            return version, self.handoff.placed(version, flat, place)
-        return version, place(flat)
+        return version, self.placed(version, flat, place, self.last_source)
+
+    def placed(self, version: int, flat: dict, place: Callable[[dict], Any], source: Optional[str]) -> Any:
+        """place(flat) of a version pulled earlier from ``source`` (a pull's last_source): shared
+        with the other servers that place the same way when it came from the hand-off."""
+        if source == "handoff":
+            return self.handoff.placed(version, flat, place)
+        return place(flat)
 
     def _from_store(self, newer_than: int, waited: float) -> tuple[int, dict]:
         """One look at the store after the hand-off had nothing newer for ``waited`` s."""

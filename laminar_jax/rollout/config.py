@@ -39,6 +39,8 @@ class RolloutSection:
       inflight_kv: runtime.mode='inflight' only: what live sequences do with their KV when their server takes a new version between decode steps. 'keep' (PipelineRL) goes on over the KV the old weights wrote (no extra work; the next tokens are sampled from new weights over old-weight context). 'reprefill' (AReaL's partial rollout) recomputes every live sequence's KV (prompt and tokens so far) under the new weights first, so its next tokens are exactly what the new weights give that context; it costs one pass over each live sequence's tokens per swap.
       seed: Base seed for requests that carry neither a seed nor a key.
       server_id: Name reported in stats and stamped into trajectories' extra.
+      prefetch: Stage the next version while draining: as soon as a server's board shows a newer version, a thread of its own pulls it (relay, hand-off or store, signatures checked) and builds its host tree (cast to the serving dtype) while the server's last sequences finish, so the swap after the drain only copies it onto the devices. At most one version is staged (a newer one replaces it); a failed prefetch is logged and the swap pulls as without it. The run summary reports swap_stall_p50_s/p99_s (drained and ready -> serving the new version, per swap) and swap_staged_frac. False pulls only once drained.
+      prefetch_device: With prefetch: also place the staged version on the server's devices before the drain ends, so the swap is a pointer switch; the devices then hold two versions for a while, which the memory plan counts (its swap_staging term becomes a whole version instead of one tensor). Default False: on accelerators with room to spare only.
       dtype: Serving dtype: the dtype of the weights a server holds and of every published version (the learner casts its master weights to it on its devices before the host copy, so a bfloat16 version is half a float32 one's bytes in the store and on the relays). None (default): model.dtype, set at finalize. A server given a version in another dtype refuses it, naming both.
     """
 
@@ -69,6 +71,8 @@ class RolloutSection:
     seed: int = 0
     server_id: str = "rollout-0"
     dtype: Optional[Literal["float32", "bfloat16", "float16"]] = None
+    prefetch: bool = True
+    prefetch_device: bool = False
 
     def validate(self, prefix: str = "rollout") -> None:
         self.validate_with_backends(prefix, ())
@@ -82,6 +86,9 @@ class RolloutSection:
         expect(self.num_slots >= 1, f"{prefix}.num_slots", self.num_slots, ">= 1")
         expect(self.dtype in (None, "float32", "bfloat16", "float16"), f"{prefix}.dtype", self.dtype,
                "None (= model.dtype) or one of ['float32', 'bfloat16', 'float16']")
+        expect(isinstance(self.prefetch, bool), f"{prefix}.prefetch", self.prefetch, "True or False")
+        expect(isinstance(self.prefetch_device, bool) and (self.prefetch or not self.prefetch_device),
+               f"{prefix}.prefetch_device", self.prefetch_device, "True or False (True needs rollout.prefetch=True)")
         expect(self.page_size >= 1, f"{prefix}.page_size", self.page_size, ">= 1")
         expect(self.max_prompt_len >= 1, f"{prefix}.max_prompt_len", self.max_prompt_len, ">= 1")
         expect(self.max_new_tokens >= 1, f"{prefix}.max_new_tokens", self.max_new_tokens, ">= 1")

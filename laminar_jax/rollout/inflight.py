@@ -29,7 +29,9 @@ if TYPE_CHECKING:
 
 def swap_inflight(srv: "RolloutServer", version: int, params: Any) -> None:
     srv._drain()
-    srv._install(version, params)
+    from laminar_jax.rollout.server import install
+
+    install(srv, version, params)
     srv._books.holders.clear()
     lives = [x for x in srv._books.slots if x is not None] + list(srv._episodes.released.values())
     for live in lives:

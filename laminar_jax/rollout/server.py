@@ -217,17 +217,25 @@ class RolloutServer:
     def version(self) -> int:
         return self._version
 
-    def set_params(self, version: int, params: Any, force: bool = False, inflight: bool = False) -> None:
+    def set_params(self, version: int, params: Any, force: bool = False, inflight: bool = False,
+                   now: bool = False) -> bool:
         """Take ``params`` as ``version`` once no live old-version sequence remains (or now, if forced).
 
         ``inflight=True`` (runtime.mode='inflight'): at the next step, live sequences and all, without
         draining; they go on under the new weights with their KV kept or re-prefilled as
         rollout.inflight_kv says (rollout/inflight.py), each token stamped with its own version.
-        """
+        ``now``: take it in this call if it can be taken (else at a later step) and wait until its
+        weights are on the devices (the runtime measures a swap's stall around it). Returns whether
+        the server runs ``version`` on return."""
         with self._lock:
             if version <= self._version:
                 raise ValueError(f"set_params(version={version}): must be > current version {self._version}")
             self._pending = (int(version), params, force, inflight)
+            if now:
+                self._maybe_swap()
+                if self._pending is None and self._params is not None:
+                    jax.block_until_ready(self._params)
+            return self._pending is None
 
     def _maybe_swap(self) -> None:
         if self._pending is None:
@@ -247,15 +255,7 @@ class RolloutServer:
             self._episodes.abort_released()
         if self.num_live == 0:
             self._drain()  # the in-flight call (if any) emitted nothing: every slot was already retired
-            self._install(version, params)
-
-    def _install(self, version: int, params: Any) -> None:
-        """Make ``params`` the weights of ``version`` (no output in flight: the caller drained)."""
-        if isinstance(params, HostWeights):
-            # Streamed in place: no program may still read the old buffers once they are deleted.
-            jax.block_until_ready(self._state)
-            params = self.engine.placement.swap(self._params, params.tree, params.on_leaf, lora=params.lora)
-        self._params, self._version, self._pending = params, version, None
+            install(self, version, params)
 
     def release_params(self) -> None:
         """Free this server's weights now (a server that owns them and is being replaced: its
@@ -304,3 +304,13 @@ class RolloutServer:
             return self._last_stats
         finally:
             self._lock.release()
+
+
+def install(srv: RolloutServer, version: int, params: Any) -> None:
+    """Make ``params`` the weights of ``version`` on ``srv`` (no output in flight: the caller drained
+    and holds the server's lock)."""
+    if isinstance(params, HostWeights):
+        # Streamed in place: no program may still read the old buffers once they are deleted.
+        jax.block_until_ready(srv._state)
+        params = srv.engine.placement.swap(srv._params, params.tree, params.on_leaf, lora=params.lora)
+    srv._params, srv._version, srv._pending = params, version, None

@@ -35,6 +35,8 @@ def sample_stats(timeline, st: dict) -> None:
     s = st["stats"]
     timeline.sample(time.time(), s["server_id"], s["slots_used"], s["slots_total"], s["version"],
                     s["kv_pages_used"], s["kv_pages_total"])
+    for t, stall, version, staged in st.get("swap_log", ()):  # swaps since the last poll (take_swaps)
+        timeline.swap(t, s["server_id"], stall, version, staged)
     if st.get("env") is not None:  # multi-turn episodes: slots waiting on environments, env figures
         from laminar_jax.env.driver import DriverStats
 
@@ -109,7 +111,11 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True, base=N
         return cast_floating(host_params(flat, template), dtype)
 
     if stream:
-        return lambda flat: HostWeights(host(flat))
+        def to_host(flat):
+            return HostWeights(host(flat))
+
+        to_host.on_host = True  # host work only: a prefetch runs it while the server drains
+        return to_host
     if engine is None or engine.mesh is None:
         if dtype is None:
             return functools.partial(params_on_device, template=template)
@@ -160,7 +166,8 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None, base=Non
         worker = RolloutWorker(i, name, RolloutServer(engine, params, version=version), weights.client(name),
                                buffer, policy,
                                shared if on_default else params_from_flat(model, engine, cfg.rollout.dtype, base=base),
-                               pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes)
+                               pull_timeout_s=pull_timeout(cfg), timeline=timeline, episodes=episodes,
+                               prefetch=cfg.rollout.prefetch, prefetch_device=cfg.rollout.prefetch_device)
         buffer.register(i, name, version)
         return worker
 
@@ -260,7 +267,7 @@ class ThreadFleet:
 
         old = self.workers[i]
         version, params = old.client.pull_placed(-1, old.pull_timeout_s, old.params_from_flat)
-        old.client.close()  # its kept version-poll connections (the dead loop no longer polls)
+        old.close(timeout=0.0)  # its prefetch thread (ends after a fetch in flight) and kept poll connections
         thread = self._threads.get(i)
         if isinstance(params, HostWeights) and (thread is None or not thread.alive):
             # The dead server owned its weights: freed before its successor's are placed, so its
@@ -274,13 +281,14 @@ class ThreadFleet:
 
     def stop(self, timeout: float) -> list[str]:
         self._stop.set()
-        return [t.name for t in list(self._threads.values()) if not t.join(timeout)]
+        alive = [t.name for t in list(self._threads.values()) if not t.join(timeout)]
+        return alive + [f"{w.name}-prefetch" for w in list(self.workers) if not w.close(timeout)]
 
     def close(self) -> None:
         # Threads end with stop(); the engines go with the process; the relay clients' kept
         # version-poll connections are closed here, not left to the relays' idle timeout.
         for w in self.workers:
-            w.client.close()
+            w.close(timeout=0.0)  # stopped already (stop() joined their prefetch threads)
 
     def inject_crash(self, i: int) -> None:
         """Fault injection: server i raises at its next iteration."""

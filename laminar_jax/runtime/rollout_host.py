@@ -74,7 +74,8 @@ class RolloutHost:
         episodes = episode_feed(cfg, load_tokenizer(cfg.model.tokenizer), buffer.episode_record)
         self.worker = RolloutWorker(index, name, RolloutServer(engine, from_flat(flat), version=version), client,
                                     buffer, policy, from_flat, pull_timeout_s=pull_timeout(cfg),
-                                    board_sync_s=board_sync_s, episodes=episodes)
+                                    board_sync_s=board_sync_s, episodes=episodes, prefetch=cfg.rollout.prefetch,
+                                    prefetch_device=cfg.rollout.prefetch_device)
         buffer.register(index, name, version)
         self._loop = Worker(f"{name}-worker", self._run, stop_on_failure=False)
         self.compiles = 0
@@ -105,7 +106,8 @@ class RolloutHost:
 
     def stats(self) -> dict:
         """Heartbeat + the scheduler's view (RolloutWorker.snapshot) + the loop's traceback if it died."""
-        out = {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles}
+        out = {**self.worker.snapshot(), "error": self._loop.traceback or None, "compiles": self.compiles,
+               "swap_log": self.worker.take_swaps()}
         episodes = self.worker.episodes
         if episodes is not None:  # the env figures the driver's timeline and summary show
             with self.worker.lock:
@@ -132,5 +134,4 @@ class RolloutHost:
     def stop(self, timeout: float = 30.0) -> bool:
         self._loop.stop.set()
         joined = self._loop.join(timeout)
-        self.worker.client.close()  # its kept version-poll connections
-        return joined
+        return self.worker.close(timeout) and joined  # the prefetch thread; the kept version-poll connections

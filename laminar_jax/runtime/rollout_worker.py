@@ -18,6 +18,7 @@ import jax
 import numpy as np
 
 from laminar_jax.monitor import profile
+from laminar_jax.runtime.prefetch import Prefetcher
 from laminar_jax.types import WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
@@ -94,7 +95,10 @@ class RolloutWorker:
 
     def __init__(self, index: int, name: str, server, client, buffer, policy: ModePolicy,
                  params_from_flat: Callable[[dict], Any], *, pull_timeout_s: float, board_sync_s: float = 0.0,
-                 timeline=None, poll_s: float = 0.05, episodes=None):
+                 timeline=None, poll_s: float = 0.05, episodes=None, prefetch: bool = False,
+                 prefetch_device: bool = False):
+        """prefetch: stage each newer version in the background while draining (runtime/prefetch.py;
+        rollout.prefetch); prefetch_device: stage it on the devices too (rollout.prefetch_device)."""
         self.index, self.name, self.server, self.client = index, name, server, client
         self.buffer, self.policy = buffer, policy
         self.params_from_flat = params_from_flat
@@ -110,6 +114,12 @@ class RolloutWorker:
         self.pull_timeouts = 0  # pulls of a newer version that timed out (the loop went on and retried)
         self.dropped = 0  # results the buffer refused (this server had been declared dead)
         self.episodes = episodes  # an EpisodeFeed (multi-turn episodes) or None (single-turn completions)
+        self.prefetch_device = prefetch_device
+        self.prefetch = Prefetcher(name, self._stage) if prefetch else None
+        # Swaps: (time.time() when drained and ready, stall s until serving the new version, version,
+        # staged ahead: the version was fully staged when the drain ended). Remote fleets read them
+        # through take_swaps(); a local worker also puts them on its timeline.
+        self._swap_log: list[tuple[float, float, int, bool]] = []
 
     def _poll_newest(self) -> None:
         now = time.monotonic()
@@ -121,12 +131,22 @@ class RolloutWorker:
 
     def _maybe_swap(self) -> None:
         s = self.server
-        if s.version >= self.board.newest or not swap_now(self.policy, s.num_live, self.board.live_counts()):
+        if s.version >= self.board.newest:
             return
+        if self.prefetch is not None:  # also while it admits under admit_lag: it swaps once its work runs out
+            self.prefetch.announce(self.board.newest, s.version)
+        if not swap_now(self.policy, s.num_live, self.board.live_counts()):
+            return
+        t_ready, wall_ready = time.monotonic(), time.time()
+        staged = self.prefetch.take(s.version, self.pull_timeout_s) if self.prefetch is not None else None
         # Placed on this server's devices (with a hand-off, once per version for every server that
         # places the same way: they share one copy).
         try:
-            version, params = self.client.pull_placed(s.version, self.pull_timeout_s, self.params_from_flat)
+            if staged is not None:
+                version, params = staged.version, self._unstage(staged.version, staged.payload)
+            else:  # no prefetch, or it failed: pulled now, within what is left of one pull's time
+                left = self.pull_timeout_s - (time.monotonic() - t_ready)
+                version, params = self.client.pull_placed(s.version, max(0.0, left), self.params_from_flat)
         except TimeoutError as e:
             # Not this server's failure: a learner group that died after announcing a version that
             # reached neither relay nor store publishes it again only once its replacement has
@@ -136,8 +156,51 @@ class RolloutWorker:
             self.pull_timeouts += 1
             log.warning("rollout server %s: %s; pulling again (timeout %d)", self.name, e, self.pull_timeouts)
             return
-        s.set_params(version, params, inflight=self.policy.swap == "inflight")  # applied by the next step()
+        # nothing live holds the old version (swap_now), or runtime.mode='inflight': taken now
+        s.set_params(version, params, inflight=self.policy.swap == "inflight", now=True)
+        stall = time.monotonic() - t_ready
+        ahead = staged is not None and staged.t_done <= t_ready
         self.swaps += 1
+        if self.timeline is not None:
+            self.timeline.swap(wall_ready, self.name, stall, version, ahead)
+        else:
+            self._swap_log.append((wall_ready, stall, version, ahead))
+
+    def _stage(self, newer_than: int) -> tuple[int, Any]:
+        """The prefetch thread's fetch: pull the newest version > newer_than and do what of its
+        placement stays off the devices now (the host tree and cast of a server that streams its
+        weights in at the swap); with prefetch_device, place it on the devices as well."""
+        version, flat = self.client.pull(newer_than, timeout=self.pull_timeout_s)
+        source = getattr(self.client, "last_source", None)
+        if getattr(self.params_from_flat, "on_host", False):
+            params = self.params_from_flat(flat)  # HostWeights: host work only
+            if self.prefetch_device and params.lora is None:  # a LoRA version is merged into the base at the swap
+                params = self.server.engine.placement.place(params.tree)
+            return version, ("placed", params)
+        if self.prefetch_device:  # placing is a device copy: made now only where the plan counts it
+            return version, ("placed", self.client.placed(version, flat, self.params_from_flat, source))
+        return version, ("flat", flat, source)
+
+    def _unstage(self, version: int, payload: tuple) -> Any:
+        """A staged version's params for set_params: the staged placement, or the placement now."""
+        if payload[0] == "placed":
+            return payload[1]
+        _, flat, source = payload
+        return self.client.placed(version, flat, self.params_from_flat, source)
+
+    def take_swaps(self) -> list[tuple[float, float, int, bool]]:
+        """The swaps recorded since the last call (a remote fleet's poll puts them on its timeline)."""
+        with self.lock:
+            out, self._swap_log = self._swap_log, []
+            return out
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Stop the prefetch thread (joined) and close the client's kept connections; whether the
+        thread ended within ``timeout`` s."""
+        joined = self.prefetch.close(timeout) if self.prefetch is not None else True
+        if self.client is not None:
+            self.client.close()
+        return joined
 
     def admitting(self) -> bool:
         """Whether the mode lets this server take new prompts now (else it drains to swap)."""
@@ -208,7 +271,8 @@ class RolloutWorker:
             s = self.server
             return {"stats": dataclasses.asdict(s.stats()), "seqs": [(uid, p) for _, uid, p in s.live_sequences()],
                     "beat_age": time.monotonic() - self.last_beat, "draining": not self.admitting(),
-                    "swaps": self.swaps, "pull_timeouts": self.pull_timeouts, "dropped": self.dropped}
+                    "swaps": self.swaps, "pull_timeouts": self.pull_timeouts, "dropped": self.dropped,
+                    "prefetch": None if self.prefetch is None else self.prefetch.stats()}
 
     def export_sequence(self, uid: str, version: int, portable: bool = False):
         """Take live sequence `uid` out (a SequenceState); None if it finished (also inside the step

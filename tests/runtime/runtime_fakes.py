@@ -52,9 +52,10 @@ class FakeServer:
     def submit(self, request, timeout: Optional[float] = None) -> None:
         self.live[request.uid] = [request, self.steps]
 
-    def set_params(self, version: int, params) -> None:
+    def set_params(self, version: int, params, now: bool = False) -> bool:
         assert not self.live, "a fake server swapped weights with live sequences"
         self._version = version
+        return True
 
     def step(self) -> list[Trajectory]:
         if self.crash_in_step:

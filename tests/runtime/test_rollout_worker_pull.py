@@ -43,5 +43,5 @@ def test_a_timed_out_pull_leaves_the_server_running_and_the_next_iteration_swaps
     assert worker.snapshot()["pull_timeouts"] == 1
     store.write(2, _host_flat(1))  # the learner publishes version 2 again
     worker.iterate()
-    worker.iterate()  # set_params applies at the next step
+    worker.iterate()  # pulls and swaps
     assert worker.swaps == 1 and server.version == 2 and worker.pull_timeouts == 1
