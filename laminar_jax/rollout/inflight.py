@@ -18,7 +18,7 @@ Either way no prompt KV cached under the old weights is shared with a new admiss
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from laminar_jax.rollout import extend as ext
 from laminar_jax.rollout.books import Live
@@ -27,10 +27,9 @@ if TYPE_CHECKING:
     from laminar_jax.rollout.server import RolloutServer
 
 
-def swap_inflight(srv: "RolloutServer", version: int, params: Any) -> None:
+def swap_inflight(srv: "RolloutServer", version: int, params: Any, install: Callable) -> None:
+    """install(srv, version, params): the server's own weight install (rollout/server.py)."""
     srv._drain()
-    from laminar_jax.rollout.server import install
-
     install(srv, version, params)
     srv._books.holders.clear()
     lives = [x for x in srv._books.slots if x is not None] + list(srv._episodes.released.values())

@@ -244,7 +244,7 @@ class RolloutServer:
         if inflight and not force:
             from laminar_jax.rollout.inflight import swap_inflight
 
-            swap_inflight(self, version, params)
+            swap_inflight(self, version, params, install)
             return
         if force:
             self._drain()
