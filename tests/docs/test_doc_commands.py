@@ -233,8 +233,8 @@ def test_quoted_command_runs(cmds, tmp_path):
 def test_quickstart_demo_runs_and_its_eval_figure_moves(tmp_path):
     """README's quickstart command itself, whole (~2 min on 2 cores): every step runs, and the eval
     rounds' graded reward (eval.jsonl 'reward', the summary's eval_reward) ends above the warm-started
-    policy's (the round before the first step). Measured on a 2-core AMD EPYC, load 14-21: 0.224 ->
-    0.360 and 0.224 -> 0.356 (steps 0 and 80); the step-80 round 0.356-0.38 over six runs. The
+    policy's (the round before the first step). Measured on a 2-core AMD EPYC, load 11-21: 0.224 ->
+    0.360, 0.356 and 0.358 (steps 0 and 80); the step-80 round 0.356-0.38 over seven runs. The
     step-20 round, the baseline before, varied 0.22-0.33 and once left a rise of only 0.022."""
     quick = next(c for c in COMMANDS if c.where.startswith("README.md") and
                  c.text == "python launch/run.py --config=configs/demo.py")
