@@ -50,12 +50,16 @@ def get_config(variant: str = ""):
     c.runtime.total_steps = 80
     # A brief supervised warm-start (60 steps) teaches the format; RL then does the rest.
     c.runtime.sft_warmup_steps = 60
-    # Evaluation on 16 held-out prompts of the task (their own random stream) every 20 steps and at
-    # the end, on the rollout servers beside training: eval.jsonl, TensorBoard eval/*, the summary.
-    # The figure that moves is `reward` (eval_reward: the greedy response's graded reward, the one
-    # training uses); exact matches (acc, pass@4) stay rare for a model this small in 80 steps.
+    # Evaluation on 16 held-out prompts of the task (their own random stream) before the first step,
+    # every 20 steps and at the end, on the rollout servers beside training: eval.jsonl, TensorBoard
+    # eval/*, the summary. The figure that moves is `reward` (eval_reward: the greedy response's
+    # graded reward, the one training uses); exact matches (acc, pass@4) stay rare for a model this
+    # small in 80 steps. The round before training is the warm-started policy's, the baseline the
+    # rise is read against: the greedy reward at step 20 already varies from run to run with how far
+    # the first steps' samples took it.
     c.data.val_size = 16
     c.runtime.eval_every = 20
+    c.runtime.eval_before_train = True
     c.runtime.eval_samples = 4
     c.runtime.eval_k = 4
     c.buffer.max_staleness = None  # laminar: unbounded, back-pressure via max_inflight_batches
@@ -75,6 +79,7 @@ def get_config(variant: str = ""):
         c.runtime.sft_warmup_steps = 20
         c.runtime.progress = False
         c.runtime.eval_every = 0  # tests that want eval rounds turn them on
+        c.runtime.eval_before_train = False
     elif variant == "lora":
         _lora(c)
     elif variant:

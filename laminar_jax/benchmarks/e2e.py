@@ -66,6 +66,7 @@ def demo_config():
 
     c = repo_config("demo")
     c.runtime.eval_every = 0  # the modes are compared on training throughput: no eval traffic
+    c.runtime.eval_before_train = False
     c.learner.compile_ahead = "all"  # ... and no step waits for a compile inside the measured window
     return c
 

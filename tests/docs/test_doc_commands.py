@@ -232,8 +232,10 @@ def test_quoted_command_runs(cmds, tmp_path):
 @pytest.mark.slow
 def test_quickstart_demo_runs_and_its_eval_figure_moves(tmp_path):
     """README's quickstart command itself, whole (~2 min on 2 cores): every step runs, and the eval
-    rounds' graded reward (eval.jsonl 'reward', the summary's eval_reward) ends above where it
-    started. Measured 0.30 -> 0.38, 0.22 -> 0.36 and 0.26 -> 0.37 (rounds at steps 20 and 80)."""
+    rounds' graded reward (eval.jsonl 'reward', the summary's eval_reward) ends above the warm-started
+    policy's (the round before the first step). Measured on a 2-core AMD EPYC, load 11-21: 0.224 ->
+    0.360, 0.356 and 0.358 (steps 0 and 80); the step-80 round 0.356-0.38 over seven runs. The
+    step-20 round, the baseline before, varied 0.22-0.33 and once left a rise of only 0.022."""
     quick = next(c for c in COMMANDS if c.where.startswith("README.md") and
                  c.text == "python launch/run.py --config=configs/demo.py")
     argv = _argv(quick.text, tmp_path) + [f"--config.runtime.run_dir={tmp_path / 'run'}",
@@ -242,6 +244,7 @@ def test_quickstart_demo_runs_and_its_eval_figure_moves(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     assert "Timeout is disabled" not in res.stderr  # math_verify's notice (data/rewards.py filters it)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
-    rounds = [json.loads(line)["metrics"]["overall"] for line in (tmp_path / "run" / "eval.jsonl").open()]
-    assert summary["steps"] == 80 and len(rounds) == 4, (summary["steps"], rounds)
-    assert rounds[-1]["reward"] >= rounds[0]["reward"] + 0.03, [r["reward"] for r in rounds]
+    records = [json.loads(line) for line in (tmp_path / "run" / "eval.jsonl").open()]
+    rounds = [r["metrics"]["overall"] for r in records]
+    assert summary["steps"] == 80 and [r["step"] for r in records] == [0, 20, 40, 60, 80], (summary["steps"], records)
+    assert rounds[-1]["reward"] >= rounds[0]["reward"] + 0.06, [r["reward"] for r in rounds]
