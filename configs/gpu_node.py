@@ -84,9 +84,14 @@ def get_config(variant: str = ""):
         c.runtime.num_servers = 1
         c.runtime.gpu_memory_fraction = 0.95
         c.rollout.num_slots = 32
-        c.rollout.num_pages = 2048 + 1
-        c.learner.micro_batches = 64  # one packed 10K-token row per learner GPU per micro-batch
-        c.learner.logits_chunk_tokens = 512  # the log-prob chunk within the plan's 10% margin (launch/plan.py memory)
+        c.rollout.num_pages = 1024 + 1  # beside the learner's state on the same GPU (launch/plan.py memory)
+        # 8K-token trajectories: a 10K-token row's activations (the stacked residuals and the layer the
+        # backward pass recomputes) leave the 32B learner under the plan's 10% margin
+        c.rollout.max_new_tokens = 6144
+        c.rollout.max_total_len = 8192
+        c.learner.seq_len_buckets = (2048, 4096, 8192)
+        c.learner.micro_batches = 64  # one packed 8K-token row per learner GPU per micro-batch
+        c.learner.logits_chunk_tokens = 256  # the log-prob chunk within the plan's 10% margin (launch/plan.py memory)
     elif variant == "0.5b":
         c.model.preset = "qwen2.5-0.5b"
         c.placement.learner_devices = None

@@ -47,7 +47,9 @@ def get_config(variant: str = ""):
     c.learner.clip_eps_high = 0.28
     c.learner.off_policy = "none"
     c.learner.loss_agg = "token-mean"
-    c.learner.micro_batches = 64
+    # 2 packed 18K-token rows per learner GPU per micro-batch: the backward pass holds one layer's
+    # activations whole beside the stacked residuals (launch/plan.py memory)
+    c.learner.micro_batches = 128
     c.learner.seq_len_buckets = (4096, 8192, 12288, 18432)
     # learner.pack_length defaults to rollout.max_total_len: pack the long-tail batch instead of padding it
     c.learner.remat = "full"  # 7B at 16K tokens per row: recompute each layer in the backward pass

@@ -8,9 +8,10 @@ inside the step: the parameters' cast to ``model.dtype`` where it differs plus, 
 is > 1, two layers gathered whole (the one computing and the next; every layer without remat) and
 the vocab tables (the embedding, which the token lookup reads gathered so the activations stay
 split by rows, and an untied LM head), and the whole gradients of the tables and of one layer before
-their reduce-scatter (``gathered_grads``), the activations autodiff keeps for the
-device's worst-case micro-batch rows under ``learner.remat`` (every trajectory at
-``rollout.max_total_len``, one per packed row; ``learner.memory``), one log-prob chunk's float32
+their reduce-scatter (``gathered_grads``), the activations of the device's worst-case micro-batch
+rows (every trajectory at ``rollout.max_total_len``, one per packed row; ``learner.memory``): every
+layer's residuals under ``learner.remat``, stacked by the layers' scan, and one layer's activations
+whole (the layer the backward pass recomputes, or differentiates without remat), one log-prob chunk's float32
 logits (three arrays of them: logits, softmax, gradient) and the collated batch twice (as placed and
 as prepared). A publish snapshot sits in pinned host memory where the device has it (GPU, TPU),
 else on the device.
@@ -156,12 +157,12 @@ def pack_length(cfg) -> int:
 
 
 def activation_bytes(cfg, arch, rows: int) -> int:
-    """Residuals one gradient pass keeps over [rows, pack_length] (abstract shapes; learner/memory.py)."""
+    """Activations one gradient pass holds over [rows, pack_length] (abstract shapes; learner/memory.py)."""
     import jax.numpy as jnp
 
-    from laminar_jax.learner.memory import activation_bytes_per_row
+    from laminar_jax.learner.memory import pass_bytes_per_row
 
-    return rows * activation_bytes_per_row(arch, cfg.learner, pack_length(cfg), jnp.dtype(cfg.model.dtype))
+    return rows * pass_bytes_per_row(arch, cfg.learner, pack_length(cfg), jnp.dtype(cfg.model.dtype))
 
 
 def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host: bool) -> dict[str, int]:

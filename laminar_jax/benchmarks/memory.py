@@ -70,7 +70,6 @@ def scaled_config(name: str, variant: str):
     c.learner.attention_chunk = 32
     if c.learner.attention_impl in ("auto", "tokamax", "splash"):  # the accelerator's kernels keep what 'flash'
         c.learner.attention_impl = "flash"  # keeps, and the plan traces 'flash' for them (learner/memory.py)
-    c.learner.remat = "none"  # XLA:CPU's buffer assignment keeps what remat would free (see the module doc)
     c.learner.compile_ahead = "none"
     c.runtime.prompts_per_step, c.runtime.samples_per_prompt = 2, 4
     c.scheduler.max_batch = 4
@@ -184,7 +183,10 @@ def child(name: str, variant: str) -> list[dict]:
         del prep
         learner.step(trajs, publish=False)
         sample(label="stepped")
-    flat = learner.policy_params()
+    # A host copy of its own: on XLA:CPU policy_params() may view the learner's buffers and placing
+    # it may not copy, so the server's first version would share the learner's memory (on an
+    # accelerator it is a copy of its own, which the measure must see from the start, not at the swap).
+    flat = {k: np.array(v, copy=True) for k, v in learner.policy_params().items()}
     copies = unsharded(devices, arch, set(layout.learner) if len(layout.learner) > 1 else set())
     base.update(live_bytes(devices))
     for i, server_devices in enumerate(layout.servers):

@@ -60,3 +60,21 @@ def activation_bytes_per_row(cfg: TransformerConfig, section: LearnerSection, se
     """The residuals' growth per packed row of ``seq`` tokens. The residuals also hold the weights
     (and their compute-dtype casts), which do not grow with the rows and the planner counts apart."""
     return residual_bytes(cfg, section, 2, seq, dtype) - residual_bytes(cfg, section, 1, seq, dtype)
+
+
+def layer_bytes_per_row(cfg: TransformerConfig, section: LearnerSection, seq: int, dtype) -> int:
+    """Every activation of one decoder layer per packed row of ``seq`` tokens (its residuals without
+    remat): what the backward pass holds while it recomputes a layer under a remat policy. Under
+    the layers' scan the saved residuals are stacked [num_layers, ...], so one layer's is the
+    stack's growth from one layer to two."""
+    none = dataclasses.replace(section, remat="none")
+    one, two = (activation_bytes_per_row(dataclasses.replace(cfg, num_layers=n), none, seq, dtype) for n in (1, 2))
+    return two - one
+
+
+def pass_bytes_per_row(cfg: TransformerConfig, section: LearnerSection, seq: int, dtype) -> int:
+    """What one gradient pass holds at its peak per packed row: the residuals of every layer
+    (stacked by the scan, as ``section.remat`` saves them) and one layer's activations whole: the
+    layer the backward pass recomputes under a remat policy, or, without remat, the cotangents of
+    the layer it differentiates (as large as the layer's activations)."""
+    return activation_bytes_per_row(cfg, section, seq, dtype) + layer_bytes_per_row(cfg, section, seq, dtype)

@@ -302,13 +302,18 @@ def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.Gr
         grads, metrics = grad_fn(state.params, batch, state.frozen)
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
-        updates, new_opt = optimizer.update(grads, state.opt_state, state.params)
-        new_params = optax.apply_updates(state.params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        def apply(params, opt_state):
+            updates, new_opt = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt
+
+        # A branch, not where(finite, new, old): a select reads the old moments after the update
+        # has written the new ones into their donated buffers, so XLA keeps a copy of them (two
+        # more parameter-sized arrays for the whole step); a cond updates them in place.
+        new_params, new_opt = jax.lax.cond(finite, apply, lambda p, o: (p, o), state.params, state.opt_state)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
         key = jax.random.wrap_key_data(state.rng)
         new_state = TrainState(
-            params=keep(new_params, state.params), opt_state=keep(new_opt, state.opt_state),
+            params=new_params, opt_state=new_opt,
             step=state.step + 1, rng=jax.random.key_data(jax.random.split(key)[0]),
             consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
             total_skips=state.total_skips + skipped, frozen=state.frozen)

@@ -32,3 +32,21 @@ def test_remat_shrinks_the_activations_per_row():
     full = activation_bytes_per_row(cfg, LearnerSection(remat="full"), 128, jnp.float32)
     assert 0 < full < none
     assert residual_bytes(cfg, LearnerSection(), 2, 128, jnp.float32) > none  # weights are in the residuals too
+
+
+def test_one_layer_whole_is_the_stacks_growth_per_layer():
+    """Under the layers' scan the residuals are stacked [num_layers, ...]: one layer's share is the
+    growth from one layer to two, and a pass under a remat policy holds that layer whole besides."""
+    import dataclasses
+
+    from laminar_jax.learner.memory import layer_bytes_per_row, pass_bytes_per_row
+
+    cfg = PRESETS["small"]
+    none = LearnerSection(remat="none")
+    layer = layer_bytes_per_row(cfg, none, 128, jnp.float32)
+    three = activation_bytes_per_row(dataclasses.replace(cfg, num_layers=3), none, 128, jnp.float32)
+    two = activation_bytes_per_row(dataclasses.replace(cfg, num_layers=2), none, 128, jnp.float32)
+    assert layer > 0 and three - two == layer
+    full = LearnerSection(remat="full")
+    assert pass_bytes_per_row(cfg, full, 128, jnp.float32) == \
+        activation_bytes_per_row(cfg, full, 128, jnp.float32) + layer_bytes_per_row(cfg, full, 128, jnp.float32)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import jax
 from flax import nnx
 
 from laminar_jax.model import PRESETS, Transformer
@@ -21,11 +22,13 @@ def tiny_model(seed: int = 0) -> Transformer:
 
 def make_server(section: RolloutSection = SECTION, seed: int = 0, version: int = 0) -> RolloutServer:
     engine, params = make_engine(tiny_model(seed), section)
-    return RolloutServer(engine, params, version)
+    return RolloutServer(engine, jax.tree.map(lambda x: x.copy(), params), version)  # owned (params_of)
 
 
 def params_of(seed: int):
-    return nnx.split(tiny_model(seed))[1]
+    """A copy of the cached model's params: a server that owns its weights deletes them at a swap,
+    which must not reach the cached model other tests read."""
+    return jax.tree.map(lambda x: x.copy(), nnx.split(tiny_model(seed))[1])
 
 
 def request(i: int, max_new: int = 12, prompt_len: int = 5, temperature: float = 1.0, top_k: int = 0,
