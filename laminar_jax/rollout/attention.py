@@ -195,11 +195,18 @@ def scatter_tokens(pages: jax.Array, page: jax.Array, offset: jax.Array, values:
                    key: bool, layout: str = POOL_LAYOUT) -> jax.Array:
     """Write token values f[..., Hkv, D] at (page, offset) (i32[...] each) of a K or V pool."""
     axes = _axes(layout, key)
-    pa, ta = axes.index(0), axes.index(1)
+    pa, ta, ha = axes.index(0), axes.index(1), axes.index(2)
     page, offset = jnp.broadcast_arrays(page, offset)
     at = [slice(None)] * 4
     at[pa], at[ta] = page, offset
     vals = as_stored(values, kv_dtype, layout)
+    if ha < min(pa, ta):
+        # Heads before the page axes (head-major pools): index the heads as well, so the scatter's
+        # window is D alone. With a window over (Hkv, D) XLA:TPU lays a loop-carried pool out
+        # page-major for the scatter and copies the whole pool back to the layout the attention
+        # kernel reads, every layer of every step.
+        at[ha], at[pa], at[ta] = jnp.arange(pages.shape[ha]), page[..., None], offset[..., None]
+        return pages.at[tuple(at)].set(vals)
     if axes.index(3) < axes.index(2):  # the pool holds D before Hkv
         vals = jnp.swapaxes(vals, -1, -2)
     if abs(pa - ta) == 1:  # adjacent index arrays: their dims stand where the pair stands, not first
