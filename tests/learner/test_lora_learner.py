@@ -16,6 +16,7 @@ from laminar_jax.model import Transformer, lora, token_logprobs
 from laminar_jax.model.lora_version import BASE_ID, SCALE
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.types import Trajectory
+from tests.learner.fixed_batch import two_groups
 
 CFG = TransformerConfig(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2,
                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64,
@@ -27,14 +28,7 @@ SECTION = LearnerSection(lr=1e-2, adv_estimator="grpo", off_policy="tis", seq_le
 
 def _trajectories(version: int = 0) -> list[Trajectory]:
     """Two groups of four; the responses holding more 7s score higher (a fixed batch with a signal)."""
-    rng = np.random.default_rng(0)
-    out = []
-    for g in range(2):
-        for i in range(4):
-            resp = rng.integers(3, 16, 6).astype(np.int32)
-            out.append(Trajectory(f"{g}/{i}", f"p{g}", i, np.array([1, 3 + g], np.int32), resp,
-                                  np.full(6, -2.0, np.float32), version, reward=float(np.mean(resp == 7) + i / 8)))
-    return out
+    return two_groups(version, bonus_per_sample=1 / 8)
 
 
 def _model() -> Transformer:

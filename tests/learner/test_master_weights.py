@@ -22,6 +22,7 @@ from laminar_jax.learner.publish import LocalPublisher
 from laminar_jax.model import Transformer
 from laminar_jax.model.arch import TransformerConfig
 from laminar_jax.types import Trajectory
+from tests.learner.fixed_batch import two_groups
 
 CFG = TransformerConfig(model_type="llama", vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=1,
                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64,
@@ -36,14 +37,7 @@ NORMS = ("layers.input_layernorm.weight", "layers.post_attention_layernorm.weigh
 
 
 def _trajectories(version: int = 0) -> list[Trajectory]:
-    rng = np.random.default_rng(0)
-    out = []
-    for g in range(2):
-        for i in range(4):
-            resp = rng.integers(3, 16, 6).astype(np.int32)
-            out.append(Trajectory(f"{g}/{i}", f"p{g}", i, np.array([1, 3 + g], np.int32), resp,
-                                  np.full(6, -2.0, np.float32), version, reward=float(np.mean(resp == 7))))
-    return out
+    return two_groups(version)
 
 
 def _learner(master: bool, updates: int = UPDATES, publish_dtype="bfloat16", **kw) -> tuple[Learner, LocalPublisher]:
