@@ -52,8 +52,8 @@ class FakeServer:
     def submit(self, request, timeout: Optional[float] = None) -> None:
         self.live[request.uid] = [request, self.steps]
 
-    def set_params(self, version: int, params, now: bool = False) -> bool:
-        assert not self.live, "a fake server swapped weights with live sequences"
+    def set_params(self, version: int, params, force: bool = False, inflight: bool = False, now: bool = False) -> bool:
+        assert inflight or not self.live, "a fake server swapped weights with live sequences"
         self._version = version
         return True
 
