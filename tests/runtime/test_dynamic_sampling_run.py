@@ -54,7 +54,7 @@ def _run(tmp_path, monkeypatch, mode, everything_zero_signal=False, retries=10, 
     return cfg, driver, s, trained
 
 
-@pytest.mark.parametrize("mode", ["laminar", "sync", "one_step", "stream"])
+@pytest.mark.parametrize("mode", ["laminar", "sync", "one_step", "stream", "inflight"])
 def test_zero_signal_groups_are_filtered_and_replaced_in_every_mode(mode, tmp_path, monkeypatch):
     cfg, driver, s, trained = _run(tmp_path, monkeypatch, mode)
     test_driver._exactly_once(s, cfg, trained)  # full batches, no prompt lost or trained twice
