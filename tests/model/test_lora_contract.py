@@ -97,6 +97,13 @@ def test_finalize_refuses_rank_above_layer():
     assert finalize(_config(rank=kv + 1, targets=("q_proj", "o_proj"))).learner.lora.enabled
 
 
+def test_finalize_refuses_lora_with_a_multi_process_learner():
+    cd = _config(rank=4)
+    cd.runtime.kind, cd.runtime.learner_processes = "ray", 2
+    with pytest.raises(ConfigError, match=r"runtime\.learner_processes=2: must be 1 with learner\.lora"):
+        finalize(cd)
+
+
 def test_finalize_bad_values():
     with pytest.raises(ConfigError, match=r"learner\.lora\.rank=-1"):
         finalize(_config(rank=-1))
