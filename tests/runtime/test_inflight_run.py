@@ -14,6 +14,9 @@ def _inflight(tmp_path, kv: str):
     c.runtime.total_steps = 5
     c.runtime.run_dir = str(tmp_path / kv)
     c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test
+    # A third batch in flight keeps the servers generating while the learner trains, so its versions
+    # arrive under live sequences (with two, fast servers can sit idle at every swap).
+    c.runtime.max_inflight_batches = 3
     return c
 
 
