@@ -76,17 +76,44 @@ def lookup_table_sharding(mesh: Mesh, vocab: int) -> NamedSharding:
 def gathered_lookup(params: Any, mesh: Optional[Mesh]) -> Any:
     """``params`` (a model's state, as the train step sees it) with the embedding table constrained to
     `lookup_table_sharding` where the mesh splits the batch: the table is gathered once per pass
-    (the gradient goes back reduce-scattered), and the rows stay split over the batch axes."""
+    (its gradient goes back reduce-scattered: `_gathered`), and the rows stay split over the batch axes."""
     if mesh is None or mesh.shape["data"] * mesh.shape["fsdp"] == 1:
         return params
 
     def one(path, x):
         keys = [str(getattr(k, "key", getattr(k, "name", k))) for k in path]
         if "embed_tokens" in keys and getattr(x, "ndim", 0) == 2:
-            return jax.lax.with_sharding_constraint(x, lookup_table_sharding(mesh, x.shape[0]))
+            return _gathered(x, lookup_table_sharding(mesh, x.shape[0]), _split_table_sharding(mesh, x.shape))
         return x
 
     return jax.tree_util.tree_map_with_path(one, params)
+
+
+def _split_table_sharding(mesh: Mesh, shape: tuple) -> NamedSharding:
+    """The table's gradient as the update wants it: vocab rows over 'tensor', the embed axis over
+    'fsdp' (the default rules' layout of the stored table), where they divide."""
+    t, f = mesh.shape["tensor"], mesh.shape["fsdp"]
+    return NamedSharding(mesh, P("tensor" if t > 1 and shape[0] % t == 0 else None,
+                                 "fsdp" if f > 1 and shape[1] % f == 0 else None))
+
+
+def _gathered(x: jax.Array, gathered: NamedSharding, split: NamedSharding) -> jax.Array:
+    """``x`` constrained to ``gathered``, its cotangent to ``split``. A plain constraint's transpose
+    constrains the cotangent to ``gathered`` too: the partitioner then all-reduces the table's
+    whole gradient (the TPU compiler held it in f32 and in the compute dtype) where a
+    reduce-scatter leaves each device its shard."""
+    @jax.custom_vjp
+    def constrain(x):
+        return jax.lax.with_sharding_constraint(x, gathered)
+
+    def fwd(x):
+        return constrain(x), None
+
+    def bwd(_, g):
+        return (jax.lax.with_sharding_constraint(g, split),)
+
+    constrain.defvjp(fwd, bwd)
+    return constrain(x)
 
 
 def rows_split(mesh: Optional[Mesh]) -> Optional[Callable]:
