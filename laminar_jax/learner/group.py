@@ -128,8 +128,10 @@ class LearnerProcess:
         """Bytes of the host copy this process built for its last published version (0 on
         processes > 0: only process 0 receives the gather)."""
         pending = self.learner._pending
-        host = getattr(pending, "host", None) or {}
-        return int(sum(v.nbytes for v in host.values()))
+        if pending is None:
+            return 0
+        pending.wait_copied(self.learner.section.publish_timeout_s)  # its thread may not have copied it yet
+        return int(sum(v.nbytes for v in (pending.host or {}).values()))
 
     def step(self, trajectories: list[Trajectory], publish: bool) -> dict:
         """Collective: one Learner.step on the batch; publishing (process 0) unless `publish` is False."""
