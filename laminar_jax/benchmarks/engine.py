@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from laminar_jax.benchmarks.engine_profile import run_profile
+from laminar_jax.benchmarks.engine_profile import run_profile, time_generate
 from laminar_jax.benchmarks.machine import emit
 from laminar_jax.matmul_precision import apply_matmul_precision
 
@@ -172,14 +172,7 @@ def decode_step_b64(model, section, device_kind: str, batch: int = 64, context: 
     pre = engine.prefill(params, *engine.schedule.pad_prompt(prompt))
     for slot in range(batch):
         state = engine.insert(pre, state, slot, SlotInit(np.zeros(2, np.uint32), 0.0, 0, 1.0, 60, np.zeros(0)))
-    state, out = engine.generate(params, state)  # compiles this live-page bucket
-    state, out = engine.generate(params, state)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        state, out = engine.generate(params, state)
-    jax.block_until_ready(out)
-    step_s = (time.perf_counter() - t0) / iters
+    step_s, state = time_generate(engine, params, state, iters, warmup=2)
     c = model.cfg
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     # The live KV actually attended (live_pages reads only that; gather_dense / pool_scan read more).

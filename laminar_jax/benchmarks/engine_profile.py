@@ -15,6 +15,22 @@ from laminar_jax.benchmarks import optrace
 from laminar_jax.matmul_precision import apply_matmul_precision
 
 
+def time_generate(engine, params, state, iters: int, warmup: int = 1):
+    """(seconds per ``generate`` call over ``iters`` calls, the state after them), after ``warmup``
+    untimed calls (the first compiles the live-page bucket)."""
+    import jax
+
+    out = None
+    for _ in range(warmup):
+        state, out = engine.generate(params, state)
+    jax.block_until_ready(out)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        state, out = engine.generate(params, state)
+    jax.block_until_ready(out)
+    return (time.perf_counter() - t0) / iters, state
+
+
 def peak_product(dtype: str, n: int = 2048):
     """(fn, flops): one [n, n] x [n, n] product (bf16 accumulates in f32, as the model's Linear), compiled
     and run once, as this machine's matmul peak."""

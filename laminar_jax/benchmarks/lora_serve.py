@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from laminar_jax.benchmarks.engine_profile import time_generate
 from laminar_jax.benchmarks.machine import emit
 
 
@@ -33,18 +34,6 @@ def _decode_setup(engine, params, batch: int, context: int, max_new: int):
     for slot in range(batch):
         state = engine.insert(pre, state, slot, SlotInit(np.zeros(2, np.uint32), 0.0, 0, 1.0, max_new, np.zeros(0)))
     return state
-
-
-def _time_calls(engine, params, state, iters: int):
-    import jax
-
-    state, out = engine.generate(params, state)
-    jax.block_until_ready(out)
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        state, out = engine.generate(params, state)
-    jax.block_until_ready(out)
-    return (time.perf_counter() - t0) / iters, state
 
 
 def _adapters(model, section, seed: int) -> dict:
@@ -139,7 +128,7 @@ def main(argv: list[str]) -> dict:
         t_unmerged = time.perf_counter() - t0
         steps = {}
         for kind in ("merged", "unmerged"):
-            steps[kind], states[kind] = _time_calls(engines[kind], params[kind], states[kind], args.iters)
+            steps[kind], states[kind] = time_generate(engines[kind], params[kind], states[kind], args.iters)
         if rep:
             swap["merged"].append(t_merged)
             swap["unmerged"].append(t_unmerged)
