@@ -80,9 +80,9 @@ class ParamPlacement:
         cached = self._bound[1] if self._bound[0] is old else None  # bind()'s resharded copies
         self._bound = (None, None, None)
         shardings = self.shardings(host) if self.mesh is not None else None
-        stacked = [is_stacked(tuple(getattr(k, "key", getattr(k, "name", k)) for k in p[:1]))
-                   for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
-        names = [path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]] if lora else []
+        paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(host)[0]]
+        stacked = [is_stacked(tuple(getattr(k, "key", getattr(k, "name", k)) for k in p[:1])) for p in paths]
+        names = [path_name(p) for p in paths] if lora else []
         put = (lambda x: jax.device_put(x, self.devices[0])) if self.mesh is None else \
             (lambda x: jax.device_put(x, jax.sharding.NamedSharding(self.mesh, P())))  # adapters: replicated
         new = []
