@@ -98,10 +98,9 @@ def compile_generate(engine, params):
     leaves, treedef = jax.tree.flatten(params)
     shardings = engine.placement.shardings(params)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s) for x, s in zip(leaves, shardings)]
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-                         jax.eval_shape(engine._zero_state), engine.state_shardings)
+    state = engine.abstract_state()
     rows, n_chunks = engine.schedule.rows(list(range(engine.num_slots)))
-    generate = prg.programs(engine._spec, treedef).generate
+    generate = prg.programs(engine.spec, treedef).generate
     with jax.set_mesh(engine.mesh):
         return generate.lower(leaves, state, rows, n_chunks, engine.schedule.live_buckets[-1]).compile()
 

@@ -265,10 +265,10 @@ def Transformer_(arch):
 
 def generate_extra(engine, server) -> int:
     """The generate program's own peak for the server's current call shape."""
-    leaves, _ = engine._bind(server._params)
-    rows, chunks = engine._rows()
-    bucket = engine.live_bucket()
-    return program_extra(engine._generate_program(len(rows)).lower(leaves, server._state, rows, chunks, bucket)
+    bound = engine.bound(server._params)
+    rows, chunks = engine.page_book.rows()
+    bucket = engine.page_book.live_bucket()
+    return program_extra(bound.generate_program(len(rows)).lower(bound.leaves, server._state, rows, chunks, bucket)
                          .compile())
 
 

@@ -83,14 +83,12 @@ def decode_program(cfg, arch, devices):
     leaves, treedef = jax.tree.flatten(params)
     leaves = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
               for x, s in zip(leaves, tpl.param_shardings_list(params, mesh))]
-    state = jax.eval_shape(engine._zero_state)
-    state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
-                         engine.state_shardings)
+    state = engine.abstract_state()
     rep = tpl.replicated(mesh)
     rows = jax.ShapeDtypeStruct((engine.num_slots,), np.int32, sharding=rep)
     chunks = jax.ShapeDtypeStruct((), np.int32, sharding=rep)
     bucket = engine.schedule.live_buckets[-1]  # every slot's pages live: the largest program
-    return prg.programs(engine._spec, treedef).generate.lower(leaves, state, rows, chunks, bucket)
+    return prg.programs(engine.spec, treedef).generate.lower(leaves, state, rows, chunks, bucket)
 
 
 def main(argv: list[str]) -> dict:

@@ -111,7 +111,7 @@ class Admitter:
         if srv.section.batching == "static" and srv.num_live:
             return  # static baseline: the next batch starts when the whole batch has finished
         starts: list[tuple[int, Admission]] = []
-        pages_free = srv.engine.allocator.num_free
+        pages_free = srv.engine.page_book.allocator.num_free
         for slot in srv._books.free_slots():
             adm = self.head
             if adm is None:

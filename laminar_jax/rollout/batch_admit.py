@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from laminar_jax.rollout import programs as prg
-from laminar_jax.rollout.paged import DecodeState, OutOfPages, SlotInit, pages_needed
+from laminar_jax.rollout.paged import DecodeState, SlotInit, pages_needed
 from laminar_jax.rollout.slot_inputs import init_columns, pack_prompts, page_row
 
 
@@ -29,7 +29,7 @@ def prefill_insert_rows(engine, params: Any, decode_state: DecodeState, slots: l
     other shapes), not bit for bit. Raises OutOfPages (state and allocator untouched) when the pool
     cannot hold them all.
     """
-    if len(set(slots)) != len(slots) or any(s in engine.slot_pages for s in slots):
+    if len(set(slots)) != len(slots) or any(s in engine.page_book.slot_pages for s in slots):
         raise ValueError(f"slots {slots}: must be distinct and free")
     if not (len(slots) == len(prompts) == len(inits) >= 1):
         raise ValueError(f"got {len(slots)} slots, {len(prompts)} prompts, {len(inits)} inits")
@@ -40,15 +40,14 @@ def prefill_insert_rows(engine, params: Any, decode_state: DecodeState, slots: l
     for x in ids:
         engine.schedule.bucket_for(len(x))  # a prompt over the largest bucket is refused, as prefill_insert() does
     width = next(w for w in engine.schedule.packed_widths if w >= sum(len(x) - 1 for x in ids))
-    taken = _allocate_all(engine, ids, inits)
+    taken = engine.page_book.reserve_all([(len(x), init.max_new) for x, init in zip(ids, inits)])
     rows, slot_ids = _claim_rows(engine, b, slots, taken, ids)
     last, cached = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
     for i, x in enumerate(ids):
         last[i], cached[i] = x[-1], len(x) - 1
-    leaves, progs = engine._bind(params)
+    leaves, progs, _ = engine.bound(params)
     return progs.prefill_insert_rows(leaves, decode_state, *pack_prompts(engine.page_size, ids, taken, width),
-                                     slot_ids, rows, last,
-                                     cached, *init_columns(engine._key_shape, inits, b))
+                                     slot_ids, rows, last, cached, *init_columns(engine.key_shape, inits, b))
 
 
 def share_prompt(engine, decode_state: DecodeState, src_slots: list[int], slots: list[int], prompts: list,
@@ -68,10 +67,10 @@ def share_prompt(engine, decode_state: DecodeState, src_slots: list[int], slots:
     if not (len(src_slots) == len(slots) == len(prompts) == len(inits) >= 1):
         raise ValueError(f"got {len(src_slots)} sources, {len(slots)} slots, {len(prompts)} prompts, "
                          f"{len(inits)} inits")
-    if len(set(slots)) != len(slots) or any(s in engine.slot_pages for s in slots):
+    if len(set(slots)) != len(slots) or any(s in engine.page_book.slot_pages for s in slots):
         raise ValueError(f"slots {slots}: must be distinct and free")
     for src in src_slots:
-        if src not in engine.slot_pages:
+        if src not in engine.page_book.slot_pages:
             raise ValueError(f"share_prompt: source slot {src} holds no sequence")
     ids = [np.asarray(p, np.int32).reshape(-1) for p in prompts]
     longest = engine.schedule.buckets[-1]
@@ -79,29 +78,17 @@ def share_prompt(engine, decode_state: DecodeState, src_slots: list[int], slots:
         if not 1 <= len(x) <= longest:
             raise ValueError(f"share_prompt: prompt of {len(x)} tokens; must be in [1, {longest}]")
     b = 1 << (len(ids) - 1).bit_length()
-    taken = _allocate_all(engine, ids, inits)
+    taken = engine.page_book.reserve_all([(len(x), init.max_new) for x, init in zip(ids, inits)])
     src, dst = np.zeros((2, b, engine.schedule.prompt_pages), np.int32)  # padding: the null page onto itself
     cached, last = np.zeros((b,), np.int32), np.zeros((b,), np.int32)
     for i, (source, x, pages) in enumerate(zip(src_slots, ids, taken)):
         m = pages_needed(len(x) - 1, engine.page_size)  # pages holding the prompt's KV (the last token is fed later)
-        src[i, :m], dst[i, :m] = engine.slot_pages[source][:m], pages[:m]
+        src[i, :m], dst[i, :m] = engine.page_book.slot_pages[source][:m], pages[:m]
         cached[i], last[i] = len(x) - 1, x[-1]
     rows, slot_ids = _claim_rows(engine, b, slots, taken, ids)
-    return engine._settle(prg.share_prompt_jit(engine._pools, decode_state, src.reshape(-1), dst.reshape(-1), slot_ids,
-                                               rows, cached, last, *init_columns(engine._key_shape, inits, b)))
-
-
-def _allocate_all(engine, ids: list, inits: list[SlotInit]) -> list[list[int]]:
-    """Each prompt's pages for its whole life, or none: OutOfPages leaves the allocator as it was."""
-    taken: list[list[int]] = []
-    try:
-        for x, init in zip(ids, inits):
-            taken.append(engine.allocator.allocate(engine.schedule.reserve_pages(len(x), init.max_new)))
-    except OutOfPages:
-        for pages in taken:
-            engine.allocator.free(pages)
-        raise
-    return taken
+    return prg.settle(engine.spec, prg.share_prompt_jit(engine.pools, decode_state, src.reshape(-1), dst.reshape(-1),
+                                                        slot_ids, rows, cached, last,
+                                                        *init_columns(engine.key_shape, inits, b)))
 
 
 def _claim_rows(engine, b: int, slots: list[int], taken: list[list[int]], ids: list) -> tuple[np.ndarray, np.ndarray]:
@@ -110,5 +97,5 @@ def _claim_rows(engine, b: int, slots: list[int], taken: list[list[int]], ids: l
     rows, slot_ids = np.zeros((b, engine.pages_per_seq), np.int32), np.full((b,), engine.num_slots, np.int32)
     for i, (slot, pages, x) in enumerate(zip(slots, taken, ids)):
         rows[i], slot_ids[i] = page_row(engine.pages_per_seq, pages), slot
-        engine._claim(slot, pages, len(x) - 1)
+        engine.page_book.claim(slot, pages, len(x) - 1)
     return rows, slot_ids

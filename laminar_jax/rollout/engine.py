@@ -4,8 +4,9 @@ export and import of a live sequence's pages (``read_slot`` / ``write_slot``).
 Weights are always passed in (``params`` = the nnx.State from ``nnx.split(model)``); only the
 graphdef is fixed at construction, so a new weight version is just a different pytree of the same
 shapes and needs no recompilation. Device state is a :class:`DecodeState` pytree, donated and
-returned by every mutating call. The engine's only host state is the page allocator, which pages
-each slot owns and an upper bound of each live slot's cached length.
+returned by every mutating call. The engine's only host state is its page book
+(rollout/page_book.py ``PageBook``, ``engine.page_book``): the page allocator, which pages each
+slot owns and an upper bound of each decoding slot's cached length.
 
 Around the contract, each in its own room and each taking the engine:
 - the decode schedule (rollout/schedule.py: prompt buckets, tokens per call, compaction chunks,
@@ -14,7 +15,10 @@ Around the contract, each in its own room and each taking the engine:
 - the weights on the engine's devices (rollout/placement.py: place, swap in place, release);
 - batched admission (rollout/batch_admit.py: ``prefill_insert_rows``, ``share_prompt``);
 - multi-turn waits (rollout/extend.py: ``park``, ``detach``, ``attach``, ``extend``);
-- warm-up (rollout/warmup.py) and the programs themselves (rollout/programs.py).
+- warm-up (rollout/warmup.py) and the programs themselves (rollout/programs.py), which the rooms
+  above run through the engine's public handles: ``bound(params)`` (a ``programs.Bound``: the
+  params' leaves in this layout and their programs), ``spec``, ``pools``, ``key_shape``,
+  ``page_book`` and ``abstract_state()``.
 
 Compiled programs: one prefill per prompt bucket, one insert per bucket, one generate per
 live-page bucket (backends with ``needs_live_pages``; one generate otherwise), plus the
@@ -54,7 +58,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -68,7 +72,8 @@ from laminar_jax.rollout import tp as tpl
 from laminar_jax.rollout.attention import pool_shape, storage_dtype
 from laminar_jax.rollout.config import RolloutSection
 from laminar_jax.rollout.kernels import DecodeKernels, Geometry, choose_decode_kernels
-from laminar_jax.rollout.paged import DecodeState, OutOfPages, PageAllocator, Prefix, SlotInit, StepOutput, pages_needed
+from laminar_jax.rollout.page_book import PageBook
+from laminar_jax.rollout.paged import DecodeState, OutOfPages, Prefix, SlotInit, StepOutput, pages_needed
 from laminar_jax.rollout.placement import ParamPlacement
 from laminar_jax.rollout.schedule import DecodeSchedule
 from laminar_jax.rollout.slot_inputs import MAX_STOP_IDS, init_arrays, page_row
@@ -77,7 +82,13 @@ _log = logging.getLogger(__name__)
 
 
 class Engine:
-    """Paged-KV decode engine for one model graph. Not thread-safe: one owner calls it."""
+    """Paged-KV decode engine for one model graph. Not thread-safe: one owner calls it.
+
+    Public attributes besides the calls: ``page_book`` (the host page book, rollout/page_book.py),
+    ``placement`` (the weights on its devices), ``schedule``, ``kernels``, ``spec`` (the programs'
+    static spec), ``pools`` (the page copies' view of the K and V pools), ``key_shape`` (a sampling
+    key's data shape), ``state_shardings`` (None on one device).
+    """
 
     def __init__(self, graphdef: Any, model_cfg: TransformerConfig, section: RolloutSection,
                  kv_dtype: Any = jnp.float32, attention_backends: Optional[dict] = None, mesh: Any = None,
@@ -94,8 +105,6 @@ class Engine:
         self.num_slots = section.num_slots
         self.page_size = section.page_size
         self.pages_per_seq = section.pages_per_seq
-        self.allocator = PageAllocator(section.num_pages)
-        self.slot_pages: dict[int, list[int]] = {}
         # Tensor parallelism (rollout/tp.py): mesh=None keeps everything on the default device.
         self.mesh = mesh
         self.placement = ParamPlacement(mesh)  # the weights on this engine's devices (rollout/placement.py)
@@ -117,62 +126,48 @@ class Engine:
         _log.info("engine %s on %s: decode kernels %s, %d steps per call%s", section.server_id, platform,
                   self.kernels.summary(), self.schedule.steps_per_call,
                   f" (fallback: {self.kernels.reason})" if self.kernels.reason else "")
-        self._cached_hi: dict[int, int] = {}  # slot -> upper bound of the device's lengths[slot]
-        self._key_shape = jax.random.key_data(jax.random.key(0)).shape
+        self.page_book = PageBook(section.num_pages, self.schedule)  # the engine's only host state
+        self.key_shape = jax.random.key_data(jax.random.key(0)).shape
         self.state_shardings = None if mesh is None else _state_shardings(mesh, self.pool_layout)
         # Hashable and equal for equal configs, so engines of the same model shape share compiled code.
-        self._spec = prg.Spec(graphdef, model_cfg.num_layers, self.page_size, self.kernels,
-                              self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
-                              self.state_shardings, vocab_size=model_cfg.vocab_size,
-                              longest_prompt=self.schedule.buckets[-1],
-                              layer_pages=section.num_pages)
-        self._pools = prg.pool_geom(self._spec)  # the page copies' static view of the one K and V pool
-        self._bound_programs: tuple = (None, {})  # the programs _bind() last returned, and each row bucket's
-        self._build_programs = functools.partial(_programs_for, self._spec, self.schedule.row_buckets)
+        self.spec = prg.Spec(graphdef, model_cfg.num_layers, self.page_size, self.kernels,
+                             self.schedule.steps_per_call, jnp.dtype(kv_dtype), self.schedule.chunk,
+                             self.state_shardings, vocab_size=model_cfg.vocab_size,
+                             longest_prompt=self.schedule.buckets[-1],
+                             layer_pages=section.num_pages)
+        self.pools = prg.pool_geom(self.spec)  # the page copies' static view of the one K and V pool
+        self._build_programs = functools.partial(_programs_for, self.spec, self.schedule.row_buckets)
 
     @property
     def attention_impl(self) -> str:
         """The decode attention this engine runs (rollout.attention_impl resolved)."""
         return self.kernels.attention
 
-    def _bind(self, params) -> tuple[list, prg.Programs]:
-        """Flattened params in this engine's layout and the programs for their tree structure
-        (once per params object: ParamPlacement.bind)."""
-        leaves, self._bound_programs = self.placement.bind(params, self._build_programs)
-        return leaves, self._bound_programs[0]
-
-    def _generate_program(self, rows_per_call: int) -> Callable:
-        """The generate program for a call of ``rows_per_call`` rows (the engine's own, or a row bucket's)."""
-        progs, per_bucket = self._bound_programs
-        return per_bucket[rows_per_call].generate if rows_per_call in per_bucket else progs.generate
-
-    def _settle(self, state: DecodeState) -> DecodeState:
-        """Keep the state in its layout after a program that does not constrain it (free when it already is)."""
-        return state if self.mesh is None else jax.device_put(state, self.state_shardings)
+    def bound(self, params) -> prg.Bound:
+        """``params`` flattened in this engine's layout with the programs for their tree structure
+        (computed once per params object: ParamPlacement.bind); what every call below runs."""
+        leaves, (progs, per_bucket) = self.placement.bind(params, self._build_programs)
+        return prg.Bound(leaves, progs, per_bucket)
 
     # ---------------------------------------------------------------- state
 
     def init_decode_state(self) -> DecodeState:
+        """Empty decode state (zero pools, every slot inactive) on this engine's devices."""
+        zeros = functools.partial(_zero_state, self.model_cfg, self.section, self.kv_dtype, self.pool_layout,
+                                  self.key_shape)
         if self.mesh is not None:  # built in place: each device allocates only its KV-head shard
-            return jax.jit(self._zero_state, out_shardings=self.state_shardings)()
-        return self._zero_state()
+            return jax.jit(zeros, out_shardings=self.state_shardings)()
+        return zeros()
 
-    def _zero_state(self) -> DecodeState:
-        c, s, n = self.model_cfg, self.num_slots, self.pages_per_seq
-        store = storage_dtype(self.kv_dtype, self.pool_layout)  # CPU bf16 pools live as uint16 bits (see storage_dtype)
-
-        def zeros(key):  # every layer's pages in one pool, layer l's from l * num_pages (rollout/layered.py)
-            shape = pool_shape(self.section.num_pages * c.num_layers, self.page_size, c.num_kv_heads, c.head_dim,
-                               key=key, layout=self.pool_layout)
-            return jnp.zeros(shape, store)
-        return DecodeState(
-            k_pages=zeros(True), v_pages=zeros(False),
-            page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
-            last_token=jnp.zeros((s,), jnp.int32), num_generated=jnp.zeros((s,), jnp.int32),
-            max_new=jnp.zeros((s,), jnp.int32), active=jnp.zeros((s,), bool),
-            keys=jnp.zeros((s, *self._key_shape), jnp.uint32), temperature=jnp.zeros((s,), jnp.float32),
-            top_k=jnp.zeros((s,), jnp.int32), top_p=jnp.ones((s,), jnp.float32),
-            stop_ids=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32))
+    def abstract_state(self) -> DecodeState:
+        """The decode state's shapes and dtypes (with their shardings on a mesh), allocating nothing:
+        for lowering and compiling the programs from shapes."""
+        state = jax.eval_shape(functools.partial(_zero_state, self.model_cfg, self.section, self.kv_dtype,
+                                                 self.pool_layout, self.key_shape))
+        if self.state_shardings is None:
+            return state
+        return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
+                            self.state_shardings)
 
     # ---------------------------------------------------------------- JetStream API
 
@@ -180,8 +175,9 @@ class Engine:
         """KV of ``padded_tokens[0, :true_length-1]``. padded_tokens: i32[1, bucket]."""
         if not 1 <= true_length <= padded_tokens.shape[-1]:
             raise ValueError(f"true_length={true_length}: must be in [1, {padded_tokens.shape[-1]}]")
-        leaves, progs = self._bind(params)
-        k, v, last = progs.prefill(leaves, np.asarray(padded_tokens, np.int32).reshape(1, -1), np.int32(true_length))
+        b = self.bound(params)
+        k, v, last = b.programs.prefill(b.leaves, np.asarray(padded_tokens, np.int32).reshape(1, -1),
+                                        np.int32(true_length))
         return Prefix(k, v, np.int32(true_length), last)
 
     def insert(self, prefix: Prefix, decode_state: DecodeState, slot: int, init: SlotInit) -> DecodeState:
@@ -189,14 +185,11 @@ class Engine:
 
         Raises OutOfPages (state untouched) when the pool cannot hold the sequence.
         """
-        if slot in self.slot_pages:
-            raise ValueError(f"slot {slot} is occupied; free({slot}) first")
         prompt_len = int(prefix.true_length)
-        pages = self._claim(slot, self.allocator.allocate(self.schedule.reserve_pages(prompt_len, init.max_new)),
-                            prompt_len - 1)
-        return self._settle(prg.insert_jit(self._spec.page_size, self._pools, decode_state, prefix.k, prefix.v, np.int32(prompt_len),
-                                        prefix.last_token, np.int32(slot), page_row(self.pages_per_seq, pages),
-                                        *init_arrays(self._key_shape, init)))
+        pages = self.page_book.admit(slot, prompt_len, init.max_new, prompt_len - 1)
+        return prg.settle(self.spec, prg.insert_jit(
+            self.page_size, self.pools, decode_state, prefix.k, prefix.v, np.int32(prompt_len), prefix.last_token,
+            np.int32(slot), page_row(self.pages_per_seq, pages), *init_arrays(self.key_shape, init)))
 
     def prefill_insert(self, params: Any, decode_state: DecodeState, slot: int, prompt_ids,
                        init: SlotInit) -> DecodeState:
@@ -206,69 +199,51 @@ class Engine:
         differently from two), so the server admits every sequence through this one path; raises
         OutOfPages (state untouched) like insert().
         """
-        if slot in self.slot_pages:
+        if slot in self.page_book.slot_pages:
             raise ValueError(f"slot {slot} is occupied; free({slot}) first")
         padded, n = self.schedule.pad_prompt(prompt_ids)
-        leaves, progs = self._bind(params)
-        pages = self._claim(slot, self.allocator.allocate(self.schedule.reserve_pages(n, init.max_new)), n - 1)
-        return progs.prefill_insert(leaves, decode_state, padded, np.int32(n), np.int32(slot),
-                                    page_row(self.pages_per_seq, pages),
-                                    *init_arrays(self._key_shape, init))
+        b = self.bound(params)
+        pages = self.page_book.admit(slot, n, init.max_new, n - 1)
+        return b.programs.prefill_insert(b.leaves, decode_state, padded, np.int32(n), np.int32(slot),
+                                         page_row(self.pages_per_seq, pages), *init_arrays(self.key_shape, init))
 
     def generate(self, params: Any, decode_state: DecodeState) -> tuple[DecodeState, StepOutput]:
         """Advance every active slot by ``steps_per_call`` tokens (one jitted call, state donated):
         sampling and stop checks run on the device, the host reads the call's tokens once."""
-        leaves, _ = self._bind(params)
-        rows, n_chunks = self._rows()
-        bucket = self.live_bucket()
-        for slot in self._cached_hi:
-            self._cached_hi[slot] += self.schedule.steps_per_call
+        b = self.bound(params)
+        rows, n_chunks = self.page_book.rows()
+        bucket = self.page_book.live_bucket()
+        self.page_book.advance()
         # len(rows) names the program: row buckets are smaller than the engine's own call (validated).
-        return self._generate_program(len(rows))(leaves, decode_state, rows, n_chunks, bucket)
-
-    def _rows(self) -> tuple[np.ndarray, np.int32]:
-        return self.schedule.rows(list(self._cached_hi))
-
-    def live_bucket(self) -> int:
-        """Static live-page count the next generate() compiles for (DecodeSchedule.live_bucket)."""
-        return self.schedule.live_bucket(self._cached_hi, self.slot_pages)
-
-    def _claim(self, slot: int, pages: list[int], num_cached: int) -> list[int]:
-        """The slot owns ``pages`` and caches (at most) num_cached tokens from now; returns pages."""
-        self.slot_pages[slot] = pages
-        self._cached_hi[slot] = num_cached
-        return pages
+        return b.generate_program(len(rows))(b.leaves, decode_state, rows, n_chunks, bucket)
 
     def free(self, slot: int) -> None:
         """Return the slot's pages to the pool (JetStream's free_resource). The device must already
         have it inactive (finished, or deactivate())."""
-        self.allocator.free(self.slot_pages.pop(slot))
-        self._cached_hi.pop(slot, None)
+        self.page_book.release(slot)
 
     def deactivate(self, decode_state: DecodeState, slot: int) -> DecodeState:
         """Stop a live slot on the device (before export or abort)."""
-        return self._settle(prg.deactivate_jit(decode_state, np.int32(slot)))
+        return prg.settle(self.spec, prg.deactivate_jit(decode_state, np.int32(slot)))
 
     # ---------------------------------------------------------------- export / import
 
     def read_slot(self, decode_state: DecodeState, slot: int, num_cached: int) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of the slot's first ceil(num_cached/page) pages: (k, v) f[L, n, page, Hkv, D]."""
         n = pages_needed(num_cached, self.page_size)
-        row = page_row(self.pages_per_seq, self.slot_pages[slot])
-        k, v = jax.device_get(prg.read_pages_jit(self._pools, decode_state, row))
+        k, v = jax.device_get(prg.read_pages_jit(self.pools, decode_state, self.page_book.page_row(slot)))
         kv = np.dtype(self.kv_dtype)  # stored bits -> values (a view, no copy)
         return np.asarray(k)[:, :n].view(kv), np.asarray(v)[:, :n].view(kv)
 
     def write_slot(self, decode_state: DecodeState, slot: int, k: np.ndarray, v: np.ndarray, num_cached: int,
                    last_token: int, prompt_len: int, init: SlotInit) -> DecodeState:
         """Import: allocate the slot's pages, copy in k/v (f[L, n, page, Hkv, D]), activate it."""
-        if slot in self.slot_pages:
+        if slot in self.page_book.slot_pages:
             raise ValueError(f"slot {slot} is occupied")
         n = k.shape[1]
         if n != pages_needed(num_cached, self.page_size):
             raise ValueError(f"got {n} KV pages for {num_cached} cached tokens at page_size={self.page_size}")
-        pages = self._claim(slot, self.allocator.allocate(self.schedule.reserve_pages(prompt_len, init.max_new)),
-                            int(num_cached))
+        pages = self.page_book.admit(slot, prompt_len, init.max_new, int(num_cached))
         pad = [(0, 0), (0, self.pages_per_seq - n)] + [(0, 0)] * (k.ndim - 2)
         row = page_row(self.pages_per_seq, pages)
         dst = np.where(np.arange(self.pages_per_seq) < n, row, 0).astype(np.int32)
@@ -277,8 +252,30 @@ class Engine:
         else:  # each device receives only its KV heads of the imported pages
             kd, vd = (tpl.place_leaf(np.pad(np.asarray(x).astype(self.kv_dtype), pad), tpl.kv_sharding(self.mesh, 5))
                       for x in (k, v))
-        return self._settle(prg.write_slot_jit(self._pools, decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached),
-                                            np.int32(last_token), *init_arrays(self._key_shape, init)))
+        return prg.settle(self.spec, prg.write_slot_jit(
+            self.pools, decode_state, kd, vd, dst, np.int32(slot), row, np.int32(num_cached), np.int32(last_token),
+            *init_arrays(self.key_shape, init)))
+
+
+def _zero_state(cfg: TransformerConfig, section: RolloutSection, kv_dtype: Any, pool_layout: str,
+                key_shape: tuple) -> DecodeState:
+    """A zero decode state: every layer's pages in one K and one V pool (layer l's from l * num_pages,
+    rollout/layered.py), every slot inactive."""
+    s, n = section.num_slots, section.pages_per_seq
+    store = storage_dtype(kv_dtype, pool_layout)  # CPU bf16 pools live as uint16 bits (see storage_dtype)
+
+    def zeros(key):
+        shape = pool_shape(section.num_pages * cfg.num_layers, section.page_size, cfg.num_kv_heads, cfg.head_dim,
+                           key=key, layout=pool_layout)
+        return jnp.zeros(shape, store)
+    return DecodeState(
+        k_pages=zeros(True), v_pages=zeros(False),
+        page_table=jnp.zeros((s, n), jnp.int32), lengths=jnp.zeros((s,), jnp.int32),
+        last_token=jnp.zeros((s,), jnp.int32), num_generated=jnp.zeros((s,), jnp.int32),
+        max_new=jnp.zeros((s,), jnp.int32), active=jnp.zeros((s,), bool),
+        keys=jnp.zeros((s, *key_shape), jnp.uint32), temperature=jnp.zeros((s,), jnp.float32),
+        top_k=jnp.zeros((s,), jnp.int32), top_p=jnp.ones((s,), jnp.float32),
+        stop_ids=jnp.full((s, MAX_STOP_IDS), -1, jnp.int32))
 
 
 def _programs_for(spec: prg.Spec, row_buckets: tuple[int, ...], treedef) -> tuple[prg.Programs, dict]:

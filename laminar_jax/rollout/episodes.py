@@ -153,7 +153,7 @@ class Episodes:
         live = self.released.pop(uid)
         if uid in self.resume:
             self.resume.remove(uid)
-        self.srv.engine.allocator.free(live.pages)
+        self.srv.engine.page_book.allocator.free(live.pages)
         live.pages = None
         self.srv._books.emit(live, reason)
 

@@ -89,28 +89,25 @@ def padded_ids(obs_ids: Any) -> tuple[np.ndarray, int]:
 
 def park(engine, slot: int) -> None:
     """A stopped sequence waits on its environment: its pages stay, decode calls skip it."""
-    if slot not in engine.slot_pages:
+    if slot not in engine.page_book.slot_pages:
         raise ValueError(f"slot {slot} holds no sequence to park")
-    engine._cached_hi.pop(slot, None)
+    engine.page_book.park(slot)
 
 
 def detach(engine, decode_state, slot: int) -> tuple[Any, list[int]]:
     """A parked sequence gives its slot up and keeps its KV pages (returned; still allocated):
     the slot is free for another sequence, attach() puts the pages in a slot again."""
-    if slot not in engine.slot_pages:
+    if slot not in engine.page_book.slot_pages:
         raise ValueError(f"slot {slot} holds no sequence to detach")
-    engine._cached_hi.pop(slot, None)
-    return prg.deactivate_jit(decode_state, np.int32(slot)), engine.slot_pages.pop(slot)
+    return prg.deactivate_jit(decode_state, np.int32(slot)), engine.page_book.detach(slot)
 
 
 def attach(engine, decode_state, slot: int, pages: list[int], num_cached: int, last_token: int, init) -> Any:
     """Give detached pages a free slot again, with the sequence's sampling state; the slot stays
     inactive (extend() feeds the observation and activates it)."""
-    if slot in engine.slot_pages:
-        raise ValueError(f"slot {slot} is occupied")
-    engine.slot_pages[slot] = list(pages)
-    return prg.attach_jit(decode_state, np.int32(slot), si.page_row(engine.pages_per_seq, pages), np.int32(num_cached),
-                          np.int32(last_token), *si.init_arrays(engine._key_shape, init))
+    engine.page_book.attach(slot, pages)
+    return prg.attach_jit(decode_state, np.int32(slot), engine.page_book.page_row(slot), np.int32(num_cached),
+                          np.int32(last_token), *si.init_arrays(engine.key_shape, init))
 
 
 def extend(engine, params: Any, decode_state, slot: int, observation_ids, num_cached: int, last_token: int,
@@ -123,7 +120,8 @@ def extend(engine, params: Any, decode_state, slot: int, observation_ids, num_ca
     observation and the next turn are added to the slot's own; raises ValueError past
     pages_per_seq, OutOfPages (state untouched) when the pool is short.
     """
-    if slot not in engine.slot_pages:
+    book = engine.page_book
+    if slot not in book.slot_pages:
         raise ValueError(f"slot {slot} holds no sequence to extend")
     ids, m = padded_ids(observation_ids)
     # KV written from here: m fed now (last_token + m - 1 observation ids), the last observation
@@ -132,14 +130,12 @@ def extend(engine, params: Any, decode_state, slot: int, observation_ids, num_ca
     if need > engine.pages_per_seq:
         raise ValueError(f"extend: {num_cached + m + max_new} tokens need {need} pages, more than "
                          f"rollout.pages_per_seq={engine.pages_per_seq}")
-    have = engine.slot_pages[slot]
-    if need > len(have):
-        have.extend(engine.allocator.allocate(need - len(have)))
-    engine._cached_hi[slot] = num_cached + m
-    leaves, _ = engine._bind(params)
+    book.grow(slot, need)
+    book.resume(slot, num_cached + m)
+    leaves, _, _ = engine.bound(params)
     # One row attends at most its own pages_per_seq pages.
-    program = extend_program(engine._spec, jax.tree.structure(params),
+    program = extend_program(engine.spec, jax.tree.structure(params),
                              engine.pages_per_seq if engine.schedule.uses_live_pages else 0)
-    return engine._settle(program(leaves, decode_state, np.int32(slot), si.page_row(engine.pages_per_seq, have), ids,
-                                  np.int32(m), np.int32(num_cached), np.int32(last_token), np.int32(num_generated),
-                                  np.int32(max_new)))
+    return prg.settle(engine.spec, program(leaves, decode_state, np.int32(slot), book.page_row(slot), ids,
+                                           np.int32(m), np.int32(num_cached), np.int32(last_token),
+                                           np.int32(num_generated), np.int32(max_new)))

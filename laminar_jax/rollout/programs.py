@@ -3,7 +3,8 @@
 ``Spec`` describes one engine geometry (hashable, so equal engines share compiled code); it carries
 the engine's kernels (rollout/kernels.py: decode attention, weight products, argmax), which the
 programs pass to the model's cached forward explicitly. ``programs(spec, treedef)`` jits prefill,
-prefill_insert, generate and packed prefill for a params structure; the page copies (insert,
+prefill_insert, generate and packed prefill for a params structure (``Bound``: those programs with
+the params' leaves, as an engine hands them out); the page copies (insert,
 export/import, shared prompts) are jitted once here for every engine.
 
 generate() runs ``spec.steps_per_call`` decode steps in one device call (a lax.scan): sampling and
@@ -285,6 +286,26 @@ class Programs(NamedTuple):
     prefill_insert: Callable  # (leaves, state, tokens, true_length, slot, page_row, *init) -> state; state donated
     generate: Callable  # (leaves, state, rows, n_chunks, live bucket: static) -> (state, StepOutput); state donated
     prefill_insert_rows: Callable  # (leaves, state, pack_prompts's 5 i32[N], slots, page rows, last, cached, *init) -> state
+
+
+class Bound(NamedTuple):
+    """Params flattened in an engine's layout and the programs for their tree structure (what
+    ``Engine.bound(params)`` returns, once per params object); unpacks as (leaves, programs, row_programs)."""
+
+    leaves: list
+    programs: Programs
+    row_programs: dict  # row bucket -> the Programs of a call of that many rows (rollout.decode_row_buckets)
+
+    def generate_program(self, rows_per_call: int) -> Callable:
+        """The generate program for a call of ``rows_per_call`` rows (a row bucket's, or the engine's own)."""
+        small = self.row_programs.get(rows_per_call)
+        return (small or self.programs).generate
+
+
+def settle(spec: Spec, state: DecodeState) -> DecodeState:
+    """Keep the state in the spec's layout after a program that does not constrain it (the page
+    copies below); free when it already is, and a no-op on one device."""
+    return state if spec.state_shardings is None else jax.device_put(state, spec.state_shardings)
 
 
 @functools.lru_cache(maxsize=32)

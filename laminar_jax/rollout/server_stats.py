@@ -38,7 +38,7 @@ def server_stats(srv: "RolloutServer") -> ServerStats:
     slots, counts = srv._books.slots, srv._books.counts
     per_version = collections.Counter(x.version for x in [*slots, *srv._episodes.released.values()]
                                       if x is not None)
-    alloc = srv.engine.allocator
+    alloc = srv.engine.page_book.allocator
     return ServerStats(
         server_id=srv.section.server_id, version=srv._version, slots_used=sum(x is not None for x in slots),
         slots_total=len(slots), kv_pages_used=alloc.num_used, kv_pages_total=alloc.num_pages - 1,

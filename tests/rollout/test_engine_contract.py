@@ -35,7 +35,7 @@ def test_the_engine_runs_the_schedule_it_receives():
     schedule = DecodeSchedule.of(SECTION, "cpu", base.kernels.needs_live_pages)
     assert schedule == base.schedule  # what the engine derives from its section
     engine, _ = _engine(dataclasses.replace(schedule, steps_per_call=3))
-    init = SlotInit(np.zeros(engine._key_shape, np.uint32), 0.0, 0, 1.0, 10, np.zeros(0, np.int32))
+    init = SlotInit(np.zeros(engine.key_shape, np.uint32), 0.0, 0, 1.0, 10, np.zeros(0, np.int32))
     state = engine.prefill_insert(params, engine.init_decode_state(), 0, [1, 5, 7, 9], init)
     state, out = engine.generate(params, state)
     assert int(np.asarray(state.lengths)[0]) == 3 + 3  # the prompt's KV (4 - 1 tokens) and 3 fed tokens

@@ -301,7 +301,7 @@ def test_a_short_prefill_runs_its_products_on_the_kernel_and_writes_the_same_kv(
     kv = {}
     for policy in ("xla", "native"):
         engine, params = make_engine(tiny_model(0), dataclasses.replace(SECTION, weight_products=policy))
-        leaves, progs = engine._bind(params)
+        leaves, progs, _ = engine.bound(params)
         padded, n = engine.schedule.pad_prompt([1, 2, 3, 4, 5])
         assert padded.size <= engine.kernels.products.kernel_rows or policy == "xla"  # one prompt's bucket fits the kernel
         text = progs.prefill.lower(leaves, padded, np.int32(n)).as_text()
@@ -373,9 +373,9 @@ def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypat
             monkeypatch.setattr(cpu_kernels, "native_argmax_here", lambda platform, tensor_parallel: False)
         engine, params = make_engine(tiny_model(0), SECTION)
         assert (engine.kernels.argmax is ops.first_argmax) == native_on
-        leaves, progs = engine._bind(params)
-        rows, n = engine._rows()
-        text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, engine.live_bucket()).as_text()
+        leaves, progs, _ = engine.bound(params)
+        rows, n = engine.page_book.rows()
+        text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, engine.page_book.live_bucket()).as_text()
         assert ("laminar_first_argmax" in text) == native_on
         outs[native_on] = [generate((engine, params), prompts, SamplingParams(temperature=t, max_new_tokens=10,
                                                                               stop_token_ids=()), seeds=[3, 4, 5])

@@ -71,7 +71,7 @@ def test_waiting_and_mid_turn_episodes_move_output_identically():
     # Waiting on its environment: moved (through the wire format) while the environment "runs".
     state = a.export_sequence(_slot_of(a, "e/0"))
     assert state.episode["waiting"] and state.episode["turn"] == 0
-    assert a.engine.allocator.num_used == 0 and a.num_live == 0
+    assert a.engine.page_book.allocator.num_used == 0 and a.num_live == 0
     state = SequenceState.from_bytes(state.to_bytes())
     slot = b.import_sequence(state)
     assert slot != 0 and b.num_waiting() == 1

@@ -58,7 +58,7 @@ def test_episode_continues_like_a_fresh_prompt_and_carries_its_mask():
     np.testing.assert_array_equal(traj.policy_mask, [1] * 5 + [0] * len(OBS) + [1] * 6)
     np.testing.assert_array_equal(traj.response_ids, list(t1.turn_ids) + OBS + list(t2.turn_ids))
     assert len(traj.behaviour_logprobs) == 11
-    assert server.engine.allocator.num_used == 0 and server.idle()
+    assert server.engine.page_book.allocator.num_used == 0 and server.idle()
 
     # Greedy reference: the whole context prefilled fresh on another server.
     greedy = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=())

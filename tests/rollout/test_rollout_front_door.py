@@ -179,9 +179,9 @@ def test_generate_on_a_model_reuses_its_programs_and_checks_section():
     model = tiny_model()
     sp = SamplingParams(temperature=0.0, max_new_tokens=5, stop_token_ids=())
     generate(model, PROMPTS, sp)
-    # The programs generate() used: equal engines share them (engine._programs is an lru_cache).
+    # The programs generate() used: equal engines share them (programs.programs is an lru_cache).
     engine, params = make_engine(model, default_section(PROMPTS, [sp] * len(PROMPTS)))
-    progs = engine._bind(params)[1]
+    progs = engine.bound(params).programs
     counts = (progs.prefill_insert._cache_size(), progs.generate._cache_size(), _programs.cache_info().misses)
     assert counts[0] >= 1 and counts[1] >= 1
     # Different prompts and lengths (same power-of-two buckets): nothing new compiles.
@@ -210,7 +210,7 @@ def test_warmup_compiles_only_the_first_live_buckets(first_n, slots):
                          prefill_buckets=(16,), live_buckets="pow4", warmup_live_buckets=first_n,
                          stop_token_ids=(), attention_impl="live_pages")
     engine, params = make_engine(tiny_model(1), sec)
-    progs = engine._bind(params)[1]
+    progs = engine.bound(params).programs
     before = progs.generate._cache_size()  # shared with the other geometry's engine (same program graph)
     warmup(engine, params)
     assert engine.schedule.live_buckets == ((16, 60) if slots == 3 else (16, 64, 100))

@@ -38,7 +38,7 @@ def _run(release: bool):
         st = server.stats()
         assert st.slots_used <= SECTION.num_slots
         most_live = max(most_live, server.num_live)
-    assert server.engine.allocator.num_used == 0 and server.idle()
+    assert server.engine.page_book.allocator.num_used == 0 and server.idle()
     return done, most_live
 
 

@@ -83,14 +83,15 @@ def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
     b = two.engine.init_decode_state()
     for slot, prompt, init in zip((0, 1, 3, 2, 5), (long, short, long, short, long), inits + inits[:1]):
         b = two.engine.prefill_insert(params, b, slot, prompt, init)
-    assert eng.slot_pages == two.engine.slot_pages and eng._cached_hi == two.engine._cached_hi
+    book, two_book = eng.page_book, two.engine.page_book
+    assert book.slot_pages == two_book.slot_pages and book.cached_hi == two_book.cached_hi
     a, b = jax.device_get(a), jax.device_get(b)
     for f in a._fields:
         if f not in ("k_pages", "v_pages"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
             continue
         for slot, n in ((3, len(long)), (2, len(short)), (5, len(long))):  # the prompt's positions; the rest is unwritten
-            pages = eng.slot_pages[slot][:pages_needed(n - 1, eng.page_size)]
+            pages = book.slot_pages[slot][:pages_needed(n - 1, eng.page_size)]
             layers = eng.model_cfg.num_layers
             for x, y in zip(layer_pools(getattr(a, f), layers), layer_pools(getattr(b, f), layers)):
                 x, y = (np.asarray(z)[pages].reshape(-1, *z.shape[2:])[:n - 1] for z in (x, y))
@@ -100,10 +101,10 @@ def test_share_prompt_writes_the_prefill_state_and_checks_its_arguments():
         share_prompt(eng, state, [2], [0], [long], inits[:1])
     with pytest.raises(ValueError, match="source slot 4 holds no sequence"):
         share_prompt(eng, state, [4], [6], [long], inits[:1])
-    eng.allocator.allocate(eng.allocator.num_free - 3)  # room for one sequence, not two: nothing changes
+    book.allocator.allocate(book.allocator.num_free - 3)  # room for one sequence, not two: nothing changes
     with pytest.raises(OutOfPages):
         share_prompt(eng, state, [0, 0], [6, 7], [long, long], inits[:2])
-    assert 6 not in eng.slot_pages and 7 not in eng.slot_pages and eng.allocator.num_free == 3
+    assert 6 not in book.slot_pages and 7 not in book.slot_pages and book.allocator.num_free == 3
 
 
 def test_episodes_neither_share_nor_lend():

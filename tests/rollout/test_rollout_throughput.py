@@ -164,14 +164,15 @@ def _check_multi_step_equals_single_step(steps, up_front):
         assert got[r.uid].finish_reason == ref[r.uid].finish_reason
     s = multi.stats()
     assert s.slots_used == 0 and s.kv_pages_used == 0 and s.completed == len(reqs)
-    assert (programs_mod.call_noise(multi.engine._spec, multi._state) is not None) == up_front  # the path under test
+    assert (programs_mod.call_noise(multi.engine.spec, multi._state) is not None) == up_front  # the path under test
 
 
 def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     server = make_server(dataclasses.replace(SECTION, attention_impl="live_pages"))  # the backend with buckets
     engine = server.engine
     warmup(engine, server._params)  # compiles every variant; leaves no slot or page taken
-    assert not engine.slot_pages and engine.allocator.num_used == 0
+    book = engine.page_book
+    assert not book.slot_pages and book.allocator.num_used == 0
     for i in range(4):
         server.submit(request(i, max_new=20, prompt_len=9))
     for _ in range(5):
@@ -179,14 +180,14 @@ def test_engine_live_bucket_covers_the_live_pages_and_a_wrong_bound_is_caught():
     state = jax.device_get(server._state)
     # The next call (k = 1) attends positions <= lengths: pages 0 .. lengths // page of each active slot.
     live = sum(int(state.lengths[s]) // engine.page_size + 1 for s in range(engine.num_slots) if state.active[s])
-    reserved = sum(len(p) for p in engine.slot_pages.values())
-    bound = engine.schedule.live_pages_bound(engine._cached_hi, engine.slot_pages)
-    assert live <= bound <= reserved and engine.live_bucket() >= live
+    reserved = sum(len(p) for p in book.slot_pages.values())
+    bound = engine.schedule.live_pages_bound(book.cached_hi, book.slot_pages)
+    assert live <= bound <= reserved and book.live_bucket() >= live
     # Simulate broken bookkeeping with exact-size buckets: the device must refuse silently wrong output.
-    engine.schedule = dataclasses.replace(engine.schedule,
-                                          live_buckets=tuple(range(1, engine.num_slots * engine.pages_per_seq + 1)))
-    for slot in engine._cached_hi:
-        engine._cached_hi[slot] = 0
+    engine.schedule = book.schedule = dataclasses.replace(
+        engine.schedule, live_buckets=tuple(range(1, engine.num_slots * engine.pages_per_seq + 1)))
+    for slot in book.cached_hi:
+        book.cached_hi[slot] = 0
     with pytest.raises(RuntimeError, match="live-page bucket"):
         for _ in range(3):
             server.step()
@@ -241,13 +242,13 @@ def test_row_buckets_run_few_live_slots_as_a_smaller_batch_with_the_same_tokens(
     server = make_server(dataclasses.replace(SECTION, decode_row_buckets=(1, 2)))
     engine = server.engine
     seen = []
-    real_rows = engine._rows
+    real_rows = engine.page_book.rows
 
     def rows_spy():
         rows, n = real_rows()
         seen.append(len(rows))
         return rows, n
-    engine._rows = rows_spy
+    engine.page_book.rows = rows_spy
     _assert_matches_default_server(server, _mixed_requests())
     assert {1, 2, engine.num_slots} <= set(seen)  # the tail ran 1- and 2-row batches, the start all slots
 
@@ -276,7 +277,7 @@ def test_prefill_insert_equals_prefill_then_insert():
     a = one.engine.insert(one.engine.prefill(params, *one.engine.schedule.pad_prompt(prompt)),
                           one.engine.init_decode_state(), 1, init)
     b = two.engine.prefill_insert(params, two.engine.init_decode_state(), 1, prompt, init)
-    assert one.engine.slot_pages == two.engine.slot_pages
+    assert one.engine.page_book.slot_pages == two.engine.page_book.slot_pages
     a, b = jax.device_get(a), jax.device_get(b)
     for f in a._fields:
         if f in ("k_pages", "v_pages"):  # one program vs two: XLA may fuse the KV math differently (float rounding)
@@ -301,7 +302,8 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
     for slot, p, init in zip((1, 3, 0), prompts, inits):
         a = one.engine.prefill_insert(params, a, slot, p, init)
     b = prefill_insert_rows(two.engine, params, two.engine.init_decode_state(), [1, 3, 0], prompts, inits)
-    assert one.engine.slot_pages == two.engine.slot_pages and one.engine._cached_hi == two.engine._cached_hi
+    one_book, two_book = one.engine.page_book, two.engine.page_book
+    assert one_book.slot_pages == two_book.slot_pages and one_book.cached_hi == two_book.cached_hi
     a, b = jax.device_get(a), jax.device_get(b)
     for f in a._fields:
         if f in ("k_pages", "v_pages"):  # other product shapes: float rounding; page 0 is the null page
@@ -312,12 +314,12 @@ def test_prefill_insert_rows_equals_one_prompt_at_a_time_and_rolls_back_on_out_o
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f))
     # A pool too small for all of them: OutOfPages, and the allocator and slots are as before.
     eng = make_server(rows4).engine
-    eng.allocator.allocate(eng.allocator.num_free - 20)  # 20 pages left: two of the four rows fit
-    free = eng.allocator.num_free
+    eng.page_book.allocator.allocate(eng.page_book.allocator.num_free - 20)  # 20 pages left: two of the four rows fit
+    free = eng.page_book.allocator.num_free
     big = [SlotInit(np.zeros(2, np.uint32), 1.0, 0, 1.0, 48, np.zeros(0, np.int32))] * 4
     with pytest.raises(OutOfPages):
         prefill_insert_rows(eng, params, eng.init_decode_state(), [0, 1, 2, 3], [np.arange(3, 19)] * 4, big)
-    assert eng.allocator.num_free == free and not eng.slot_pages and not eng._cached_hi
+    assert eng.page_book.allocator.num_free == free and not eng.page_book.slot_pages and not eng.page_book.cached_hi
     with pytest.raises(ValueError, match="distinct and free"):
         prefill_insert_rows(eng, params, eng.init_decode_state(), [0, 0], prompts[:2], inits[:2])
     with pytest.raises(ValueError, match="rollout.prefill_rows=1 at most"):  # more prompts than one call takes

@@ -110,9 +110,9 @@ def collectives():
 
     s = _server(2)
     eng = s.engine
-    leaves, progs = eng._bind(s._params)
-    rows, n = eng._rows()
-    text = progs.generate.lower(leaves, s._state, rows, n, eng.live_bucket()).compile().as_text()
+    leaves, progs, _ = eng.bound(s._params)
+    rows, n = eng.page_book.rows()
+    text = progs.generate.lower(leaves, s._state, rows, n, eng.page_book.live_bucket()).compile().as_text()
     found = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)\(", text)
     return {"ops": [[shape, op] for shape, op in found], "slots": SECTION.num_slots, "vocab": CFG.vocab_size,
             "hidden": CFG.hidden_size, "layers": 1}  # the layers' scan: one layer body in the program, every layer runs it
