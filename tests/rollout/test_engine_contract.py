@@ -13,7 +13,9 @@ from tests.rollout.rollout_helpers import SECTION, tiny_model
 
 CONTRACT = {"prefill", "insert", "prefill_insert", "generate", "free", "deactivate",  # JetStream's calls
             "read_slot", "write_slot",  # export / import of a live sequence
-            "init_decode_state", "live_bucket", "attention_impl"}
+            "init_decode_state", "abstract_state",  # the decode state, and its shapes for compiling
+            "bound",  # the programs for a params object (programs.Bound), which the rooms around it run
+            "attention_impl"}
 
 
 def test_the_engine_public_surface_is_the_contract():
