@@ -137,6 +137,7 @@ class Engine:
                              layer_pages=section.num_pages)
         self.pools = prg.pool_geom(self.spec)  # the page copies' static view of the one K and V pool
         self._build_programs = functools.partial(_programs_for, self.spec, self.schedule.row_buckets)
+        self._zeros = functools.partial(_zero_state, model_cfg, section, kv_dtype, self.pool_layout, self.key_shape)
 
     @property
     def attention_impl(self) -> str:
@@ -153,17 +154,14 @@ class Engine:
 
     def init_decode_state(self) -> DecodeState:
         """Empty decode state (zero pools, every slot inactive) on this engine's devices."""
-        zeros = functools.partial(_zero_state, self.model_cfg, self.section, self.kv_dtype, self.pool_layout,
-                                  self.key_shape)
         if self.mesh is not None:  # built in place: each device allocates only its KV-head shard
-            return jax.jit(zeros, out_shardings=self.state_shardings)()
-        return zeros()
+            return jax.jit(self._zeros, out_shardings=self.state_shardings)()
+        return self._zeros()
 
     def abstract_state(self) -> DecodeState:
         """The decode state's shapes and dtypes (with their shardings on a mesh), allocating nothing:
         for lowering and compiling the programs from shapes."""
-        state = jax.eval_shape(functools.partial(_zero_state, self.model_cfg, self.section, self.kv_dtype,
-                                                 self.pool_layout, self.key_shape))
+        state = jax.eval_shape(self._zeros)
         if self.state_shardings is None:
             return state
         return jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), state,
