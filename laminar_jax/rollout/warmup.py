@@ -53,8 +53,9 @@ def _share_prompt(engine, state: DecodeState, src_slot: int, bucket: int, init: 
     from src_slot's prompt, as far as free slots and pages allow; (state, compiled)."""
     b, compiled = 1, False
     while b // 2 + 1 < engine.num_slots:  # the fewest rows that pad to b, besides the source
-        free = [s for s in range(engine.num_slots) if s not in engine.page_book.slot_pages][:b // 2 + 1]
-        if len(free) < b // 2 + 1 or engine.page_book.allocator.num_free < len(free) * engine.schedule.reserve_pages(bucket, 1):
+        book = engine.page_book
+        free = [s for s in range(engine.num_slots) if s not in book.slot_pages][:b // 2 + 1]
+        if len(free) < b // 2 + 1 or book.allocator.num_free < len(free) * engine.schedule.reserve_pages(bucket, 1):
             break
         state = share_prompt(engine, state, [src_slot] * len(free), free, [np.zeros(bucket, np.int32)] * len(free),
                                     [init] * len(free))

@@ -375,7 +375,8 @@ def test_the_engine_samples_with_the_native_argmax_and_the_same_tokens(monkeypat
         assert (engine.kernels.argmax is ops.first_argmax) == native_on
         leaves, progs, _ = engine.bound(params)
         rows, n = engine.page_book.rows()
-        text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, engine.page_book.live_bucket()).as_text()
+        bucket = engine.page_book.live_bucket()
+        text = progs.generate.lower(leaves, engine.init_decode_state(), rows, n, bucket).as_text()
         assert ("laminar_first_argmax" in text) == native_on
         outs[native_on] = [generate((engine, params), prompts, SamplingParams(temperature=t, max_new_tokens=10,
                                                                               stop_token_ids=()), seeds=[3, 4, 5])
