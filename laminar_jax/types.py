@@ -115,6 +115,8 @@ _FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(Trajectory))
 
 # The prompt's fields, set on a sample's record when it is dispatched.
 PROMPT_FIELDS = ("prompt_ids", "prompt_uid", "sample_index", "seed", "data_source", "ground_truth", "extra_info")
+# What an environment is chosen and reset with (a multi-turn episode), besides the uid.
+EPISODE_FIELDS = ("data_source", "ground_truth", "extra_info", "prompt_uid")
 # The fields a finished trajectory adds to its sample's record (which holds the prompt's already:
 # prompt_ids, prompt_uid, sample_index, seed, data_source, ground_truth, extra_info).
 GENERATED_FIELDS = ("response_ids", "behaviour_logprobs", "finish_reason")

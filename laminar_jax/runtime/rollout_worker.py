@@ -19,7 +19,7 @@ import numpy as np
 
 from laminar_jax.monitor import profile
 from laminar_jax.runtime.prefetch import Prefetcher
-from laminar_jax.types import Trajectory, WorkItem
+from laminar_jax.types import EPISODE_FIELDS, Trajectory, WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 log = logging.getLogger(__name__)
@@ -320,14 +320,18 @@ def pull_timeout(cfg) -> float:
 
 class EpisodeFeed:
     """The worker's multi-turn side: work items become episodes (EpisodeDriver), rewards come from
-    the environments. `record_of(uid)` gives the prompt's record (data_source, ground_truth, extra_info)."""
+    the environments. An environment is chosen and reset with the sample's EPISODE_FIELDS, read off
+    its record; `record_of(uid)` gives them for a work item that is not a record."""
 
     def __init__(self, driver, record_of: Callable[[str], dict], turn):
         self.driver, self.record_of, self.turn = driver, record_of, turn
 
     def start(self, item: Trajectory | WorkItem) -> None:
         req = dataclasses.replace(make_request(item), turn=self.turn)
-        self.driver.start(req, dict(self.record_of(item.uid), uid=item.uid))
+        # A sample's record carries its prompt's fields; only another work item's are looked up.
+        record = ({k: getattr(item, k) for k in EPISODE_FIELDS} if isinstance(item, Trajectory)
+                  else self.record_of(item.uid))
+        self.driver.start(req, dict(record, uid=item.uid))
 
     def starting(self) -> int:
         return self.driver.starting()

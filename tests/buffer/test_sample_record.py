@@ -92,3 +92,31 @@ def test_a_checkpoint_row_restores_the_record_and_its_ready_fields():
         a, b = getattr(kept, f), getattr(done, f)
         assert np.array_equal(a, b) if isinstance(a, np.ndarray) else a == b, f
         assert type(a) is type(b), f
+
+
+class _FakeEpisodeDriver:
+    """A fake EpisodeDriver that records what each episode starts with."""
+
+    def __init__(self):
+        self.started = []
+
+    def start(self, request, record):
+        self.started.append((request, record))
+
+
+def test_an_episode_starts_from_the_record_taken_without_asking_the_buffer():
+    from laminar_jax.rollout.records import TurnSpec
+    from laminar_jax.runtime.rollout_worker import EpisodeFeed
+
+    def record_of(uid):
+        raise AssertionError(f"the buffer was asked for {uid!r}: the record taken carries its fields")
+
+    d, _, queue = _dispatcher(n_prompts=1, samples=1)
+    d.pump(learner_version=0)
+    (rec,) = queue.take(1)
+    driver = _FakeEpisodeDriver()
+    EpisodeFeed(driver, record_of, TurnSpec(max_new_tokens=4)).start(rec)
+    ((request, record),) = driver.started
+    assert request.uid == rec.uid and request.seed == rec.seed and request.turn is not None
+    assert record == {"data_source": "math", "ground_truth": "0", "extra_info": {"i": 0}, "prompt_uid": "d/0@0",
+                      "uid": "d/0@0/0"}
