@@ -127,7 +127,7 @@ REQUIRED_FIELDS = ("response_ids", "behaviour_logprobs", "version", "reward")
 @dataclasses.dataclass(frozen=True)
 class WorkItem:
     """One request to generate outside the experience store: a prompt and the index of the sample
-    within its group (eval rounds' `EvalItem`, tests). A training sample goes to the rollout workers
+    within its group (an eval round's `EvalItem`). A training sample goes to the rollout workers
     as its own record (Trajectory), which carries the same fields."""
 
     uid: str
