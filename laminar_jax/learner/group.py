@@ -148,10 +148,22 @@ class LearnerProcess:
         metrics = self.learner.step(trajectories, publish=publish)
         return {"version": self.learner.version, "metrics": metrics if self.index == 0 else None}
 
+    def _gather_version(self) -> Optional[dict[str, np.ndarray]]:
+        """Collective: the current version as published, on process 0 (None on the others): the
+        policy weights, or under learner.lora the adapter version (the adapters, the base's
+        identity and the scale; the identity is known once `lora_base` ran)."""
+        if self.learner.lora is None:
+            return self._gather_policy()
+        from laminar_jax.learner.gather import gather_to_root
+        from laminar_jax.learner.publish import adapters_of, flatten_params
+
+        host = gather_to_root(adapters_of(flatten_params(self.learner.state.params["actor"])))
+        return None if host is None else self.learner.lora.version(host)
+
     def publish_current(self, relays_only: bool, timeout_s: float) -> int:
-        """Collective: gather the current weights; process 0 publishes them (to the relays only when
+        """Collective: gather the current version; process 0 publishes it (to the relays only when
         the store holds this version already, as on resume)."""
-        host = self._gather_policy()
+        host = self._gather_version()
         if self.index == 0:
             pub = self.publisher
             if relays_only:

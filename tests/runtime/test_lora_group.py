@@ -82,6 +82,12 @@ def test_a_two_process_lora_learner_writes_the_base_once_and_publishes_the_same_
         for k in ref_base:
             np.testing.assert_array_equal(stored[k], ref_base[k], err_msg=k)
 
+        # The initial version as the weight plane publishes it at start: an adapter version too.
+        group.publish_current()
+        version, published = group.published()
+        assert version == 0 and set(published) == set(ref_published)
+        np.testing.assert_array_equal(published[BASE_ID], ref_published[BASE_ID])
+
         metrics = [group.step(b) for b in batches]
         for m, r in zip(metrics, ref_metrics):
             np.testing.assert_allclose(m["loss"], r["loss"], rtol=1e-4, atol=1e-6)
