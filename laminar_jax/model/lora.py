@@ -244,4 +244,3 @@ def with_dropout(model: Any, rate: float, key: Any) -> Any:
         module.lora_dropout_key = DropoutKey(jax.random.key_data(jax.random.split(k, lead) if lead else k))
         module.lora_dropout = float(rate)
     return model
-

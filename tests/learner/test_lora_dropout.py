@@ -56,15 +56,16 @@ def test_dropout_outside_0_1_is_refused_naming_the_key(bad):
 
 def test_the_training_forward_drops_adapter_inputs_by_its_key():
     learner = _learner(dropout=0.5)
-    assert learner.step(two_groups(0, 1 / 8))["skipped"] == 0  # B is nonzero now, so the adapters' path shows in the outputs
-    params = learner.state.frozen["actor"]
-    params = nnx.merge_state(params, learner.state.params["actor"])
+    assert learner.step(two_groups(0, 1 / 8))["skipped"] == 0  # B is nonzero now: the adapters' path shows
+    params = nnx.merge_state(learner.state.frozen["actor"], learner.state.params["actor"])
     batch = learner.collate(two_groups())
     rate0 = dataclasses.replace(learner.section, lora=dataclasses.replace(learner.section.lora, dropout=0.0))
 
     @jax.jit
     def fwd(key):
-        logp = lambda section, k: forward(learner.graphs.actor, params, batch, section, dropout_key=k).logp  # noqa: E731
+        def logp(section, k):
+            return forward(learner.graphs.actor, params, batch, section, dropout_key=k).logp
+
         return logp(learner.section, None), logp(learner.section, key), logp(rate0, key)
 
     plain, d0, rate0_d0 = map(np.asarray, fwd(jax.random.key(0)))
