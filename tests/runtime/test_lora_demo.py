@@ -62,8 +62,8 @@ def test_lora_demo_learns(tmp_path):
     c.runtime.progress = False
     s = run_local(finalize(c))
     _check(s, c)
-    # Train reward: 0.074 -> 0.132 in the tuning run (+0.045 to +0.058 in three stable runs);
-    # the held-out greedy reward rose in each of them (16 prompts: noisy, so only its sign is asserted).
+    # Train reward rose by 0.054 and 0.058 in two runs of this config; the held-out greedy reward by
+    # 0.035 and 0.064 (16 prompts: noisy, so only its sign is asserted).
     assert s["reward_last"] > s["reward_first"] + 0.03, (s["reward_first"], s["reward_last"])
     with open(os.path.join(c.runtime.run_dir, "eval.jsonl"), encoding="utf-8") as f:
         rounds = [json.loads(line) for line in f]
