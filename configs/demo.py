@@ -2,7 +2,7 @@
 
 python launch/run.py --config=configs/demo.py            # laminar mode, under a minute cold on 2 cores
 python launch/run.py --config=configs/demo.py:short      # a short smoke variant (tests use it)
-python launch/run.py --config=configs/demo.py:lora       # rank-8 LoRA adapters on the frozen base
+python launch/run.py --config=configs/demo.py:lora       # rank-32 LoRA adapters on the frozen base
 python launch/run.py --config=configs/demo.py --config.runtime.mode=sync
 """
 
@@ -88,8 +88,18 @@ def get_config(variant: str = ""):
 
 
 def _lora(c) -> None:
-    """demo.py:lora: the same run training rank-8 adapters on every projection of the frozen
-    (supervised warm-started) base; each version published carries only the adapters."""
+    """demo.py:lora: the same run training rank-32 adapters on every projection, attention and MLP,
+    of the frozen (supervised warm-started) base; each version published carries only the adapters.
+
+    Adapters take a larger learning rate than full fine-tuning (AdamW moves B and A by about lr per
+    update, and their product, scaled by alpha / rank, moves the weight by less): 3e-3 against the
+    demo's 1e-3 (1e-2 diverges within 30 steps). The tied embedding and the norms stay frozen, so
+    the adapters carry the whole change: rank 32 (the k/v projections' full width) raised the
+    held-out reward more than rank 8 did; alpha 16 keeps alpha * lr, the adapters' early pace, as
+    at rank 8. On this 64-wide model a version is 311 KB of float32 adapters against the model's
+    427 KB; on a 7B model rank 16 is about 1%.
+    """
     c.learner.compile_ahead = "none"
-    c.learner.lora.rank = 8
+    c.learner.lr = 3e-3
+    c.learner.lora.rank = 32
     c.learner.lora.alpha = 16.0

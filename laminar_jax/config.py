@@ -106,9 +106,6 @@ class Config:
             from laminar_jax.model.sharded import model_config
 
             check_targets(self.learner.lora, param_shapes_of(model_config(self.model), self.model.value_head))
-            # A learner group's processes do not write the frozen base to the store the servers read it from.
-            expect(rt.learner_processes == 1, "runtime.learner_processes", rt.learner_processes,
-                   "1 with learner.lora (a multi-process learner does not publish LoRA versions yet)")
         if self.learner.pack_length:
             # A trajectory is at most rollout.max_total_len tokens and must fit in one packed row.
             expect(self.learner.pack_length >= self.rollout.max_total_len, "learner.pack_length",

@@ -37,6 +37,9 @@ REFUSED: dict[str, str] = {
     "model.param_dtype": "the checkpoint's parameters are stored in the old dtype",
     "model.tokenizer": "token ids in the buffer and ledger come from the old tokenizer",
     "model.seed": "the initial weights (and the frozen reference copy) derive from it",
+    "learner.lora.rank": "the checkpoint holds adapters of the old rank (0: full fine-tuning, none)",
+    "learner.lora.alpha": "the adapters were trained at the old scale alpha / rank",
+    "learner.lora.targets": "the checkpoint holds adapters of the old modules",
 }
 
 # Keys that name where the run lives, not what it computes: never reported.

@@ -10,7 +10,8 @@ processes at once, with the same arguments: each process collates the same traje
 `place` keeps the shards it owns. Metrics come from process 0.
 
 Weights: every process loads only its own shards of the model (model.sharded.load_model). Each
-version is gathered to process 0 alone, tensor by tensor (learner/gather.py: every process sends
+version (under learner.lora: the adapters; the frozen base is gathered once, by `lora_base`, to
+the run's base store) is gathered to process 0 alone, tensor by tensor (learner/gather.py: every process sends
 its shards, once; no other process builds a host copy, no device holds a whole tensor), and
 process 0 hands the full copy to the publisher the runtime gives it (weight store + relay chain). Weights never
 travel through Ray, except the initial (SFT warm-started) parameters the driver hands the group.
@@ -106,7 +107,16 @@ class LearnerProcess:
         self.publisher = LocalPublisher(keep=1) if self.index == 0 else None
         self.learner.publisher = self.publisher
         return {"process": jax.process_index(), "devices": jax.device_count(),
-                "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape)}
+                "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape),
+                "lora": self.learner.lora is not None}
+
+    def lora_base(self, rcfg: Any, store_url: str, adopt: bool, write: bool) -> str:
+        """Collective (learner.lora): the run's base in its store (process 0 writes it, gathered
+        once) or adopted from there, and its identity known to every process
+        (runtime.lora_serve.share_base); returns the identity."""
+        from laminar_jax.runtime.lora_serve import share_base
+
+        return share_base(self.learner, rcfg, store_url, adopt, write)
 
     def attach_publisher(self, make_publisher: Callable[[bool], Any]) -> None:
         """Process 0 publishes each version through `make_publisher(True)` (the runtime's: weight store
@@ -138,10 +148,22 @@ class LearnerProcess:
         metrics = self.learner.step(trajectories, publish=publish)
         return {"version": self.learner.version, "metrics": metrics if self.index == 0 else None}
 
+    def _gather_version(self) -> Optional[dict[str, np.ndarray]]:
+        """Collective: the current version as published, on process 0 (None on the others): the
+        policy weights, or under learner.lora the adapter version (the adapters, the base's
+        identity and the scale; the identity is known once `lora_base` ran)."""
+        if self.learner.lora is None:
+            return self._gather_policy()
+        from laminar_jax.learner.gather import gather_to_root
+        from laminar_jax.learner.publish import adapters_of, flatten_params
+
+        host = gather_to_root(adapters_of(flatten_params(self.learner.state.params["actor"])))
+        return None if host is None else self.learner.lora.version(host)
+
     def publish_current(self, relays_only: bool, timeout_s: float) -> int:
-        """Collective: gather the current weights; process 0 publishes them (to the relays only when
+        """Collective: gather the current version; process 0 publishes it (to the relays only when
         the store holds this version already, as on resume)."""
-        host = self._gather_policy()
+        host = self._gather_version()
         if self.index == 0:
             pub = self.publisher
             if relays_only:
@@ -321,6 +343,18 @@ class LearnerGroup:
         (`LearnerProcess.attach_publisher`)."""
         self._all("attach_publisher", "learner process 0 to build its weight publisher", make_publisher,
                   timeout=self.rpc_timeout_s)
+
+    @property
+    def lora_enabled(self) -> bool:
+        """learner.lora is on: versions are adapters, and `lora_base` must run before one is published."""
+        return bool(self.info[0].get("lora"))
+
+    def lora_base(self, rcfg: Any, store_url: str, adopt: bool = False, write: bool = True) -> str:
+        """learner.lora: put the frozen base in the run's base store (``<store_url>/lora_base``,
+        gathered to process 0 once) or, with ``adopt`` (a resume), take it from there; every process
+        then knows its identity, which each adapter version carries. Returns it."""
+        what = f"the learner processes to {'adopt or ' if adopt else ''}write the LoRA base at {store_url}"
+        return self._all("lora_base", what, rcfg, store_url, adopt, write)[0]
 
     def publish_current(self, relays_only: bool = False) -> None:
         """Publish the current version (gathered; process 0 publishes)."""

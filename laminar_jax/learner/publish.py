@@ -213,16 +213,21 @@ class LoraVersions:
 
     @property
     def base_id(self) -> str:
-        """base_identity of `base()`; the base is frozen, so computed once."""
+        """base_identity of `base()`; the base is frozen, so computed once. A multi-process learner's
+        base spans processes: its identity is set by `runtime.lora_serve.share_base` (a collective)."""
         if self._base_id is None:
             from laminar_jax.model.lora_version import base_identity
 
+            if not all(x.is_fully_addressable for x in self._base_flat().values()):
+                raise RuntimeError("learner.lora: the frozen base spans several learner processes; its identity "
+                                   "is gathered once by LearnerGroup.lora_base before a version is published")
             self._base_id = base_identity(self.base())
         return self._base_id
 
-    def forget_base(self) -> None:
-        """The frozen base was replaced (a resume adopting the run's base): its identity is recomputed."""
-        self._base_id = None
+    def set_base_id(self, base_id: Optional[str]) -> None:
+        """The frozen base's identity, known from elsewhere (the run's base store, or process 0's
+        gather), or None: the base was replaced, recompute it."""
+        self._base_id = base_id
 
     def version(self, adapters: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from laminar_jax.model.lora_version import adapter_version

@@ -30,6 +30,7 @@ from laminar_jax.learner.losses import AggNorm, aggregate, agg_norm, kl_penalty,
 from laminar_jax.learner.losses_seq import correction, policy_loss
 from laminar_jax.learner.mesh import BATCH_AXES, gathered_lookup, rows_split
 from laminar_jax.model.attention import AUTO, resolve_train_attention
+from laminar_jax.model.lora import with_dropout
 from laminar_jax.model.precision import cast_floating
 
 
@@ -86,7 +87,7 @@ def _attention(name: str) -> str:
 
 def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: LearnerSection, shards: int = 1, *,
             score: bool = True, entropy: EntropyMode = "none", remat: Optional[str] = None,
-            dtype: Any = None, mesh: Optional[Mesh] = None) -> ForwardOut:
+            dtype: Any = None, mesh: Optional[Mesh] = None, dropout_key: Any = None) -> ForwardOut:
     """Merge the model inside the trace and score the batch's targets.
 
     dtype: the compute dtype. The (float32 master) params are cast to it here, once, before the
@@ -99,9 +100,13 @@ def forward(graphdef: Any, params: nnx.State, batch: TrainBatch, section: Learne
     f32[B, T, V] logits when the chunk is smaller than the batch. score=False: values only.
     mesh: the learner's mesh; the embedding table is then read gathered over the batch axes
     (`mesh.gathered_lookup`), so the activations stay split by rows.
+    dropout_key: the training forward's adapter dropout masks (learner.lora.dropout, model.lora
+    `with_dropout`); None in every pass without a gradient.
     """
     params = gathered_lookup(params if dtype is None else cast_floating(params, dtype), mesh)
     model = nnx.merge(graphdef, params)
+    if dropout_key is not None:
+        with_dropout(model, section.lora.dropout, dropout_key)
     remat = section.remat if remat is None else remat
     products = train_products(jax.default_backend())  # the kernel seam's weight products for this platform
     out = model.forward(batch.tokens, batch.positions, batch.segment_ids, remat=remat, with_logits=False,
@@ -194,8 +199,9 @@ def trajectory_tokens(seq_ids: jax.Array, mask: jax.Array, s: int) -> jax.Array:
 
 
 def make_loss_fn(section: LearnerSection, graphs: Graphs, shards: int = 1,
-                 mesh: Optional[Mesh] = None) -> Callable[[dict, TrainBatch, AggNorm], tuple]:
-    """loss(params, micro_batch, norm) -> (scalar, metrics); norm spans the whole mini-batch.
+                 mesh: Optional[Mesh] = None) -> Callable[..., tuple]:
+    """loss(params, micro_batch, norm, dropout_key=None) -> (scalar, metrics); norm spans the whole
+    mini-batch; dropout_key: the actor's adapter dropout masks (learner.lora.dropout).
 
     shards: row shards of the batch (see `batch_shards`), for the per-device logits chunk size.
     mesh: the learner's mesh (see `forward`); None traces without sharding constraints.
@@ -204,10 +210,10 @@ def make_loss_fn(section: LearnerSection, graphs: Graphs, shards: int = 1,
     # The entropy is always reported; it is differentiated only when it is in the loss.
     entropy_mode: EntropyMode = "grad" if section.entropy_coef != 0.0 else "value"
 
-    def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm):
+    def loss_fn(params: dict, mb: TrainBatch, norm: AggNorm, dropout_key: Any = None):
         mask = mb.loss_mask
         out = forward(graphs.actor, params["actor"], mb, section, shards, entropy=entropy_mode,
-                      dtype=graphs.dtype("actor"), mesh=mesh)
+                      dtype=graphs.dtype("actor"), mesh=mesh, dropout_key=dropout_key)
         corr = correction(section, mb.prox_logprobs, mb.behaviour_logprobs, mask, mb.segment_ids)
         pg = policy_loss(section, out.logp, mb.old_logprobs, mb.advantages, mask, mb.segment_ids)
         tok_mean = lambda x: aggregate(x, mask, "token-mean", norm)
@@ -264,19 +270,22 @@ def split_micro(batch: TrainBatch, m: int, mesh: Optional[Mesh]) -> TrainBatch:
 
 
 def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] = None):
-    """grads(params, batch) -> (grads, metrics): summed over micro-batches (lax.scan); with the
-    mini-batch-wide AggNorm the sum equals the gradient of the mini-batch loss."""
+    """grads(params, batch, frozen=None, key=None) -> (grads, metrics): summed over micro-batches
+    (lax.scan); with the mini-batch-wide AggNorm the sum equals the gradient of the mini-batch loss.
+    key: the update's dropout key (learner.lora.dropout > 0); micro-batch j draws from fold_in(key, j)."""
     loss_fn = make_loss_fn(section, graphs, batch_shards(mesh), mesh)
     m = section.micro_batches
+    dropout = section.lora.enabled and section.lora.dropout > 0.0
 
-    def grads(params: dict, batch: TrainBatch, frozen: Optional[dict] = None):
+    def grads(params: dict, batch: TrainBatch, frozen: Optional[dict] = None, key: Any = None):
         if batch.tokens.shape[0] % m:
             raise ValueError(f"batch of {batch.tokens.shape[0]} rows does not split into micro_batches={m}")
         norm = agg_norm(batch.loss_mask, batch.seq_tokens)
+        micro_key = (lambda j: jax.random.fold_in(key, j)) if dropout and key is not None else (lambda j: None)
         # Differentiated by the trained params only: the frozen ones get no gradient.
-        vg = jax.value_and_grad(lambda p, mb, n: loss_fn(join(p, frozen), mb, n), has_aux=True)
+        vg = jax.value_and_grad(lambda p, mb, n, k: loss_fn(join(p, frozen), mb, n, k), has_aux=True)
         if m == 1:
-            (_, metrics), g = vg(params, batch, norm)
+            (_, metrics), g = vg(params, batch, norm, micro_key(0))
             return g, metrics
         micro = split_micro(batch, m, mesh)
         first = jax.tree.map(lambda x: x[0], micro)
@@ -284,11 +293,12 @@ def make_grad_fn(section: LearnerSection, graphs: Graphs, mesh: Optional[Mesh] =
                                     jax.eval_shape(loss_fn, join(params, frozen), first, norm)[1])
         init = _Accum(jax.tree.map(jnp.zeros_like, params), zero_metrics)
 
-        def body(acc: _Accum, mb: TrainBatch):
-            (_, metrics), g = vg(params, mb, norm)
+        def body(acc: _Accum, xs):
+            mb, j = xs
+            (_, metrics), g = vg(params, mb, norm, micro_key(j))
             return _Accum(jax.tree.map(jnp.add, acc.grads, g), jax.tree.map(jnp.add, acc.metrics, metrics)), None
 
-        acc, _ = jax.lax.scan(body, init, micro)
+        acc, _ = jax.lax.scan(body, init, (micro, jnp.arange(m, dtype=jnp.int32)))
         return acc.grads, acc.metrics
 
     return grads
@@ -299,7 +309,10 @@ def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.Gr
     grad_fn = make_grad_fn(section, graphs, mesh)
 
     def train_step(state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict]:
-        grads, metrics = grad_fn(state.params, batch, state.frozen)
+        # The update's key: split from the state's (learner.seed, advanced every update, checkpointed),
+        # so a resumed run draws the same adapter dropout masks; the first half advances the state.
+        next_key, dropout_key = jax.random.split(jax.random.wrap_key_data(state.rng))
+        grads, metrics = grad_fn(state.params, batch, state.frozen, dropout_key)
         grad_norm = _tree_norm(grads)
         finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm)
         def apply(params, opt_state):
@@ -311,10 +324,9 @@ def make_train_step(section: LearnerSection, graphs: Graphs, optimizer: optax.Gr
         # more parameter-sized arrays for the whole step); a cond updates them in place.
         new_params, new_opt = jax.lax.cond(finite, apply, lambda p, o: (p, o), state.params, state.opt_state)
         skipped = jnp.logical_not(finite).astype(jnp.int32)
-        key = jax.random.wrap_key_data(state.rng)
         new_state = TrainState(
             params=new_params, opt_state=new_opt,
-            step=state.step + 1, rng=jax.random.key_data(jax.random.split(key)[0]),
+            step=state.step + 1, rng=jax.random.key_data(next_key),
             consecutive_skips=jnp.where(finite, 0, state.consecutive_skips + 1),
             total_skips=state.total_skips + skipped, frozen=state.frozen)
         metrics = dict(metrics, grad_norm=grad_norm, skipped=skipped,

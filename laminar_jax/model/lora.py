@@ -4,7 +4,7 @@ the merge. This module is the adapter contract every plane speaks.
 Config (``learner.lora``, `LoRASection`): ``rank`` (0 = off: full fine-tuning), ``alpha``
 (scale = alpha / rank, as PEFT without rsLoRA), ``targets`` (module names: 'q_proj', 'k_proj',
 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj', or 'lm_head' on an untied model),
-``dropout``.
+``dropout`` (PEFT's lora_dropout: in the learner's training forward only, `with_dropout`).
 
 Targeted parameters (`targeted_params`): the Linear weights, flat-named as
 ``learner.publish.flatten_params`` names them, whose module (the name's part before '.weight') is
@@ -25,6 +25,12 @@ lora_B.weight [out, r] (model/peft.py writes them under PEFT's names).
 Merge (`merge`): W' = W + scale * (B @ A), batched over a leading layer axis, computed in
 float32 and returned in W's dtype. The adapted Linear computes y = x W^T + scale * (x A^T) B^T,
 which is x W'^T.
+
+Dropout (`with_dropout`): the training forward computes scale * (drop(x) A^T) B^T, drop(x) zeroing
+each input element with probability ``dropout`` and scaling the rest by 1 / (1 - dropout), a mask
+of its own per adapted module and layer (PEFT's lora_dropout). Only the learner's gradient pass
+sets it; log-prob, reference and old-policy passes, serving and export never do (the merge has no
+dropout).
 """
 
 from __future__ import annotations
@@ -50,7 +56,7 @@ class LoRASection:
       rank: Adapter rank r; 0 trains every parameter (full fine-tuning). With r > 0 the base weights are frozen (no gradients, no optimizer state, held in rollout.dtype) and only float32 adapters A [r, in] and B [out, r] of each targeted projection train, W' = W + (alpha / r) * B @ A. Must not exceed min(in, out) of any targeted projection (checked at finalize against the model).
       alpha: LoRA alpha; the adapters' product is scaled by alpha / rank (PEFT's lora_alpha).
       targets: Module names whose weights get adapters: any of 'q_proj', 'k_proj', 'v_proj', 'o_proj', 'gate_proj', 'up_proj', 'down_proj' (and 'lm_head' on a model with untied embeddings). A name the model lacks is refused at finalize.
-      dropout: Dropout on the adapters' input during training (PEFT's lora_dropout); only 0.0 is supported.
+      dropout: Dropout probability on the adapters' input in the learner's training forward (PEFT's lora_dropout), in [0, 1): delta = scale * B @ A @ dropout(x). Never in log-prob, reference or old-policy passes, serving or export. Each optimizer update draws its masks from the TrainState's key (learner.seed, advanced every update and checkpointed, so a resume draws the same masks), a fresh mask per micro-batch, adapted module and layer. Ignored at rank 0.
       seed: Seed of the adapters' A initialisation (B starts at zero).
     """
 
@@ -73,8 +79,7 @@ class LoRASection:
         expect(self.alpha > 0, f"{prefix}.alpha", self.alpha, "> 0")
         expect(len(self.targets) > 0 and len(set(self.targets)) == len(self.targets), f"{prefix}.targets",
                self.targets, "a non-empty list of distinct module names")
-        expect(self.dropout == 0.0, f"{prefix}.dropout", self.dropout,
-               "0.0 (adapter dropout is not supported by this learner)")
+        expect(0.0 <= self.dropout < 1.0, f"{prefix}.dropout", self.dropout, "in [0, 1)")
 
 
 def is_stacked(name: str) -> bool:
@@ -212,4 +217,30 @@ def attach(model: Any, section: LoRASection, seed: Optional[int] = None) -> Any:
         module.lora_b = nnx.LoRAParam(jnp.zeros(b_shape, jnp.float32), out_sharding=lead + (axes[-2], None),
                                       eager_sharding=False)
         module.lora_scale = float(section.scale)
+    return model
+
+
+def with_dropout(model: Any, rate: float, key: Any) -> Any:
+    """``model`` (adapters attached; changed in place: a model merged inside the training trace) with
+    adapter dropout at ``rate`` on every adapted Linear, its masks drawn from ``key``: the i-th adapted
+    module in flat-name order gets fold_in(key, i), split per layer when stacked (the layers' scan
+    slices the keys with the weights). rate 0 leaves the model as it is."""
+    import jax
+    from flax import nnx
+
+    from laminar_jax.model.transformer import DropoutKey
+    from laminar_jax.naming import path_name
+
+    if rate == 0.0:
+        return model
+    names = sorted({path_name(p).rpartition(".")[0]
+                    for p, _ in jax.tree_util.tree_flatten_with_path(nnx.state(model, nnx.LoRAParam))[0]})
+    for i, stem in enumerate(names):
+        module = model
+        for part in stem.split("."):
+            module = getattr(module, part)
+        k = jax.random.fold_in(key, i)
+        lead = module.lora_a.shape[:-2]
+        module.lora_dropout_key = DropoutKey(jax.random.key_data(jax.random.split(k, lead) if lead else k))
+        module.lora_dropout = float(rate)
     return model

@@ -37,6 +37,11 @@ def _low_precision(dtype) -> bool:
     return dtype is not None and jnp.dtype(dtype).itemsize < 4
 
 
+class DropoutKey(nnx.Variable):
+    """Raw key data u32[(L,) 2] of an adapter's dropout masks in one training forward (model/lora.py
+    `with_dropout`): no parameter, never trained or saved, stacked like the weights it sits beside."""
+
+
 class Linear(nnx.Module):
     """y = x . W^T + b with W stored [out, in] (HF's and torch's layout), named ``weight``.
 
@@ -77,7 +82,13 @@ class Linear(nnx.Module):
         return y.astype(dtype) if low else y
 
     def _lora(self, x: jax.Array) -> jax.Array:
-        """scale * (x A^T) B^T: the low-rank path, never the merged [out, in] matrix (model/lora.py)."""
+        """scale * (x A^T) B^T: the low-rank path, never the merged [out, in] matrix (model/lora.py);
+        x under the training forward's adapter dropout when `with_dropout` set its key."""
+        key = getattr(self, "lora_dropout_key", None)
+        if key is not None:
+            keep = 1.0 - self.lora_dropout
+            mask = jax.random.bernoulli(jax.random.wrap_key_data(key[...]), keep, x.shape)
+            x = jnp.where(mask, x / jnp.asarray(keep, x.dtype), jnp.zeros((), x.dtype))
         a, b = self.lora_a[...].astype(x.dtype), self.lora_b[...].astype(x.dtype)
         h = jax.lax.dot_general(x, a, (((x.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         y = jax.lax.dot_general(h.astype(x.dtype), b, (((h.ndim - 1,), (1,)), ((), ())),

@@ -93,21 +93,63 @@ def write_base(rcfg, store_url: str, flat: dict, base_id: str) -> None:
 def adopt_base(learner, rcfg, store_url: str) -> bool:
     """A resumed LoRA learner takes the run's base from its base store: the frozen base is not
     checkpointed, and the rebuilt one can differ (a resumed run skips the supervised warm-up that
-    made the base). False when the store holds no base yet (a fresh run)."""
+    made the base). False when the store holds no base yet (a fresh run). In a multi-process
+    learner every process reads the store and places its own shards (no collective)."""
     import jax
 
     from laminar_jax.learner.publish import unflatten_params
+    from laminar_jax.model.lora_version import base_identity
     from laminar_jax.relay import WeightStore
 
     store = WeightStore.from_config(rcfg, base_store_url(store_url))
     if store.newest_committed() is None:
         return False
+    flat = store.read(0)
     frozen = learner.state.frozen["actor"]
-    host = unflatten_params(store.read(0), frozen, drop=())
-    placed = jax.tree.map(lambda h, x: jax.device_put(np.asarray(h, x.dtype), x.sharding), host, frozen)
+    host = unflatten_params(flat, frozen, drop=())
+
+    def place(h, x):
+        h = np.asarray(h, x.dtype)
+        return jax.make_array_from_callback(h.shape, x.sharding, lambda index: h[index])
+
+    placed = jax.tree.map(place, host, frozen)
     learner.state = learner.state._replace(frozen={**learner.state.frozen, "actor": placed})
-    learner.lora.forget_base()
+    learner.lora.set_base_id(base_identity(flat))
     return True
+
+
+def share_base(learner, rcfg, store_url: str, adopt: bool, write: bool) -> str:
+    """Collective in a multi-process learner (every process calls it, in the same order): the run's
+    base in its store, and its identity known to every process. ``adopt``: take the store's base
+    when it holds one (a resume, `adopt_base`); else the frozen base is gathered to process 0 once
+    (learner/gather.py), which hashes it and, with ``write``, puts it in the store (`write_base`);
+    the identity is then broadcast (32 bytes). Returns the base's identity."""
+    from laminar_jax.learner.gather import gather_to_root
+    from laminar_jax.learner.publish import base_of, flatten_params
+    from laminar_jax.model.lora_version import base_identity
+
+    if adopt and adopt_base(learner, rcfg, store_url):
+        return learner.lora.base_id
+    host = gather_to_root(base_of(flatten_params(learner.state.frozen["actor"])))  # None on processes > 0
+    base_id = None if host is None else base_identity(host)
+    if write and host is not None:
+        write_base(rcfg, store_url, host, base_id)
+    del host
+    base_id = _broadcast_hex(base_id)
+    learner.lora.set_base_id(base_id)
+    return base_id
+
+
+def _broadcast_hex(digest) -> str:
+    """Process 0's hex SHA-256 on every process (a one-array broadcast; as is in one process)."""
+    import jax
+
+    if jax.process_count() == 1:
+        return digest
+    from jax.experimental import multihost_utils
+
+    raw = np.frombuffer(bytes.fromhex(digest), np.uint8) if digest is not None else np.zeros(32, np.uint8)
+    return bytes(np.asarray(multihost_utils.broadcast_one_to_all(raw), np.uint8)).hex()
 
 
 def read_base(rcfg, store_url: str, template: Any, dtype: Any = None) -> ServedBase:
@@ -137,4 +179,5 @@ def merged_flat(rcfg, store_url: str, flat: dict) -> dict:
     return merge_params(base, adapters, v.scale)
 
 
-__all__ = ["ServedBase", "lora_params_from_flat", "base_store_url", "write_base", "read_base"]
+__all__ = ["ServedBase", "lora_params_from_flat", "base_store_url", "write_base", "read_base", "adopt_base",
+           "share_base"]

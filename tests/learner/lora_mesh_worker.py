@@ -1,7 +1,8 @@
-"""Child process of test_lora_mesh.py: a LoRA learner on a mesh of host devices (argv: data,fsdp,tensor),
-a few steps on a fixed batch; prints JSON: adapters after the steps, whether the base stayed put, and
+"""Child process of test_lora_mesh.py: a LoRA learner on a mesh of host devices (argv: data,fsdp,tensor
+and optionally learner.lora.dropout), a few steps on a fixed batch; prints JSON: adapters after the steps, whether the base stayed put, and
 the adapters' and base's shardings."""
 
+import dataclasses
 import json
 import sys
 
@@ -9,14 +10,18 @@ import jax
 import numpy as np
 
 
-def main(mesh: str) -> None:
+def main(mesh: str, dropout: float = 0.0) -> None:
     from laminar_jax.learner import Learner
     from laminar_jax.learner.config import MeshSection
     from laminar_jax.learner.publish import flatten_params
     from tests.learner.test_lora_learner import SECTION, _model, _trajectories
 
     data, fsdp, tensor = (int(x) for x in mesh.split(","))
-    learner = Learner(SECTION, _model(), MeshSection(data=data, fsdp=fsdp, tensor=tensor), publish_dtype="bfloat16")
+    # Dropout masks belong to row positions: with them on, rows keep the single device's order
+    # (balance_tokens would reorder them across the data-parallel ranks).
+    section = dataclasses.replace(SECTION, lora=dataclasses.replace(SECTION.lora, dropout=dropout),
+                                  balance_tokens=SECTION.balance_tokens and not dropout)
+    learner = Learner(section, _model(), MeshSection(data=data, fsdp=fsdp, tensor=tensor), publish_dtype="bfloat16")
     base0 = {k: np.asarray(v) for k, v in flatten_params(learner.state.frozen["actor"]).items()}
     for _ in range(2):
         learner.step(_trajectories())
@@ -31,4 +36,4 @@ def main(mesh: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], *(float(x) for x in sys.argv[2:]))

