@@ -132,7 +132,9 @@ class LearnerProcess:
         (None on the others: they only send their shards, learner/gather.py)."""
         from laminar_jax.learner.gather import gather_to_root
 
-        return gather_to_root(self.learner.policy_arrays())  # under learner.lora: the base with the adapters merged
+        # In the serving dtype, as step versions are (a bf16-serving fleet refuses a float32 version);
+        # under learner.lora the base with the adapters merged.
+        return gather_to_root(self.learner.served_arrays())
 
     def host_copy_bytes(self) -> int:
         """Bytes of the host copy this process built for its last published version (0 on

@@ -440,11 +440,16 @@ class Learner:
         """Host copy of the current version as published (LoRA: the adapter version, model/lora_version.py)."""
         return self.policy_params() if self.lora is None else self.lora.version(host_arrays(self._published_flat()))
 
+    def served_arrays(self) -> dict[str, jax.Array]:
+        """The policy weights on the devices, flat, cast to the serving dtype (rollout.dtype) as a
+        version carries them; each process casts its own shards, so a gather moves serving bytes."""
+        flat = self.policy_arrays()
+        return self._cast(flat) if self._casts else flat
+
     def policy_params(self) -> dict[str, np.ndarray]:
         """Host copy of the current policy weights (blocking), flat, in the serving dtype (under
         learner.lora the base with the adapters merged; what is published is `published_params`)."""
-        flat = self.policy_arrays()
-        return host_arrays(self._cast(flat) if self._casts else flat)
+        return host_arrays(self.served_arrays())
 
     def master_params(self) -> dict[str, np.ndarray]:
         """Host copy of the trained policy weights (blocking), flat, in their own (master) dtype
