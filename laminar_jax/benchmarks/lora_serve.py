@@ -79,7 +79,7 @@ def main(argv: list[str]) -> dict:
     from laminar_jax.model.transformer import Transformer
     from laminar_jax.rollout import RolloutSection, make_engine
     from laminar_jax.runtime.fleet import params_from_flat
-    from laminar_jax.runtime.lora_serve import ServedBase
+    from laminar_jax.weights.lora_base import ServedBase
 
     p = argparse.ArgumentParser(prog="bench engine --lora", description=__doc__.splitlines()[0])
     p.add_argument("--preset", default="tiny")

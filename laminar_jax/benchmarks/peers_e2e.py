@@ -266,7 +266,7 @@ def _ours_worker(spec: dict) -> dict:
     from laminar_jax.cpu.threads import apply_cpu_threads
     from laminar_jax.benchmarks.e2e import demo_config, set_config_key
     from laminar_jax.config import finalize, save_config
-    from laminar_jax.runtime.export import export_pretrained
+    from laminar_jax.weights.export import export_pretrained
     from laminar_jax.runtime.parts import resolve
     from laminar_jax.runtime.local import LocalRun
 

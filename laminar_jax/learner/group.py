@@ -110,13 +110,12 @@ class LearnerProcess:
                 "local_devices": jax.local_device_count(), "mesh": dict(self.learner.mesh.shape),
                 "lora": self.learner.lora is not None}
 
-    def lora_base(self, rcfg: Any, store_url: str, adopt: bool, write: bool) -> str:
-        """Collective (learner.lora): the run's base in its store (process 0 writes it, gathered
-        once) or adopted from there, and its identity known to every process
-        (runtime.lora_serve.share_base); returns the identity."""
-        from laminar_jax.runtime.lora_serve import share_base
-
-        return share_base(self.learner, rcfg, store_url, adopt, write)
+    def lora_base(self, share: Callable[..., str], rcfg: Any, store_url: str, adopt: bool, write: bool) -> str:
+        """Collective (learner.lora): ``share(learner, rcfg, store_url, adopt, write)`` (the weight
+        plane's `share_base`, handed in: the learner plane does not reach the store) puts the run's
+        base in its store (process 0 writes it, gathered once) or adopts it from there, and makes its
+        identity known to every process; returns the identity."""
+        return share(self.learner, rcfg, store_url, adopt, write)
 
     def attach_publisher(self, make_publisher: Callable[[bool], Any]) -> None:
         """Process 0 publishes each version through `make_publisher(True)` (the runtime's: weight store
@@ -351,12 +350,14 @@ class LearnerGroup:
         """learner.lora is on: versions are adapters, and `lora_base` must run before one is published."""
         return bool(self.info[0].get("lora"))
 
-    def lora_base(self, rcfg: Any, store_url: str, adopt: bool = False, write: bool = True) -> str:
+    def lora_base(self, share: Callable[..., str], rcfg: Any, store_url: str, adopt: bool = False,
+                  write: bool = True) -> str:
         """learner.lora: put the frozen base in the run's base store (``<store_url>/lora_base``,
         gathered to process 0 once) or, with ``adopt`` (a resume), take it from there; every process
-        then knows its identity, which each adapter version carries. Returns it."""
+        then knows its identity, which each adapter version carries. Returns it. ``share``: the
+        collective that does it on each process (weights.lora_base.share_base)."""
         what = f"the learner processes to {'adopt or ' if adopt else ''}write the LoRA base at {store_url}"
-        return self._all("lora_base", what, rcfg, store_url, adopt, write)[0]
+        return self._all("lora_base", what, share, rcfg, store_url, adopt, write)[0]
 
     def publish_current(self, relays_only: bool = False) -> None:
         """Publish the current version (gathered; process 0 publishes)."""

@@ -214,7 +214,7 @@ class LoraVersions:
     @property
     def base_id(self) -> str:
         """base_identity of `base()`; the base is frozen, so computed once. A multi-process learner's
-        base spans processes: its identity is set by `runtime.lora_serve.share_base` (a collective)."""
+        base spans processes: its identity is set by `weights.lora_base.share_base` (a collective)."""
         if self._base_id is None:
             from laminar_jax.model.lora_version import base_identity
 

@@ -58,7 +58,7 @@ class BuiltinTokenizer:
             out.append(self._CHARS[i - 4] if 4 <= i < self.vocab_size else "?")
         return "".join(out)
 
-    # Special tokens as the exported tokenizer.json names them (laminar_jax.runtime.export).
+    # Special tokens as the exported tokenizer.json names them (laminar_jax.weights.export).
     SPECIAL_TOKENS = {"pad_token": "<pad>", "bos_token": "<bos>", "eos_token": "<eos>", "unk_token": "<unk>"}
 
     def apply_chat_template(self, messages: Sequence[dict], *, tools=None, add_generation_prompt: bool = True,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from laminar_jax.runtime.export import export_pretrained
+from laminar_jax.weights.export import export_pretrained
 
 __all__ = ["run", "export_pretrained"]
 

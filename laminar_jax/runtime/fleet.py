@@ -19,8 +19,8 @@ import time
 from typing import Callable, Optional
 
 from laminar_jax.scheduler.loops import Failure, mark_replaced
-from laminar_jax.runtime.rollout_worker import (RolloutWorker, episode_feed, host_params, params_on_device,  # noqa: F401
-                                                pull_timeout)
+from laminar_jax.runtime.rollout_worker import RolloutWorker, episode_feed, pull_timeout
+from laminar_jax.weights.host import host_params, params_on_device
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import Worker
 
@@ -88,10 +88,10 @@ def params_from_flat(model, engine=None, dtype=None, stream: bool = True, base=N
     swap tensor by tensor, each old buffer deleted first (ParamPlacement.swap), so a swap never
     holds two versions on a device. Otherwise (servers sharing one copy on the default device)
     the weights are placed now, one device copy per version for all of them (Handoff.placed).
-    base: a LoRA run's ServedBase (runtime/lora_serve.py): versions are adapters merged into it.
+    base: a LoRA run's ServedBase (weights/lora_base.py): versions are adapters merged into it.
     """
     if base is not None:
-        from laminar_jax.runtime.lora_serve import lora_params_from_flat
+        from laminar_jax.weights.lora_base import lora_params_from_flat
 
         return lora_params_from_flat(base, engine, stream)
     from flax import nnx
@@ -142,7 +142,7 @@ def server_factory(cfg, model, buffer, weights, timeline, devices=None, base=Non
     model: the policy's (abstract) model: its graph and shapes. devices: per server index, the jax
     devices its engine runs on (placement); None = the default device. A server alone on its
     devices owns its weights and streams each swap into place; servers sharing the default device
-    share one placed copy per version instead. base: a LoRA run's ServedBase (runtime/lora_serve.py).
+    share one placed copy per version instead. base: a LoRA run's ServedBase (weights/lora_base.py).
     """
     from laminar_jax.rollout import make_engine
     from laminar_jax.rollout.server import HostWeights, RolloutServer

@@ -21,7 +21,7 @@ from laminar_jax.runtime.driver import Driver
 from laminar_jax.runtime.fleet import ThreadFleet
 from laminar_jax.monitor.sink import Monitor
 from laminar_jax.runtime.parts import learner_models, relays_checking_store, resolve, rpc_timeout, run_with
-from laminar_jax.runtime.weights import WeightsPlane
+from laminar_jax.weights.plane import WeightsPlane
 
 
 def _relay(cfg: Config, keys) -> tuple:
@@ -62,7 +62,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
     from laminar_jax.model.precision import cast_floating
     from laminar_jax.model.sharded import abstract_model
     from laminar_jax.net.auth import run_keys
-    from laminar_jax.runtime.fleet import host_params
+    from laminar_jax.weights.host import host_params
 
     cfg, resuming = resolve(cfg, run_dir)
     monitor = Monitor(cfg, run_dir, time.time())
@@ -95,7 +95,7 @@ def LocalRun(cfg: Config, run_dir: str, stop: Optional[threading.Event] = None) 
         base = None
         if learner.lora is not None:  # every server merges the adapter versions into this base
             from laminar_jax.rollout.server import HostWeights
-            from laminar_jax.runtime.lora_serve import ServedBase
+            from laminar_jax.weights.lora_base import ServedBase
 
             base = ServedBase(learner.lora.base(), nnx_params(abstract), cfg.rollout.dtype)
             host = HostWeights(base.tree, lora=base.delta(learner.published_params()))

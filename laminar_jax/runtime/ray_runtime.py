@@ -29,7 +29,7 @@ from laminar_jax.runtime.ray_fleet import RayFleet
 from laminar_jax.learner.publish import model_params
 from laminar_jax.learner.group import LearnerGroup, LearnerGroupError
 from laminar_jax.runtime.rollout_worker import InjectedFault
-from laminar_jax.runtime.weights import WeightsPlane
+from laminar_jax.weights.plane import WeightsPlane
 
 BUFFER_CONCURRENCY = 32  # threads of the buffer actor: the learner's wait + every server's calls
 

@@ -33,12 +33,12 @@ def check_memory(cfg, mesh, model, name: str) -> None:
 
 def _lora_base(cfg, store_url: Optional[str], model):
     """learner.lora: the base this server merges adapter versions into, read once from the run's
-    base store (runtime/lora_serve.py); None otherwise."""
+    base store (weights/lora_base.py); None otherwise."""
     if not cfg.learner.lora.enabled:
         return None
     from flax import nnx
 
-    from laminar_jax.runtime.lora_serve import read_base
+    from laminar_jax.weights.lora_base import read_base
 
     if not store_url:
         raise ValueError("learner.lora: a rollout host reads the base from the weight store, and has no store URL")

@@ -14,11 +14,10 @@ import threading
 import time
 from typing import Any, Callable
 
-import jax
 import numpy as np
 
 from laminar_jax.monitor import profile
-from laminar_jax.runtime.prefetch import Prefetcher
+from laminar_jax.weights.prefetch import Prefetcher
 from laminar_jax.types import EPISODE_FIELDS, Trajectory, WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
@@ -62,25 +61,6 @@ class BoardView:
         return [n for _, n in [self._mine, *self._others]]
 
 
-def host_params(flat: dict, template) -> Any:
-    """Published flat weights -> a host tree shaped like ``template`` (the engine's params, possibly
-    abstract). A leaf the version does not carry (a value head: publishing drops it; the engine
-    never reads it) is zeros of the template's shape."""
-    from laminar_jax.learner.publish import flatten_params, unflatten_params
-
-    names = flatten_params(template, drop=())
-    absent = {n: np.zeros(x.shape, x.dtype) for n, x in names.items()
-              if n not in flat and isinstance(x, jax.ShapeDtypeStruct)}
-    return unflatten_params({**flat, **absent} if absent else flat, template, drop=())
-
-
-def params_on_device(flat: dict[str, Any], template: Any) -> Any:
-    """Published flat weights -> the server's param pytree, on its device. One host->device copy
-    now, instead of one per generate() call (and the relay's zero-copy views may be recycled once
-    released)."""
-    return jax.device_put(host_params(flat, template))
-
-
 def make_request(item: Trajectory | WorkItem):
     """The engine's request for a sample (its record, or an eval round's work item): the prompt and
     its seed (nothing the reward needs), and an eval item's own sampling (greedy or the eval
@@ -98,7 +78,7 @@ class RolloutWorker:
                  params_from_flat: Callable[[dict], Any], *, pull_timeout_s: float, board_sync_s: float = 0.0,
                  timeline=None, poll_s: float = 0.05, episodes=None, prefetch: bool = False,
                  prefetch_device: bool = False):
-        """prefetch: stage each newer version in the background while draining (runtime/prefetch.py;
+        """prefetch: stage each newer version in the background while draining (weights/prefetch.py;
         rollout.prefetch); prefetch_device: stage it on the devices too (rollout.prefetch_device)."""
         self.index, self.name, self.server, self.client = index, name, server, client
         self.buffer, self.policy = buffer, policy

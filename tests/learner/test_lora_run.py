@@ -33,7 +33,7 @@ def test_lora_demo_runs_then_resumes_exactly_once(tmp_path):
     assert second["consumed_prompts"] == 4 * config(4).runtime.prompts_per_step
 
     # The run's adapters in PEFT's format, from its newest checkpoint; the merged model from its store.
-    from laminar_jax.runtime.export import export_peft, export_pretrained
+    from laminar_jax.weights.export import export_peft, export_pretrained
 
     got = export_peft(str(tmp_path / "run"), str(tmp_path / "peft"))
     assert got["version"] == 4

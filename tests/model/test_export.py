@@ -40,7 +40,7 @@ def _demo_run_dir(tmp_path, **overrides):
 def test_demo_export_loads_in_transformers_with_equal_logits_and_ids(tmp_path):
     from laminar_jax.data.source import build_prompt_source
     from laminar_jax.model.tokenizer import BuiltinTokenizer
-    from laminar_jax.runtime.export import export_pretrained
+    from laminar_jax.weights.export import export_pretrained
 
     cfg, run_dir, flat = _demo_run_dir(tmp_path)
     out = str(tmp_path / "hf")

@@ -306,7 +306,7 @@ def test_a_runs_weight_plane_writes_the_configured_store_format(tmp_path, fmt):
     # relay.store_format reaches the run's store (it once did not: every run wrote the default format),
     # and the run's export reads it back in that format.
     from laminar_jax.config import default_config
-    from laminar_jax.runtime.weights import WeightsPlane
+    from laminar_jax.weights.plane import WeightsPlane
 
     cfg = default_config()
     cfg.relay.store_format = fmt

@@ -19,7 +19,7 @@ from laminar_jax.model.lora_version import BaseMismatchError, adapter_version, b
 from laminar_jax.rollout import RolloutServer, make_engine
 from laminar_jax.rollout.lora_merge import merge
 from laminar_jax.runtime.fleet import params_from_flat
-from laminar_jax.runtime.lora_serve import ServedBase
+from laminar_jax.weights.lora_base import ServedBase
 from tests.rollout.rollout_helpers import SECTION, params_of, tiny_model
 
 TARGETS = ("layers.self_attn.q_proj.weight", "layers.self_attn.v_proj.weight", "layers.mlp.down_proj.weight")
@@ -51,7 +51,7 @@ def _learner_merged(base: dict, adapters: dict, scale: float) -> dict:
 def _logits(flat: dict, tokens: np.ndarray) -> np.ndarray:
     model = tiny_model(0)
     graphdef, state = nnx.split(model)
-    from laminar_jax.runtime.rollout_worker import host_params
+    from laminar_jax.weights.host import host_params
 
     return np.asarray(nnx.merge(graphdef, host_params(flat, state))(tokens))
 

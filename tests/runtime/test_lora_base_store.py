@@ -10,7 +10,7 @@ from flax import nnx
 from laminar_jax.learner.publish import flatten_params
 from laminar_jax.model.lora_version import BaseMismatchError, base_identity
 from laminar_jax.relay.config import RelaySection
-from laminar_jax.runtime.lora_serve import base_store_url, read_base, write_base
+from laminar_jax.weights.lora_base import base_store_url, read_base, write_base
 from tests.rollout.rollout_helpers import params_of, tiny_model
 
 
@@ -41,7 +41,7 @@ def test_a_resumed_learner_adopts_the_runs_base(tmp_path):
     """The frozen base is not checkpointed and a resumed run skips the warm-up that made it: the
     learner takes the run's base from the base store, so its versions keep the run's identity."""
     from laminar_jax.learner import Learner
-    from laminar_jax.runtime.lora_serve import adopt_base
+    from laminar_jax.weights.lora_base import adopt_base
     from tests.runtime.test_lora_publish import SECTION
 
     rcfg, url = RelaySection(), str(tmp_path / "weights")

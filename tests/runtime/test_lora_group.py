@@ -2,7 +2,7 @@
 
 A LearnerGroup of 2 Ray actor processes x 2 CPU devices (mesh fsdp=4: the base and the adapters span
 both processes) gathers the frozen base to process 0 once and writes it to the run's base store,
-where servers read it (runtime/lora_serve.py); its identity is the in-process learner's. Fed the
+where servers read it (weights/lora_base.py); its identity is the in-process learner's. Fed the
 same batches, process 0 publishes the adapter versions an in-process LoRA learner on one device
 publishes (float32; only the reduction order differs: atol 1e-6), and a server merging them into
 the stored base gets that learner's policy. A new group started from other initial weights adopts
@@ -47,9 +47,10 @@ def test_a_two_process_lora_learner_writes_the_base_once_and_publishes_the_same_
     from laminar_jax.learner.learner import Learner
     from laminar_jax.learner.publish import LocalPublisher, model_params
     from laminar_jax.model import build_model
+    from laminar_jax.weights.lora_base import share_base
     from laminar_jax.model.lora_version import BASE_ID, SCALE
     from laminar_jax.relay import WeightStore
-    from laminar_jax.runtime.lora_serve import base_store_url, merged_flat
+    from laminar_jax.weights.lora_base import base_store_url, merged_flat
     from laminar_jax.runtime.ray_runtime import connect
 
     cfg = _config()
@@ -76,7 +77,7 @@ def test_a_two_process_lora_learner_writes_the_base_once_and_publishes_the_same_
                              coordinator_host="127.0.0.1", timeout_s=240)
         assert group.lora_enabled and group.info[0]["mesh"] == {"data": 1, "fsdp": 4, "tensor": 1}
         # The base: gathered to process 0 once, in the store servers read, the reference's bytes.
-        assert group.lora_base(cfg.relay, store_url) == ref_id
+        assert group.lora_base(share_base, cfg.relay, store_url) == ref_id
         stored = WeightStore.from_config(cfg.relay, base_store_url(store_url)).read(0)
         assert set(stored) == set(ref_base)
         for k in ref_base:
@@ -115,7 +116,7 @@ def test_a_two_process_lora_learner_writes_the_base_once_and_publishes_the_same_
         again = LearnerGroup(to_json(cfg), 2, ckpt, actor_options=opts, init_params=other,
                              coordinator_host="127.0.0.1", timeout_s=240)
         again.restore_latest()
-        assert again.lora_base(cfg.relay, store_url, adopt=True, write=True) == ref_id
+        assert again.lora_base(share_base, cfg.relay, store_url, adopt=True, write=True) == ref_id
         restored = again.policy_params()
         for k in ref_policy:
             np.testing.assert_allclose(restored[k], ref_policy[k], rtol=0, atol=1e-5, err_msg=k)

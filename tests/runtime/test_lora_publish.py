@@ -19,7 +19,7 @@ from laminar_jax.model.lora import LoRASection, merge_params
 from laminar_jax.model.lora_version import BASE_ID, SCALE, base_identity
 from laminar_jax.rollout import RolloutServer, make_engine
 from laminar_jax.runtime.fleet import params_from_flat
-from laminar_jax.runtime.lora_serve import ServedBase
+from laminar_jax.weights.lora_base import ServedBase
 from laminar_jax.types import Trajectory
 from tests.rollout.rollout_helpers import SECTION as ROLLOUT
 
@@ -64,7 +64,7 @@ def test_a_lora_learner_publishes_adapters_and_the_server_serves_its_model():
         np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-6, err_msg=name)
     tokens = np.array([[1, 5, 9, 17, 33, 2, 40, 41]], np.int32)
     graphdef, state = nnx.split(plain)
-    from laminar_jax.runtime.rollout_worker import host_params
+    from laminar_jax.weights.host import host_params
 
     served_logits = np.asarray(nnx.merge(graphdef, host_params(got, state))(tokens))
     learner_logits = np.asarray(nnx.merge(graphdef, host_params(learner.policy_params(), state))(tokens))

@@ -20,7 +20,7 @@ from laminar_jax.relay.server import RelayServer
 from laminar_jax.model import PRESETS, Transformer
 from laminar_jax.rollout import RolloutSection, RolloutServer, make_engine
 from laminar_jax.runtime.fleet import params_from_flat
-from laminar_jax.runtime.prefetch import Prefetcher
+from laminar_jax.weights.prefetch import Prefetcher
 from laminar_jax.runtime.rollout_worker import RolloutWorker
 from laminar_jax.scheduler.modes import get_policy
 from tests.rollout.rollout_helpers import request
@@ -154,7 +154,7 @@ def test_a_failed_prefetch_falls_back_to_the_pull_at_swap_time(caplog):
             v2 = _flat(1)
             _publish(relay, 2, v2)
             client.fail_next = True
-            with caplog.at_level(logging.WARNING, logger="laminar_jax.runtime.prefetch"):
+            with caplog.at_level(logging.WARNING, logger="laminar_jax.weights.prefetch"):
                 _drain_and_swap(worker, server, client, release_after_steps=5)
             assert any("prefetch" in r.message and "injected" in r.message for r in caplog.records)
             st = worker.prefetch.stats()

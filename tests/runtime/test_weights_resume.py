@@ -1,5 +1,5 @@
 """A learner resumed from its checkpoint finds its version in the real weight store even when the
-writer died between that version's manifest (the commit) and LATEST (runtime/weights.py, attach)."""
+writer died between that version's manifest (the commit) and LATEST (weights/plane.py, attach)."""
 
 import json
 
@@ -9,7 +9,7 @@ from laminar_jax.config import finalize, repo_config
 from laminar_jax.relay import WeightStore
 from laminar_jax.net.auth import run_keys
 from laminar_jax.relay.handoff import Handoff
-from laminar_jax.runtime.weights import WeightsPlane
+from laminar_jax.weights.plane import WeightsPlane
 
 
 class _CheckpointedLearnerFake:

@@ -28,7 +28,7 @@ class ServedBase:
     def __init__(self, flat: dict, template: Any, dtype: Any = None):
         from laminar_jax.model.lora_version import base_identity
         from laminar_jax.model.precision import cast_floating
-        from laminar_jax.runtime.rollout_worker import host_params
+        from laminar_jax.weights.host import host_params
 
         if dtype is not None:
             from laminar_jax.model.precision import check_served_dtype

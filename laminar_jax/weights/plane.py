@@ -64,9 +64,11 @@ class WeightsPlane:
         stored = self.store.newest_committed() == learner.version
         lora = getattr(learner, "lora", None)
         if isinstance(learner, LearnerGroup) and learner.lora_enabled:  # its processes share the base (lora_base)
-            learner.lora_base(self.rcfg, self.store_url, adopt=learner.version > 0, write=initial)
-        elif lora is not None:  # the base, once, where every server reads it (runtime/lora_serve.py)
-            from laminar_jax.runtime.lora_serve import adopt_base, write_base
+            from laminar_jax.weights.lora_base import share_base
+
+            learner.lora_base(share_base, self.rcfg, self.store_url, adopt=learner.version > 0, write=initial)
+        elif lora is not None:  # the base, once, where every server reads it (weights/lora_base.py)
+            from laminar_jax.weights.lora_base import adopt_base, write_base
 
             if learner.version > 0:  # resumed: the run's base, not the one rebuilt (not checkpointed)
                 adopt_base(learner, self.rcfg, self.store_url)

@@ -20,7 +20,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     from laminar_jax.config import load_config
     from laminar_jax.model.sharded import abstract_model
     from laminar_jax.relay import WeightStore
-    from laminar_jax.runtime.rollout_worker import host_params
+    from laminar_jax.weights.host import host_params
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
     store_url = cfg.relay.store_url or os.path.join(run_dir, "weights")
@@ -33,7 +33,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     graphdef, state = nnx.split(model)
     flat = store.read(version)
     if "lora.base_sha256" in flat:  # learner.lora: an adapter version, merged into the run's base
-        from laminar_jax.runtime.lora_serve import merged_flat
+        from laminar_jax.weights.lora_base import merged_flat
 
         flat = merged_flat(cfg.relay, store_url, flat)
     nnx.update(model, host_params(flat, state))
