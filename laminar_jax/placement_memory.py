@@ -7,8 +7,9 @@ places it): the master parameters, AdamW's two moments and the gradients in ``mo
 inside the step: the parameters' cast to ``model.dtype`` where it differs plus, where the FSDP axis
 is > 1, two layers gathered whole (the one computing and the next; every layer without remat) and
 the vocab tables (the embedding, which the token lookup reads gathered so the activations stay
-split by rows, and an untied LM head), and the whole gradients of the tables and of one layer before
-their reduce-scatter (``gathered_grads``), the activations of the device's worst-case micro-batch
+split by rows, and an untied LM head), and the whole gradients of one layer and of an untied LM head
+before their reduce-scatter (``gathered_grads``; the embedding's gradient is reduce-scattered
+straight to its shards), the activations of the device's worst-case micro-batch
 rows (every trajectory at ``rollout.max_total_len``, one per packed row; ``learner.memory``): every
 layer's residuals under ``learner.remat``, stacked by the layers' scan, and one layer's activations
 whole (the layer the backward pass recomputes, or differentiates without remat), one log-prob chunk's float32
@@ -176,14 +177,17 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
     # Layers' weights gathered whole over FSDP (split over the tensor axis only): the one computing
     # and the next; without remat every layer's, which its backward pass keeps as residuals.
     # The vocab tables (the embedding, which the token lookup reads gathered, and an untied LM head)
-    # are gathered whole for the pass too, and the backward makes each gathered weight's gradient
-    # whole before its reduce-scatter: the tables' and one layer's at a time.
+    # are gathered whole for the pass too.
     per_layer = sum(math.prod(s) for s, _ in table if arch.vocab_size not in s) // max(1, arch.num_layers)
-    tables = (1 if arch.tie_word_embeddings else 2) * arch.vocab_size * arch.hidden_size
+    head = 0 if arch.tie_word_embeddings else arch.vocab_size * arch.hidden_size
+    tables = arch.vocab_size * arch.hidden_size + head
     layers = arch.num_layers if cfg.learner.remat == "none" else min(2, arch.num_layers)
     fsdp = axes["fsdp"] > 1  # nothing to gather unsharded
     gathered = (layers * per_layer + tables) * c // tensor if fsdp else 0
-    gathered_grads = (per_layer + tables) * c // tensor if fsdp else 0
+    # The backward makes a gathered weight's gradient whole before its reduce-scatter: one layer's at
+    # a time, and an untied LM head's. The embedding's (the tied head's too) goes back to its shards
+    # reduce-scattered (learner/mesh.py `_gathered`), never whole on a device.
+    gathered_grads = (per_layer + head) * c // tensor if fsdp else 0
     rows = learner_rows_per_device(cfg, ranks)
     seq = pack_length(cfg)
     chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)

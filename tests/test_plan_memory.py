@@ -1,6 +1,7 @@
 """The memory plan (placement_memory.py): items per device, the shipped configs' verdicts, the budget
 at runtime.gpu_memory_fraction, the start-time check and launch/plan.py memory."""
 
+import math
 import os
 import re
 import subprocess
@@ -51,6 +52,22 @@ def test_items_of_a_learner_and_a_server_device():
     assert server["kv_pool"] == kv_bytes(arch, cfg.rollout, "bfloat16")
     assert 0 < server["swap_staging"] <= arch.largest_weight() * 2  # one tensor, not a second version
     assert "master_params" not in server and "kv_pool" not in learner
+
+
+@pytest.mark.parametrize("name", ["tpu_pod", "gpu_node"])
+def test_gathered_gradients_are_one_layer_and_an_untied_head_never_the_embedding(name):
+    """Under FSDP the backward holds one layer's gradient whole (and an untied LM head's) before
+    its reduce-scatter; the embedding's gradient is reduce-scattered to its shards (learner/mesh.py
+    `_gathered`), so a plan counting the whole vocab table here overstates the device."""
+    cfg = finalize(repo_config(name))
+    arch = arch_of(cfg)
+    learner = device_items(cfg, host_layout(cfg, 8), arch, activations=0)[0]
+    table = arch.vocab_size * arch.hidden_size
+    per_layer = sum(n for s, _ in param_table(arch) for n in [math.prod(s)] if arch.vocab_size not in s) \
+        // arch.num_layers
+    head = 0 if arch.tie_word_embeddings else table
+    assert learner["gathered_grads"] == (per_layer + head) * 2  # bfloat16 compute, tensor axis 1
+    assert arch.tie_word_embeddings == (name == "tpu_pod")  # both kinds of head are covered
 
 
 def test_budget_is_the_allocator_fraction_and_the_verdict_keeps_a_margin():
