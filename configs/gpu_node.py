@@ -15,9 +15,9 @@ Variants:
          and gradients (20 bytes per parameter with the micro-batch gradient: 82 GB per GPU over 8;
          in bfloat16, updates of lr 1e-6 round to nothing), so it cannot leave GPUs to the server:
          over 4 GPUs that state alone is 164 GB per GPU. The server's bfloat16 weights (8.2 GB per
-         GPU) and a smaller page pool (2048 pages, 4.3 GB per GPU) fit beside it when XLA's pool
-         takes 95% of each GPU (runtime.gpu_memory_fraction): launch/plan.py memory gives 120 GB
-         of 134 GB.
+         GPU) and a smaller page pool (640 pages of 64 tokens, 1.3 GB per GPU) fit beside it when
+         XLA's pool takes 95% of each GPU (runtime.gpu_memory_fraction): launch/plan.py memory
+         gives 120.4 GB of 133.9 GB.
   :0.5b  Qwen2.5-0.5B shapes, learner and one server colocated on whatever devices the host has
          (one GPU: the benchmark set-up).
 Without model.path it builds the shapes with random weights (a systems test).
@@ -84,7 +84,9 @@ def get_config(variant: str = ""):
         c.runtime.num_servers = 1
         c.runtime.gpu_memory_fraction = 0.95
         c.rollout.num_slots = 32
-        c.rollout.num_pages = 1024 + 1  # beside the learner's state on the same GPU (launch/plan.py memory)
+        # beside the learner's state on the same GPU, within the plan's 10% margin (launch/plan.py memory):
+        # 5 whole 8K-token sequences, more of the long tail's shorter ones
+        c.rollout.num_pages = 640 + 1
         # 8K-token trajectories: a 10K-token row's activations (the stacked residuals and the layer the
         # backward pass recomputes) leave the 32B learner under the plan's 10% margin
         c.rollout.max_new_tokens = 6144

@@ -7,14 +7,17 @@ places it): the master parameters, AdamW's two moments and the gradients in ``mo
 inside the step: the parameters' cast to ``model.dtype`` where it differs plus, where the FSDP axis
 is > 1, two layers gathered whole (the one computing and the next; every layer without remat) and
 the vocab tables (the embedding, which the token lookup reads gathered so the activations stay
-split by rows, and an untied LM head), and the whole gradients of the tables and of one layer before
-their reduce-scatter (``gathered_grads``), the activations of the device's worst-case micro-batch
-rows (every trajectory at ``rollout.max_total_len``, one per packed row; ``learner.memory``): every
-layer's residuals under ``learner.remat``, stacked by the layers' scan, and one layer's activations
-whole (the layer the backward pass recomputes, or differentiates without remat), one log-prob chunk's float32
-logits (three arrays of them: logits, softmax, gradient) and the collated batch twice (as placed and
-as prepared). A publish snapshot sits in pinned host memory where the device has it (GPU, TPU),
-else on the device.
+split by rows, and an untied LM head), one layer's whole gradient before its reduce-scatter
+(``gathered_grads``; the embedding's lookup gradient is reduce-scattered straight to its shards),
+the activations of the device's worst-case micro-batch rows (every trajectory at
+``rollout.max_total_len``, one per packed row; ``learner.memory``): every layer's residuals under
+``learner.remat``, stacked by the layers' scan, and one layer's activations whole (the layer the
+backward pass recomputes, or differentiates without remat), the log-prob chunks' phase
+(``logprob_chunks``: one chunk's float32 logits, three arrays of them: logits, softmax, gradient;
+or, where larger, under FSDP, the LM head's gradient whole as each chunk's backward makes it: its
+float32 product and that product's all-reduce in the compute dtype) and the collated batch twice
+(as placed and as prepared). A publish snapshot sits in pinned host memory where the device has it
+(GPU, TPU), else on the device.
 
 Rollout device (its TP shard, by the engine's TP rules): one version in the serving dtype
 (``rollout.dtype``, else ``model.dtype``), its KV-head share of the page pool, the swap's staging
@@ -176,14 +179,20 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
     # Layers' weights gathered whole over FSDP (split over the tensor axis only): the one computing
     # and the next; without remat every layer's, which its backward pass keeps as residuals.
     # The vocab tables (the embedding, which the token lookup reads gathered, and an untied LM head)
-    # are gathered whole for the pass too, and the backward makes each gathered weight's gradient
-    # whole before its reduce-scatter: the tables' and one layer's at a time.
+    # are gathered whole for the pass too.
     per_layer = sum(math.prod(s) for s, _ in table if arch.vocab_size not in s) // max(1, arch.num_layers)
     tables = (1 if arch.tie_word_embeddings else 2) * arch.vocab_size * arch.hidden_size
     layers = arch.num_layers if cfg.learner.remat == "none" else min(2, arch.num_layers)
     fsdp = axes["fsdp"] > 1  # nothing to gather unsharded
     gathered = (layers * per_layer + tables) * c // tensor if fsdp else 0
-    gathered_grads = (per_layer + tables) * c // tensor if fsdp else 0
+    # The backward makes a gathered layer's gradient whole before its reduce-scatter, one layer at a
+    # time. The LM head's (tied or not) is made whole in each log-prob chunk's backward: the float32
+    # product and its all-reduce in the compute dtype, of which the chunk keeps its shard (the TPU
+    # compiler's peak); the chunk's logits are dead by then, so that phase holds the larger of the two.
+    # (learner.lora: the base is frozen, no gradient of the head)
+    gathered_grads = per_layer * c // tensor if fsdp else 0
+    lm_head = arch.vocab_size * arch.hidden_size
+    head_grad = (4 + c) * lm_head // tensor if fsdp and not cfg.learner.lora.enabled else 0
     rows = learner_rows_per_device(cfg, ranks)
     seq = pack_length(cfg)
     chunk = chunk_positions(cfg.learner.logits_chunk_tokens, rows, seq)
@@ -197,7 +206,7 @@ def learner_items(cfg, arch, axes: dict[str, int], activations: int, pinned_host
         "compute_copy": (shard * c if c != p else 0) + gathered,
         "gathered_grads": gathered_grads,
         "activations": activations,
-        "logprob_chunks": 3 * rows * chunk * (arch.vocab_size // tensor) * 4,
+        "logprob_chunks": max(3 * rows * chunk * (arch.vocab_size // tensor) * 4, head_grad),
         "batch": 2 * math.ceil(trajectories / ranks) * seq * BATCH_FIELDS_2D * 4,
         "publish_snapshot": shard * itemsize(serving_dtype(cfg)) if snapshot and not pinned_host else 0,
     }

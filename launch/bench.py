@@ -19,7 +19,9 @@
             topology on this machine (needs libtpu: the tpu extra), its bytes (XLA's cost model, an
             HBM estimate) against weights + live KV
   memory    every shipped accelerator config, scaled down, on fake CPU devices: each device's
-            measured peak bytes against the memory plan (--quick, --config; --tpu: TPU compiler figures)
+            measured peak bytes against the memory plan (--quick, --config; --tpu: TPU compiler figures;
+            --device: one config at its real size on this machine's GPU/TPU, memory_stats() peaks, and a
+            short run of it; --device --dry-run: what that would run)
 
 Each prints the machine (CPU model, cores, vector ISA, load average) first, then a table and, as its
 last line, one JSON object with the figures and the same machine description under "machine".

@@ -1,6 +1,7 @@
 """The memory plan (placement_memory.py): items per device, the shipped configs' verdicts, the budget
 at runtime.gpu_memory_fraction, the start-time check and launch/plan.py memory."""
 
+import math
 import os
 import re
 import subprocess
@@ -10,8 +11,10 @@ import pytest
 
 from laminar_jax.config import finalize, repo_config
 from laminar_jax.configlib import ConfigError
+from laminar_jax.learner.logprobs import chunk_positions
 from laminar_jax.placement_memory import (GB, arch_of, check_devices, device_items, fit_errors, fits_summary,
-                                          host_layout, kv_bytes, param_table, report, shard_elements)
+                                          host_layout, kv_bytes, learner_rows_per_device, param_table, report,
+                                          shard_elements)
 from tests.subprocess_env import child_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,6 +54,26 @@ def test_items_of_a_learner_and_a_server_device():
     assert server["kv_pool"] == kv_bytes(arch, cfg.rollout, "bfloat16")
     assert 0 < server["swap_staging"] <= arch.largest_weight() * 2  # one tensor, not a second version
     assert "master_params" not in server and "kv_pool" not in learner
+
+
+@pytest.mark.parametrize("name", ["tpu_pod", "gpu_node"])
+def test_gathered_gradients_are_one_layer_and_the_head_gradient_is_the_chunk_phase(name):
+    """Under FSDP the backward holds one layer's gradient whole before its reduce-scatter (the
+    embedding's lookup gradient is reduce-scattered to its shards: learner/mesh.py `_gathered`). The
+    LM head's gradient is made whole in each log-prob chunk's backward, as a float32 product and its
+    all-reduce in the compute dtype, when that chunk's logits are dead (the TPU compiler's buffer
+    assignment for tpu_pod): the chunk phase holds the larger of the two, never their sum."""
+    cfg = finalize(repo_config(name))
+    arch = arch_of(cfg)
+    learner = device_items(cfg, host_layout(cfg, 8), arch, activations=0)[0]
+    table = arch.vocab_size * arch.hidden_size
+    per_layer = sum(math.prod(s) for s, _ in param_table(arch) if arch.vocab_size not in s) // arch.num_layers
+    assert learner["gathered_grads"] == per_layer * 2  # bfloat16 compute, tensor axis 1
+    rows = learner_rows_per_device(cfg, 4)  # FSDP over 4 learner devices
+    logits = 3 * rows * chunk_positions(cfg.learner.logits_chunk_tokens, rows, cfg.rollout.max_total_len) * \
+        arch.vocab_size * 4
+    assert learner["logprob_chunks"] == max(logits, (4 + 2) * table) > (4 + 2) * table // 2
+    assert arch.tie_word_embeddings == (name == "tpu_pod")  # a tied and an untied head
 
 
 def test_budget_is_the_allocator_fraction_and_the_verdict_keeps_a_margin():

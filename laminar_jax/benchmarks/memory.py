@@ -3,6 +3,8 @@ per device against the memory plan (laminar_jax/placement_memory.py) for that sa
 
   python launch/bench.py memory [--quick] [--config gpu_node[:32b]]...
   python launch/bench.py memory --tpu [--quick]   (configs/tpu_pod.py compiled for its TPU topology; memory_tpu.py)
+  python launch/bench.py memory --device [--config gpu_single] [--dry-run]   (real size on this machine's
+      accelerators, memory_stats() peaks against the plan, and a short run; memory_device.py)
 
 Each config runs in its own process with XLA_FLAGS=--xla_force_host_platform_device_count=N (N: the
 devices of its host layout: the learner's and, under Ray, one rollout actor's), with the config's
@@ -144,13 +146,8 @@ def child(name: str, variant: str) -> list[dict]:
     """Run the scaled config on this process's fake devices; per-device rows (planned, measured)."""
     import jax
     import numpy as np
-    from flax import nnx
 
-    from laminar_jax.benchmarks.learner import synthetic_trajectories
-    from laminar_jax.learner import Learner
-    from laminar_jax.learner.mesh import build_mesh, place, replicated
-    from laminar_jax.model.transformer import Transformer
-    from laminar_jax.placement_memory import device_items
+    from laminar_jax.placement_memory import device_items, role_of
 
     cfg, arch, layout, n = scaled_config(name, variant)
     devices = jax.devices()[:n]
@@ -165,24 +162,7 @@ def child(name: str, variant: str) -> list[dict]:
                 print(f"phase {label:<10} device {d}: live {b / 1e6:.2f} MB + program "
                       f"{(extra or {}).get(d, 0) / 1e6:.2f} MB", file=sys.stderr)
 
-    mesh = build_mesh(cfg.mesh, [devices[i] for i in layout.learner])
-    model = Transformer(arch, rngs=nnx.Rngs(0), param_dtype=np.float32)
-    learner = Learner(cfg.learner, model, mesh, rules=cfg.mesh.rules)
-    del model  # the learner holds its own sharded copy
-    seq = cfg.rollout.max_total_len
-    trajs = synthetic_trajectories(cfg.runtime.prompts_per_step * cfg.runtime.samples_per_prompt, seq,
-                                   arch.vocab_size, cfg.runtime.samples_per_prompt, 0)
-    on = lambda b: {d: b for d in layout.learner}  # noqa: E731 - an SPMD program's figure is per device
-    for _ in range(2):
-        prepared = learner.prepare(trajs, learner.version)
-        sample(on(program_extra(learner._prepare.lower(learner.state.params, learner.ref_params,
-                                                       prepared.batch).compile())), "prepare")
-        prep = learner._prepare(learner.state.params, learner.ref_params, prepared.batch)
-        step = learner._train_step.lower(learner.state, prep).compile()
-        sample(on(program_extra(step)), "update")
-        del prep
-        learner.step(trajs, publish=False)
-        sample(label="stepped")
+    learner = learner_phases(cfg, arch, layout, devices, sample)
     # A host copy of its own: on XLA:CPU policy_params() may view the learner's buffers and placing
     # it may not copy, so the server's first version would share the learner's memory (on an
     # accelerator it is a copy of its own, which the measure must see from the start, not at the swap).
@@ -193,8 +173,6 @@ def child(name: str, variant: str) -> list[dict]:
         copies += serve_and_swap(cfg, arch, [devices[d] for d in server_devices], flat, sample,
                                  {d for d in server_devices if cfg.placement.rollout_tp > 1}, devices)
     planned = device_items(cfg, layout, arch, pinned_host=False)
-    from laminar_jax.placement_memory import role_of
-
     learner.close()
     # Colocated roles run at the same time in a run; here one after the other: add each role's own peak.
     measured = {d: peak[d] + max(0, serving[d] - base[d]) for d in range(n)}
@@ -203,22 +181,81 @@ def child(name: str, variant: str) -> list[dict]:
             for d in sorted(planned)]
 
 
+def learner_phases(cfg, arch, layout, devices, sample, steps: int = 2):
+    """A `Learner` on the layout's learner devices (the model loaded straight onto its shards, as a
+    run loads it) takes ``steps`` GRPO steps on worst-case trajectories (every one at
+    rollout.max_total_len), ``sample`` called at each phase (None: no sampling, nothing compiled
+    apart from the step itself); returns the learner."""
+    from laminar_jax.benchmarks.learner import synthetic_trajectories
+    from laminar_jax.learner import Learner
+    from laminar_jax.learner.mesh import build_mesh
+
+    mesh = build_mesh(cfg.mesh, [devices[i] for i in layout.learner])
+    model = learner_model(cfg, arch, mesh)
+    learner = Learner(cfg.learner, model, mesh, rules=cfg.mesh.rules, publish_dtype=getattr(cfg.rollout, "dtype", None))
+    del model  # the learner holds its own sharded copy
+    seq = cfg.rollout.max_total_len
+    trajs = synthetic_trajectories(cfg.runtime.prompts_per_step * cfg.runtime.samples_per_prompt, seq,
+                                   arch.vocab_size, cfg.runtime.samples_per_prompt, 0)
+    on = lambda b: {d: b for d in layout.learner}  # noqa: E731 - an SPMD program's figure is per device
+    for _ in range(steps):
+        if sample is not None:  # each program's own peak, compiled for its figure
+            prepared = learner.prepare(trajs, learner.version)
+            sample(on(program_extra(learner._prepare.lower(learner.state.params, learner.ref_params,
+                                                           prepared.batch).compile())), "prepare")
+            prep = learner._prepare(learner.state.params, learner.ref_params, prepared.batch)
+            step = learner._train_step.lower(learner.state, prep).compile()
+            sample(on(program_extra(step)), "update")
+            del prep
+        learner.step(trajs, publish=False)
+        if sample is not None:
+            sample(label="stepped")
+    return learner
+
+
+def learner_model(cfg, arch, mesh):
+    """The policy on the learner's mesh: the config's own model loaded straight onto its shards (as
+    a run loads it: model.sharded.load_model), or, for a scaled architecture the config cannot name,
+    a tiny float32 model built on the default device (the learner places its own sharded copy)."""
+    import numpy as np
+    from flax import nnx
+
+    from laminar_jax.learner.mesh import sharding_of
+    from laminar_jax.model.sharded import abstract_model, load_model
+    from laminar_jax.model.transformer import Transformer
+    from laminar_jax.placement_memory import arch_of
+
+    if arch == arch_of(cfg):
+        return load_model(cfg.model, sharding_of(abstract_model(cfg.model), mesh, cfg.mesh.rules))
+    return Transformer(arch, rngs=nnx.Rngs(0), param_dtype=np.float32)
+
+
 def serve_and_swap(cfg, arch, server_devices, flat, sample, sharded_on, devices) -> int:
-    """One server on its devices: generate, swap in a new version, generate, move a sequence out and in."""
+    """One server on its devices: generate, swap in a new version, generate, move a sequence out and in.
+    ``sample`` None: no sampling and no program compiled for its figure (the allocator's peak measures)."""
     import jax
     import jax.numpy as jnp
     import numpy as np
     from flax import nnx
 
-    from laminar_jax.rollout.engine import Engine
+    from laminar_jax.model.sharded import abstract_model
+    from laminar_jax.placement_memory import arch_of
+    from laminar_jax.rollout.engine import Engine, make_engine
     from laminar_jax.rollout.records import Request
     from laminar_jax.rollout.server import RolloutServer
     from laminar_jax.runtime.fleet import params_from_flat, server_mesh, server_section
 
+    measure = sample is not None
+    sample = sample or (lambda *a, **k: None)
     section = server_section(cfg, 0, 0)
-    abstract = nnx.eval_shape(lambda: Transformer_(arch))
-    engine = Engine(nnx.split(abstract)[0], arch, section, kv_dtype=jnp.float32, mesh=server_mesh(server_devices))
-    from_flat = params_from_flat(abstract, engine)
+    mesh = server_mesh(server_devices)
+    if arch == arch_of(cfg):  # the config's own model, as a run's fleet builds its servers (fleet.py)
+        abstract = abstract_model(cfg.model)
+        engine, _ = make_engine(abstract, section, mesh=mesh)
+    else:
+        abstract = nnx.eval_shape(lambda: Transformer_(arch))
+        engine = Engine(nnx.split(abstract)[0], arch, section, kv_dtype=jnp.float32, mesh=mesh)
+    from_flat = params_from_flat(abstract, engine, getattr(cfg.rollout, "dtype", None))
     server = RolloutServer(engine, from_flat(flat), version=0)
     on = lambda b: {i: b for i, d in enumerate(devices) if d in server_devices}  # noqa: E731
     rng = np.random.default_rng(0)
@@ -227,8 +264,8 @@ def serve_and_swap(cfg, arch, server_devices, flat, sample, sharded_on, devices)
                               prompt_uid=f"p{k}", sample_index=0, seed=k))
     for _ in range(3):
         server.step()
-        sample(on(generate_extra(engine, server)), "generate")
-    new = from_flat({k: v * np.float32(1.001) for k, v in flat.items()})
+        sample(on(generate_extra(engine, server)) if measure else None, "generate")
+    new = from_flat({k: (v * np.float32(1.001)).astype(v.dtype) for k, v in flat.items()})
     if hasattr(new, "on_leaf"):  # a version streamed into place at the swap: sample after every tensor placed
         new = new._replace(on_leaf=lambda i, placed: sample(label="swap"))
     server.set_params(1, new, force=True)  # as RolloutWorker._maybe_swap, forced: no waiting for drains
@@ -241,7 +278,7 @@ def serve_and_swap(cfg, arch, server_devices, flat, sample, sharded_on, devices)
                               prompt_uid=f"q{k}", sample_index=0, seed=100 + k))
     for _ in range(2):
         server.step()
-        sample(on(generate_extra(engine, server)), "generate")
+        sample(on(generate_extra(engine, server)) if measure else None, "generate")
     live = server.live_slots()
     if live:  # a repack move's two halves on one server: export a live sequence, import it again
         slot = next(iter(live))
@@ -299,9 +336,15 @@ def main(argv: list[str]) -> dict:
     ap.add_argument("--quick", action="store_true", help="gpu_single and gpu_node only")
     ap.add_argument("--config", action="append", help="name[:variant] (repeatable); default: every shipped one")
     ap.add_argument("--tpu", action="store_true", help="TPU compiler figures for configs/tpu_pod.py (needs libtpu)")
+    ap.add_argument("--device", action="store_true", help="one config at its real size on this machine's "
+                    "accelerators: memory_stats() peaks against the plan (memory_device.py; --dry-run)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--timeout", type=float, default=900.0, help="seconds per config")
     args, _ = ap.parse_known_args(argv)
+    if args.device:
+        from laminar_jax.benchmarks import memory_device
+
+        return memory_device.main(argv)
     if args.tpu:
         from laminar_jax.benchmarks import memory_tpu
 
