@@ -3,12 +3,14 @@
 python launch/run.py --config=configs/agentic_demo.py            # the calculator demo, a few minutes on 2 cores
 python launch/run.py --config=configs/agentic_demo.py:latency    # the benchmark workload
 
-Default variant (''): arithmetic word problems (one operation on one-digit numbers) with the
-`calculator` environment. The demo writes its problems (laminar_jax/env/word_problems.py) to a
-JSON-lines file in the temp directory, each row with a synthetic trace as its 'response': half of
-them a tool-use trace (tool call, tool message, answer), half a direct answer without the tool. A
-supervised warm-start on those traces (the tool message masked out of the loss) teaches both, so
-the policy starts calling the tool on about half the problems; RL then learns that the tool pays.
+Default variant (''): arithmetic word problems (one operation on one-digit numbers, two-digit
+answers) with the `calculator` environment. The demo writes its problems
+(laminar_jax/env/word_problems.py) to a JSON-lines file in the temp directory, each row with a
+synthetic trace as its 'response': half of them a tool-use trace (tool call, tool message, exact
+answer), half a rough direct answer without the tool (off by up to DIRECT_SPREAD, right about one
+time in five). A supervised warm-start on those traces (the tool message masked out of the loss)
+teaches both, so the policy starts calling the tool on about half the problems; RL then learns
+that the tool pays.
 The reward is correctness only (1 when the answer's last number is right), so `reward_curve` is the
 correct-answer rate; `tool_call_curve` is the share of trajectories that called the tool. Both rise
 (docs/AGENTS.md has the measured figures; tests/env/test_agentic_run.py, slow, checks the rise).
@@ -29,17 +31,22 @@ from laminar_jax.config import repo_config
 LATENCY_MEDIAN_S = 3.0
 CALCULATOR_PROBLEMS = 4096
 TOOL_SHARE = 0.5
+# Direct answers off by up to 2 (right about one time in five): exact ones the tiny model memorises,
+# as well as its seed lets it, and where it memorises well RL has little left to gain from the tool.
+DIRECT_SPREAD = 2
 VARIANTS = ("", "calculator_short", "latency", "short", "resume")
 
 
-def calculator_file(seed: int = 0, n: int = CALCULATOR_PROBLEMS, tool_share: float = TOOL_SHARE) -> str:
+def calculator_file(seed: int = 0, n: int = CALCULATOR_PROBLEMS, tool_share: float = TOOL_SHARE,
+                    direct_spread: int = DIRECT_SPREAD) -> str:
     """The demo's problem file (written once; the builtin tokenizer's tool-message rendering)."""
     from laminar_jax.env.word_problems import write_problem_file
     from laminar_jax.model.tokenizer import load_tokenizer
 
-    name = f"calculator-s{seed}-n{n}-t{tool_share:g}-v2.jsonl"
+    name = f"calculator-s{seed}-n{n}-t{tool_share:g}-d{direct_spread}-v6.jsonl"
     path = os.path.join(tempfile.gettempdir(), "laminar_jax_agentic_demo", name)
-    return write_problem_file(path, n, seed, load_tokenizer("builtin"), tool_share=tool_share)
+    return write_problem_file(path, n, seed, load_tokenizer("builtin"), tool_share=tool_share,
+                              direct_spread=direct_spread)
 
 
 def _episodes(c) -> None:
@@ -67,8 +74,10 @@ def _calculator(c, short: bool) -> None:
     c.rollout.temperature = 1.0
     c.learner.seq_len_buckets = (128, 256)
     c.learner.pack_length = 256
-    # The warm-start needs ~400 steps before the tiny model copies the operands into its call.
-    c.runtime.sft_warmup_steps = 20 if short else 500
+    # The tiny model copies the operands into its call after ~400 steps on tool traces alone; here
+    # half the traces are direct answers, and at 500 steps whether it copied depended on its seed
+    # (instead it wrote an expression with the answer it recalled, e.g. 5+6 for "8 cards and 3 more").
+    c.runtime.sft_warmup_steps = 20 if short else 1000
     c.runtime.sft_lr = 1e-2
     # RL on a sharp warm-started tiny model: at the single-turn demo's 1e-3 (or even 2e-4) Adam's
     # per-parameter steps wreck the copying it learned and reward falls; 1e-4 keeps it and moves the

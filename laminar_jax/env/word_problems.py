@@ -8,7 +8,9 @@ A problem is a short story with one operation (x or +) on two one-digit numbers,
 Every template has the same length and puts its numbers at the same characters, so the copy
 from question to tool call is at a fixed distance, the easiest copy for a tiny model. The demo's
 character model (2 layers, width 64) learns it in ~400 supervised steps; with two-digit numbers
-at varying places it had not started to after 500.
+at varying places it had not started to after 500. Every answer has two digits (operands whose
+result has one are drawn again), so the copy from the tool message into the answer is at a fixed
+distance too.
 
 A tool trace is exactly what a successful episode looks like to the policy, as the list
 [tool call, tool message, answer]: the tool message is the one the episode driver appends
@@ -19,9 +21,10 @@ live episode agree token for token):
      'tool: 42\nassistant: ', 'Answer: 42']
 
 The supervised warm-start (data/sft.py) trains on the turns only, the tool message being context.
-A direct trace ['Answer: 42'] answers without the tool (mental arithmetic); `tool_share` sets how
-many rows get a tool trace, so the warm-started policy sometimes calls the tool and sometimes
-does not, and RL has a choice to learn.
+A direct trace ['Answer: 42'] answers without the tool (mental arithmetic), exact or, with
+`direct_spread` > 0, rough (['Answer: 41']: off by up to that much); `tool_share` sets how many
+rows get a tool trace, so the warm-started policy sometimes calls the tool and sometimes does not,
+and RL has a choice to learn.
 
 `problem_rows` gives verl-layout rows (data_source 'calculator', extra_info.env 'calculator', the
 answer as ground_truth) with the trace in a 'response' column, the layout data.source='file' reads
@@ -56,9 +59,12 @@ class WordProblem(NamedTuple):
 
 def word_problem(rng: np.random.Generator) -> WordProblem:
     question, expression = TEMPLATES[int(rng.integers(len(TEMPLATES)))]
-    a, b = (int(x) for x in rng.integers(2, 10, size=2))
-    expr = expression.format(a=a, b=b)
-    return WordProblem(question.format(a=a, b=b), expr, format_number(evaluate(expr)))
+    while True:  # two-digit answers only: the copy from the tool message is at a fixed distance too
+        a, b = (int(x) for x in rng.integers(2, 10, size=2))
+        expr = expression.format(a=a, b=b)
+        answer = format_number(evaluate(expr))
+        if len(answer) == 2:
+            return WordProblem(question.format(a=a, b=b), expr, answer)
 
 
 def tool_call_text(expression: str) -> str:
@@ -78,24 +84,33 @@ def tool_trace(problem: WordProblem, tokenizer: Optional[Any] = None,
     return [tool_call_text(problem.expression), observation, f"Answer: {problem.answer}"]
 
 
-def direct_trace(problem: WordProblem) -> list[str]:
-    """An answer without the tool (mental arithmetic): one policy turn."""
-    return [f"Answer: {problem.answer}"]
+def direct_trace(problem: WordProblem, rng: Optional[np.random.Generator] = None, spread: int = 0) -> list[str]:
+    """An answer without the tool (mental arithmetic): one policy turn, the value off by up to
+    `spread` either way (uniformly, drawn from `rng`; exact when spread is 0)."""
+    if spread == 0:
+        return [f"Answer: {problem.answer}"]
+    return [f"Answer: {format_number(float(problem.answer) + int(rng.integers(-spread, spread + 1)))}"]
 
 
 def problem_rows(n: int, seed: int, tokenizer: Optional[Any] = None, chat_template: Optional[str] = None,
-                 tool_share: float = 1.0) -> list[dict]:
+                 tool_share: float = 1.0, direct_spread: int = 0) -> list[dict]:
     """`n` verl-layout rows (deterministic in seed) with a supervised trace as 'response': a share
-    `tool_share` of them (drawn at random) a tool trace, the others a direct answer."""
+    `tool_share` of them (drawn at random) a tool trace, the others a direct answer off by up to
+    `direct_spread` (`direct_trace`)."""
     if n < 1:
         raise ValueError(f"problem_rows: n={n} must be >= 1")
     if not 0.0 <= tool_share <= 1.0:
         raise ValueError(f"problem_rows: tool_share={tool_share} must be in [0, 1]")
+    if direct_spread < 0:
+        raise ValueError(f"problem_rows: direct_spread={direct_spread} must be >= 0")
     rng = np.random.default_rng([int(seed), 0xCA1C])
     rows = []
     for i in range(n):
         p = word_problem(rng)
-        trace = tool_trace(p, tokenizer, chat_template) if rng.random() < tool_share else direct_trace(p)
+        if rng.random() < tool_share:
+            trace = tool_trace(p, tokenizer, chat_template)
+        else:
+            trace = direct_trace(p, rng, direct_spread)
         rows.append({"data_source": DATA_SOURCE, "prompt": [{"role": "user", "content": p.question}],
                      "reward_model": {"ground_truth": p.answer, "style": "rule"},
                      "extra_info": {"env": "calculator", "index": i, "expression": p.expression},
@@ -104,14 +119,14 @@ def problem_rows(n: int, seed: int, tokenizer: Optional[Any] = None, chat_templa
 
 
 def write_problem_file(path: str, n: int, seed: int, tokenizer: Optional[Any] = None,
-                       chat_template: Optional[str] = None, tool_share: float = 1.0) -> str:
+                       chat_template: Optional[str] = None, tool_share: float = 1.0, direct_spread: int = 0) -> str:
     """Write `problem_rows` as JSON lines at `path` unless a complete copy is there (atomic rename)."""
     if os.path.exists(path):
         return path
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     tmp = f"{path}.{os.getpid()}.tmp"
     with open(tmp, "w") as f:
-        for row in problem_rows(n, seed, tokenizer, chat_template, tool_share):
+        for row in problem_rows(n, seed, tokenizer, chat_template, tool_share, direct_spread):
             f.write(json.dumps(row) + "\n")
     os.replace(tmp, path)
     return path

@@ -41,6 +41,7 @@ def test_questions_share_one_layout_and_need_arithmetic():
     for p in problems:  # the same length, the numbers at the same characters: a fixed-distance copy
         a, b = p.expression.replace("*", " ").replace("+", " ").split()
         assert len(p.question) == 40 and p.question[0] == a and p.question[13] == b
+        assert len(p.answer) == 2  # the tool's value is copied into the answer at a fixed distance too
     assert len({p.answer for p in problems}) > 20 and {p.expression[1] for p in problems} == {"*", "+"}
 
 
@@ -53,6 +54,17 @@ def test_tool_share_mixes_tool_traces_with_direct_answers():
     assert all(len(r["response"]) == 3 for r in problem_rows(50, seed=0, tokenizer=TOK))  # default: all tool
     with pytest.raises(ValueError, match="tool_share"):
         problem_rows(4, seed=0, tool_share=1.5)
+
+
+def test_direct_answers_are_rough_with_a_spread():
+    rows = problem_rows(600, seed=0, tokenizer=TOK, tool_share=0.5, direct_spread=2)
+    direct = [r for r in rows if len(r["response"]) == 1]
+    off = [int(r["response"][0].removeprefix("Answer: ")) - int(r["reward_model"]["ground_truth"]) for r in direct]
+    assert set(off) == {-2, -1, 0, 1, 2} and 0.1 < off.count(0) / len(off) < 0.3  # right ~1 time in 5
+    tool = [r for r in rows if len(r["response"]) == 3]
+    assert all(r["response"][2] == f"Answer: {r['reward_model']['ground_truth']}" for r in tool)  # tool: exact
+    with pytest.raises(ValueError, match="direct_spread"):
+        problem_rows(4, seed=0, direct_spread=-1)
 
 
 def test_warm_start_trains_on_policy_turns_not_on_tool_messages(tmp_path):
