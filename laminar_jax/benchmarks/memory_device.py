@@ -8,10 +8,10 @@ Three processes, one after the other, each with the allocator fraction a run set
 (runtime.gpu_memory_fraction, gpu_allocator.py):
   learner   the learner on the layout's learner devices (the model loaded straight onto its shards,
             as a run loads it) takes --steps GRPO steps on worst-case trajectories (every one at
-            rollout.max_total_len): memory.learner_phases;
+            rollout.max_total_len): memory_phases.learner_phases;
   servers   each rollout server on its devices, built from abstract shapes, with a random version in
             the serving dtype: generate, swap in a new version, generate, export and re-import a live
-            sequence (a repack move): memory.serve_and_swap;
+            sequence (a repack move): memory_phases.serve_and_swap;
   run       launch/run.py on the config for --run-steps steps (synthetic prompts, the builtin
             tokenizer, random weights: no model or data files needed).
 Measured per device: the peak bytes in use each role's process reports (`memory_stats()`), added up
@@ -87,7 +87,7 @@ def child(spec: str, role: str, steps: int) -> dict:
     import numpy as np
     from flax import nnx
 
-    from laminar_jax.benchmarks.memory import learner_phases, serve_and_swap
+    from laminar_jax.benchmarks.memory_phases import learner_phases, serve_and_swap
     from laminar_jax.learner.publish import flatten_params
     from laminar_jax.model.sharded import abstract_model
     from laminar_jax.placement_memory import serving_dtype
