@@ -113,6 +113,21 @@ def test_bfloat16_serving_halves_the_published_bytes():
     assert sizes["bfloat16", False] * 2 == sizes["bfloat16", True] * 2 == sizes["float32", False]
 
 
+def test_served_arrays_are_the_serving_dtype_of_the_master_copy():
+    """What a learner group gathers for a version it publishes outside a step (its first, a resume's)
+    is `served_arrays`: the float32 master cast to the serving dtype on the devices, equal to the
+    host copy `policy_params` gives (a bfloat16-serving fleet refuses a float32 version)."""
+    learner, _ = _learner(True, updates=1)
+    master = learner.policy_arrays()
+    served = learner.served_arrays()
+    assert {v.dtype.name for v in master.values()} == {"float32"}
+    assert {v.dtype.name for v in served.values()} == {"bfloat16"}
+    host = learner.policy_params()
+    for k in host:
+        np.testing.assert_array_equal(np.asarray(served[k]), host[k], err_msg=k)
+    learner.close()
+
+
 def test_the_store_holds_the_serving_dtype(tmp_path):
     from laminar_jax.relay import Publisher, WeightStore
 
