@@ -140,6 +140,11 @@ class WeightStore:
         return cls(url, keep_last=cfg.keep_last, format=cfg.store_format,
                    verify=cfg.verify_reads, lease_ttl_s=cfg.lease_ttl_s)
 
+    @classmethod
+    def of_run(cls, cfg: Any, run_dir: str) -> "WeightStore":
+        """A run's store: ``relay.store_url``, or the run directory's ``weights`` (run_store_url)."""
+        return cls.from_config(cfg, run_store_url(cfg, run_dir))
+
     def __repr__(self) -> str:
         return f"WeightStore({self.url!r})"
 
@@ -432,3 +437,8 @@ class WeightStore:
                     shutil.rmtree(os.path.join(local, p), ignore_errors=True)
                 removed.append(f"data/{p}/")
         return removed, unreadable
+
+
+def run_store_url(cfg: Any, run_dir: str) -> str:
+    """Where a run's versions live: the RelaySection's store_url, else ``<run_dir>/weights``."""
+    return cfg.store_url or os.path.join(run_dir, "weights")

@@ -25,7 +25,9 @@ def relays_checking_store(cfg: Config, run_dir: str) -> Config:
     filled in (the weight plane's default, `<run_dir>/weights`, when relay.store_url is unset), so
     a relay serves only versions that store has committed (relay.store_check_s), and the bytes a
     relay accepts unverified derived from the model's size (unverified_cap)."""
-    url = cfg.relay.store_url or os.path.join(run_dir, "weights")
+    from laminar_jax.relay.store import run_store_url
+
+    url = run_store_url(cfg.relay, run_dir)
     return dataclasses.replace(cfg, relay=dataclasses.replace(cfg.relay, store_url=url,
                                                               max_unverified_bytes=unverified_cap(cfg)))
 

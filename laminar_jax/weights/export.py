@@ -20,11 +20,11 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     from laminar_jax.config import load_config
     from laminar_jax.model.sharded import abstract_model
     from laminar_jax.relay import WeightStore
+    from laminar_jax.relay.store import run_store_url
     from laminar_jax.weights.host import host_params
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
-    store_url = cfg.relay.store_url or os.path.join(run_dir, "weights")
-    store = WeightStore.from_config(cfg.relay, store_url)
+    store = WeightStore.of_run(cfg.relay, run_dir)
     version = store.latest() if version is None else version
     if version is None:
         raise FileNotFoundError(f"{run_dir}: the weight store holds no version to export")
@@ -35,7 +35,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     if "lora.base_sha256" in flat:  # learner.lora: an adapter version, merged into the run's base
         from laminar_jax.weights.lora_base import merged_flat
 
-        flat = merged_flat(cfg.relay, store_url, flat)
+        flat = merged_flat(cfg.relay, run_store_url(cfg.relay, run_dir), flat)
     nnx.update(model, host_params(flat, state))
     write_hf_dir(model, cfg.model, out_dir)
     return model

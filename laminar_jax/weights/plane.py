@@ -9,7 +9,6 @@ process 0 publishes) to the chain and makes sure its current version is publishe
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Optional, Sequence
 
 
@@ -19,9 +18,10 @@ class WeightsPlane:
         """handoff: a relay.handoff.Handoff when every rollout server runs in this process
         (relay.local_handoff): servers take versions from it, and relay_addresses may be empty."""
         from laminar_jax.relay import WeightStore
+        from laminar_jax.relay.store import run_store_url
 
         self.cfg, self.rcfg = cfg, cfg.relay
-        self.store_url = self.rcfg.store_url or os.path.join(run_dir, "weights")
+        self.store_url = run_store_url(self.rcfg, run_dir)
         self.store = WeightStore.from_config(self.rcfg, self.store_url)
         self.relay_addresses = list(relay_addresses)
         self._stop_relays, self._kill_master = stop_relays, kill_master
