@@ -13,9 +13,19 @@ def _inflight(tmp_path, kv: str):
     c.rollout.inflight_kv = kv
     c.runtime.total_steps = 5
     c.runtime.run_dir = str(tmp_path / kv)
-    c.learner.compile_ahead = "none"  # shapes compile at first use: not a warm-up test
-    # A third batch in flight keeps the servers generating while the learner trains, so its versions
-    # arrive under live sequences (with two, fast servers can sit idle at every swap).
+    # Generation, not the learner, must be the bottleneck, so that every new version reaches a server
+    # with live sequences, whatever the machine's load: one server of 2 slots, 2 tokens a call, generates
+    # (busy ~90% of the run); the learner trains one padded shape (unpacked, one bucket), compiled by
+    # its warm-up, so its steps are short (busy 30-40%).
+    # With the demo's 2 servers of 16 slots, they finished each batch before the next version came and
+    # a run could train no trajectory that spanned versions.
+    c.runtime.num_servers = 1
+    c.rollout.num_slots = 2
+    c.rollout.decode_steps_per_call = 2
+    c.learner.pack_length = 0
+    c.learner.seq_len_buckets = (c.rollout.max_total_len,)
+    c.learner.compile_ahead = "all"
+    # A third batch in flight keeps the server generating while the learner trains.
     c.runtime.max_inflight_batches = 3
     return c
 
