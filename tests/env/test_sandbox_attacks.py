@@ -220,8 +220,9 @@ print("pids", sorted(int(d) for d in os.listdir("/proc") if d.isdigit()))
 
 
 def test_150_mb_of_output_keeps_the_host_memory_bounded(dirs):
-    # Writing 150 MB (page faults, pipe copies) takes ~0.45 CPU s here, quiet, outside the sandbox; a loaded machine once took it past
-    # the default 2 s (cpu_limit before any output was read), and CPU is not what this test is about.
+    # Writing 150 MB (page faults, pipe copies) takes ~0.45 CPU s quiet, outside the sandbox; under a
+    # loaded full tier it once went past the default 2 s (cpu_limit before any output was read), and
+    # CPU is not what this test is about.
     rc, rep = run_host("import sys\nsys.stdout.write('x' * (150 << 20))", dirs[0], wall_s=20.0, cpu_s=10,
                        memory_bytes=1 << 30)
     assert rc == 0, (rc, rep)
