@@ -236,8 +236,10 @@ class ExperienceStore:
             for row in sorted(self._rows):
                 rec = self._rows[row]
                 fields = {"uid": rec.uid, **{k: _enc(getattr(rec, k)) for k in self._field_seq[row]}}
+                # field_seq copied: a checkpoint is written after its snapshot, and a field scored in
+                # between must not restore as ready without its value.
                 rows.append({"row": row, "group": self._row_group[row], "fields": fields,
-                             "field_seq": self._field_seq[row]})
+                             "field_seq": dict(self._field_seq[row])})
             return {"group_size": self.group_size, "rows": rows,
                     "consumed": {c: sorted(s) for c, s in self._consumed.items()},
                     "next_row": self._next_row, "seq": self._seq, "counters": dict(self.counters)}

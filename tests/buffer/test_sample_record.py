@@ -94,6 +94,28 @@ def test_a_checkpoint_row_restores_the_record_and_its_ready_fields():
         assert type(a) is type(b), f
 
 
+def test_a_snapshot_is_a_value_fields_written_after_it_are_not_ready_in_it():
+    """A checkpoint is written after its snapshot is taken (the learner's save): a sample scored in
+    between must restore as unscored, re-generated, never as a ready record missing its reward."""
+    d, store, queue = _dispatcher(n_prompts=1)
+    d.pump(learner_version=0)
+    done, late = queue.take(2)
+    _generate(store, done, version=1)
+    out = Trajectory(late.uid, late.prompt_uid, late.sample_index, late.prompt_ids,
+                     response_ids=np.array([7], np.int32), behaviour_logprobs=np.array([-0.5], np.float32), version=1)
+    store.put_many(late.uid, to_row(out))  # generated, not yet scored
+    snap = d.snapshot()
+    store.put_many(late.uid, {"reward": 0.5, "version": 1})  # scored while the checkpoint is written
+    state = json.loads(json.dumps(snap))
+
+    d2, store2, queue2 = _dispatcher(n_prompts=1)
+    assert d2.restore(state, REQUIRED_FIELDS) == 1
+    assert [r.uid for r in queue2.take(4)] == [late.uid]  # generated again
+    assert store2.ready_groups("learner", REQUIRED_FIELDS) == 0
+    restored = store2.row(late.uid)
+    assert restored.reward is None and "reward" not in restored
+
+
 class _FakeEpisodeDriver:
     """A fake EpisodeDriver that records what each episode starts with."""
 
