@@ -1,4 +1,5 @@
-"""Dispatcher: prompts -> ledger + experience rows + the shared work queue, as the mode allows.
+"""Dispatcher: prompts -> ledger + one record per sample (in the store) + the shared work queue, as
+the mode allows.
 
 Rollout workers take work from the queue when *they* are ready (Laminar's pull model). The
 dispatcher's lock makes checkpoints consistent: the source's position, the ledger and the store
@@ -17,15 +18,16 @@ import numpy as np
 
 from laminar_jax.buffer import ExperienceStore, PromptLedger
 from laminar_jax.scheduler.modes import ModePolicy, dispatch_allowance, queue_room
-from laminar_jax.types import WorkItem
+from laminar_jax.types import PROMPT_FIELDS, Trajectory
 
 
 class WorkQueue:
-    """FIFO of WorkItems shared by all rollout workers (thread-safe, bounded waits)."""
+    """FIFO of samples to generate (their records) shared by all rollout workers (thread-safe,
+    bounded waits)."""
 
     def __init__(self):
         self._cv = threading.Condition()
-        self._q: collections.deque[WorkItem] = collections.deque()
+        self._q: collections.deque[Trajectory] = collections.deque()
 
     def put_many(self, items, front: bool = False) -> None:
         with self._cv:
@@ -35,7 +37,7 @@ class WorkQueue:
                 self._q.extend(items)
             self._cv.notify_all()
 
-    def take(self, n: int, timeout: float = 0.0) -> list[WorkItem]:
+    def take(self, n: int, timeout: float = 0.0) -> list[Trajectory]:
         deadline = time.monotonic() + timeout
         with self._cv:
             while not self._q and timeout > 0:
@@ -103,15 +105,13 @@ class Dispatcher:
 
     def _enqueue(self, record: dict, samples: Optional[list[int]] = None, front: bool = False) -> None:
         items = []
+        prompt_ids = np.asarray(record["prompt_ids"], np.int32)
         for i in samples if samples is not None else range(self.samples_per_prompt):
-            uid = f"{record['uid']}/{i}"
-            self.store.add_row(uid, record["uid"], {"prompt_ids": np.asarray(record["prompt_ids"], np.int32),
-                                                    "prompt_uid": record["uid"], "sample_index": i,
-                                                    "data_source": record["data_source"],
-                                                    "ground_truth": record["ground_truth"],
-                                                    "extra_info": record["extra_info"]})
-            items.append(WorkItem(uid, record["uid"], i, tuple(record["prompt_ids"]),
-                                  _sample_seed(self.seed, record["uid"], i)))
+            sample = Trajectory(uid=f"{record['uid']}/{i}", prompt_uid=record["uid"], sample_index=i,
+                                prompt_ids=prompt_ids, seed=_sample_seed(self.seed, record["uid"], i),
+                                data_source=record["data_source"], ground_truth=record["ground_truth"],
+                                extra_info=record["extra_info"])
+            items.append(self.store.add(sample, PROMPT_FIELDS))  # the record held (one already, on a re-dispatch)
         now = time.monotonic()
         for it in items:  # first dispatch only: a requeued sample keeps its original start
             self.enqueued_at.setdefault(it.uid, now)
@@ -122,7 +122,7 @@ class Dispatcher:
         for i in range(self.samples_per_prompt):
             self.enqueued_at.pop(f"{prompt_uid}/{i}", None)
 
-    def requeue(self, items: list[WorkItem]) -> None:
+    def requeue(self, items: list[Trajectory]) -> None:
         """Give work back (a dead server's sequences): regenerated from the prompt, ahead of new work."""
         self.queue.put_many(items, front=True)
 

@@ -13,7 +13,8 @@ A replacement for a dead buffer (Ray runtime) starts from the last checkpoint's 
 prompts the learner trained on since (`trained`): those are marked consumed before anything is
 dispatched, their rows are forgotten, and the source skips them, so the samples the dead buffer
 handed out are regenerated once and nothing is trained twice.
-Everything crossing its methods is plain host data (WorkItem, Trajectory, dicts of numpy arrays).
+Everything crossing its methods is plain host data (Trajectory records, EvalItems, dicts of numpy
+arrays); in-process, rollout workers and the learner get the store's own records (types.Trajectory).
 """
 
 from __future__ import annotations
@@ -26,9 +27,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
-from laminar_jax.types import WorkItem
 from laminar_jax.threads import Worker
-from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
+from laminar_jax.types import EPISODE_FIELDS, REQUIRED_FIELDS, Trajectory, to_row
 
 LATENCY_WINDOW = 4096  # samples whose dispatch-to-completion latency the percentiles cover
 
@@ -66,7 +66,7 @@ class BufferService:
                                   mode=cfg.data.reward_mode)
         self.board = Board(rt.num_servers, learner_version)
         self._lock = threading.Lock()  # owners, names, dead, counters
-        self._owner: dict[str, tuple[str, WorkItem]] = {}  # sample uid -> (server name, its work item)
+        self._owner: dict[str, tuple[str, Trajectory | EvalItem]] = {}  # sample uid -> (server name, its work)
         self._names = [f"rollout-{i}" for i in range(rt.num_servers)]
         self._dead: set[str] = set()
         self.counters = {"dropped_late_results": 0, "requeued": 0, "moves": 0, "generated_tokens": 0,
@@ -126,8 +126,9 @@ class BufferService:
         self.store.evict_consumed(["learner"])
 
     # ------------------------------------------------------------------------------ work
-    def take_work(self, i: int, name: str, version: int, n: int) -> list[WorkItem]:
-        """Up to n work items for server `name`, if the mode lets it admit now (checked here, on
+    def take_work(self, i: int, name: str, version: int, n: int) -> list[Trajectory | EvalItem]:
+        """Up to n samples to generate for server `name` (their records, or eval rounds' items), if
+        the mode lets it admit now (checked here, on
         the authoritative board: a server's own view may lag a publish by one board sync)."""
         from laminar_jax.scheduler.modes import server_may_admit
 
@@ -163,8 +164,8 @@ class BufferService:
                 self._latencies.append(time.monotonic() - start)
             self.counters["generated_tokens"] += len(traj.response_ids)
         try:
-            self.store.put_many(uid, to_row(traj))
-            row = self.store.row(uid)
+            self.store.put_many(uid, to_row(traj))  # the generated fields, onto the sample's record
+            rec = self.store.row(uid)
         except KeyError:  # the row is gone (its prompt was dropped as stale): nothing to fill
             with self._lock:
                 self.counters["dropped_late_results"] += 1
@@ -175,7 +176,7 @@ class BufferService:
             return True
         eos = self.tokenizer.eos_id
         text = self.tokenizer.decode([t for t in np.asarray(traj.response_ids).tolist() if t != eos])
-        fut = self.rewards.submit(row.get("data_source", ""), text, row.get("ground_truth"), row.get("extra_info"))
+        fut = self.rewards.submit(rec.data_source, text, rec.ground_truth, rec.extra_info)
         # 'version' is written last with the reward, so a row is never ready before it is scored.
         fut.add_done_callback(lambda f: self.store.put_many(uid, {"reward": f.result().reward, "version": version}))
         return True
@@ -210,9 +211,9 @@ class BufferService:
         return {"done": self.evals.pop_done(), "in_flight": self.evals.in_flight()}
 
     def episode_record(self, uid: str) -> dict:
-        """What an environment is chosen and reset with: the prompt row's data_source, ground_truth, extra_info."""
-        row = self.store.row(uid)
-        return {k: row.get(k) for k in ("data_source", "ground_truth", "extra_info", "prompt_uid")}
+        """What an environment is chosen and reset with: the sample's data_source, ground_truth, extra_info."""
+        rec = self.store.row(uid)
+        return {k: getattr(rec, k) for k in EPISODE_FIELDS}
 
     def server_failed(self, i: int, name: str) -> int:
         """Server `name` died: requeue every sample it owned (regenerated from the prompt, ahead of
@@ -257,7 +258,8 @@ class BufferService:
     def get_batch(self, n_groups: int, learner_version: int, timeout: float) -> Optional[dict]:
         """Wait up to `timeout` s for n complete groups; mark their prompts consumed in the ledger.
 
-        Returns {"rows": [...], "duplicates": k} or None on timeout. Groups over the staleness
+        Returns {"rows": [the members' Trajectory records], "duplicates": k} or None on timeout.
+        Groups over the staleness
         bound (buffer.max_staleness) are dropped or skipped as buffer.on_stale says.
         """
         from laminar_jax.buffer import BufferTimeout, DuplicatePrompt, select_fifo, select_with_signal, zero_signal
@@ -301,7 +303,7 @@ class BufferService:
         if rows is None:
             return None
         duplicates = 0
-        for uid in sorted({r["prompt_uid"] for r in rows}):
+        for uid in sorted({r.prompt_uid for r in rows}):
             try:
                 self.ledger.consume(uid)
             except DuplicatePrompt:

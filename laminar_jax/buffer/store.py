@@ -1,9 +1,11 @@
 """Sample-level experience store (AsyncFlow TransferQueue idea), thread-safe.
 
-Rows are samples; fields (prompt_ids, response_ids, behaviour_logprobs, version, reward, ...)
-become ready one by one as producers write them. A consumer asks for N groups whose required
-fields are all ready in every member and that it has not consumed yet; rows are marked consumed
-when handed out. A group (the GRPO samples of one prompt) is released only when complete.
+Rows are samples, each held as its record (`Trajectory`); fields (prompt_ids, response_ids,
+behaviour_logprobs, version, reward, ...) become ready one by one as producers write them onto it.
+A consumer asks for N groups whose required fields are all ready in every member and that it has
+not consumed yet; the records themselves are handed out (no copy) and marked consumed. A group
+(the GRPO samples of one prompt) is released only when complete. Rows of plain fields are made
+only for a checkpoint (`state_dict`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from laminar_jax.buffer.policies import GroupMeta, Selection, select_fifo
+from laminar_jax.types import Trajectory, from_row, set_field
 
 
 class BufferTimeout(TimeoutError):
@@ -22,7 +25,7 @@ class BufferTimeout(TimeoutError):
 
 
 class ExperienceStore:
-    """Rows x fields table with per-consumer consumption marks.
+    """Rows x fields table (one `Trajectory` record per row) with per-consumer consumption marks.
 
     ``group_size`` is the number of rows that make a group complete (n samples per prompt).
     """
@@ -31,12 +34,12 @@ class ExperienceStore:
         self.group_size = group_size
         self.capacity_groups = capacity_groups
         self._cv = threading.Condition()
-        self._rows: dict[int, dict[str, Any]] = {}
+        self._rows: dict[int, Trajectory] = {}
         self._row_group: dict[int, str] = {}
         self._groups: dict[str, list[int]] = {}
         self._uid_row: dict[str, int] = {}
         self._consumed: dict[str, set[int]] = {}
-        self._field_seq: dict[int, dict[str, int]] = {}  # row -> field -> write order
+        self._field_seq: dict[int, dict[str, int]] = {}  # row -> field -> write order (the ready fields)
         self._next_row = 0
         self._seq = 0
         self.counters = {"rows_put": 0, "groups_dropped_stale": 0, "groups_filtered": 0, "rows_consumed": 0}
@@ -47,18 +50,38 @@ class ExperienceStore:
         with self._cv:
             row = self._uid_row.get(uid)
             if row is None:
-                row = self._next_row
-                self._next_row += 1
-                self._uid_row[uid] = row
-                self._rows[row] = {"uid": uid}
-                self._field_seq[row] = {}
-                self._row_group[row] = group
-                self._groups.setdefault(group, []).append(row)
-                self.counters["rows_put"] += 1
+                row = self._new_row(from_row({"uid": uid}, group), group)
             for k, v in (fields or {}).items():
                 self._write(row, k, v)
             self._cv.notify_all()
             return row
+
+    def add(self, record: Trajectory, fields: Sequence[str]) -> Trajectory:
+        """Hold a sample's record (its group is its prompt_uid), with `fields` ready, and return it;
+        a record of the same uid held already has those fields rewritten from this one (a
+        re-dispatch) and is returned instead."""
+        with self._cv:
+            row = self._uid_row.get(record.uid)
+            if row is None:
+                row = self._new_row(record, record.prompt_uid)
+                for k in fields:
+                    self._field_seq[row][k] = self._bump()
+            else:
+                for k in fields:
+                    self._write(row, k, getattr(record, k))
+            self._cv.notify_all()
+            return self._rows[row]
+
+    def _new_row(self, record: Trajectory, group: str) -> int:
+        row = self._next_row
+        self._next_row += 1
+        self._uid_row[record.uid] = row
+        self._rows[row] = record
+        self._field_seq[row] = {}
+        self._row_group[row] = group
+        self._groups.setdefault(group, []).append(row)
+        self.counters["rows_put"] += 1
+        return row
 
     def put(self, uid: str, field: str, value: Any) -> None:
         """Mark one field of an existing row ready."""
@@ -78,20 +101,25 @@ class ExperienceStore:
                 self._write(row, k, v)
             self._cv.notify_all()
 
-    def row(self, uid: str) -> dict[str, Any]:
-        """A copy of one row's ready fields."""
+    def row(self, uid: str) -> Trajectory:
+        """One row's record (the store's own: read it, write through `put`)."""
         with self._cv:
             if uid not in self._uid_row:
                 raise KeyError(f"experience store: no row with uid {uid!r}")
-            return dict(self._rows[self._uid_row[uid]])
+            return self._rows[self._uid_row[uid]]
 
     def groups(self) -> set[str]:
         with self._cv:
             return set(self._groups)
 
     def _write(self, row: int, field: str, value: Any) -> None:
-        self._rows[row][field] = value
+        if field == "uid":
+            return  # a row's key, fixed when it is made
+        set_field(self._rows[row], field, value)
         self._field_seq[row][field] = self._bump()
+
+    def _ready(self, row: int, field: str) -> bool:
+        return field == "uid" or field in self._field_seq[row]
 
     # ---- consumers -------------------------------------------------------------------------
     def _complete_groups(self, consumer: str, fields: Sequence[str]) -> list[GroupMeta]:
@@ -100,14 +128,14 @@ class ExperienceStore:
         for group, rows in self._groups.items():
             if len(rows) < self.group_size or any(r in consumed for r in rows):
                 continue
-            if not all(all(f in self._rows[r] for f in fields) for r in rows):
+            if not all(self._ready(r, f) for r in rows for f in fields):
                 continue
             # Completion order = when the last required field of the last member was written.
             seq = max(self._field_seq[r].get(f, 0) for r in rows for f in fields)
             versions = [int(self._rows[r].get("version", 0)) for r in rows]
             tokens = sum(len(self._rows[r].get("prompt_ids", ())) + len(self._rows[r].get("response_ids", ()))
                          for r in rows)
-            rewards = tuple(float(self._rows[r]["reward"]) for r in rows if self._rows[r].get("reward") is not None)
+            rewards = tuple(float(self._rows[r].reward) for r in rows if self._rows[r].reward is not None)
             out.append(GroupMeta(group, tuple(rows), min(versions), tokens, seq, rewards))
         return out
 
@@ -119,22 +147,22 @@ class ExperienceStore:
         """Groups whose every member has all `fields` (consumed or not)."""
         with self._cv:
             return {g for g, rows in self._groups.items()
-                    if len(rows) >= self.group_size and all(f in self._rows[r] for r in rows for f in fields)}
+                    if len(rows) >= self.group_size and all(self._ready(r, f) for r in rows for f in fields)}
 
     def samples_missing(self, group: str, fields: Sequence[str], group_size: int) -> list[int]:
         """Sample indices (uid suffix '/i') of `group` that lack any of `fields` or have no row."""
         with self._cv:
             have = {}
             for r in self._groups.get(group, []):
-                idx = int(self._rows[r]["uid"].rsplit("/", 1)[1])
-                have[idx] = all(f in self._rows[r] for f in fields)
+                idx = int(self._rows[r].uid.rsplit("/", 1)[1])
+                have[idx] = all(self._ready(r, f) for f in fields)
             return [i for i in range(group_size) if not have.get(i, False)]
 
     def discard_group(self, group: str) -> None:
         """Forget a group's rows (e.g. dropped prompt)."""
         with self._cv:
             for row in self._groups.pop(group, []):
-                uid = self._rows.pop(row)["uid"]
+                uid = self._rows.pop(row).uid
                 del self._uid_row[uid]
                 self._row_group.pop(row, None)
                 self._field_seq.pop(row, None)
@@ -145,8 +173,8 @@ class ExperienceStore:
 
     def get(self, consumer: str, n_groups: int, fields: Sequence[str], timeout: float,
             select: Optional[Callable[[list[GroupMeta], int], Selection]] = None,
-            ) -> list[dict[str, Any]]:
-        """Block until ``n_groups`` complete, unconsumed groups are selectable; return their rows.
+            ) -> list[Trajectory]:
+        """Block until ``n_groups`` complete, unconsumed groups are selectable; return their records.
 
         ``select(groups, n)`` is the sampling policy (FIFO by default). Dropped and filtered groups
         are marked consumed for this consumer and counted. Raises BufferTimeout naming what it waited for.
@@ -167,7 +195,7 @@ class ExperienceStore:
                     rows = [r for g in sel.take for r in g.rows]
                     consumed.update(rows)
                     self.counters["rows_consumed"] += len(rows)
-                    return [dict(self._rows[r]) for r in rows]
+                    return [self._rows[r] for r in rows]
                 left = deadline - time.monotonic()
                 if left <= 0:
                     ready = len(self._complete_groups(consumer, fields))
@@ -182,7 +210,7 @@ class ExperienceStore:
             sets = [self._consumed.get(c, set()) for c in consumers]
             done = set.intersection(*sets) if sets else set()
             for row in done:
-                uid = self._rows.pop(row)["uid"]
+                uid = self._rows.pop(row).uid
                 del self._uid_row[uid]
                 group = self._row_group.pop(row)
                 rows = self._groups.get(group, [])
@@ -201,13 +229,17 @@ class ExperienceStore:
 
     # ---- checkpoint ------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """JSON-serialisable snapshot (numpy arrays become lists with their dtype)."""
+        """JSON-serialisable snapshot: each record as a row of its ready fields (numpy arrays become
+        lists with their dtype)."""
         with self._cv:
             rows = []
             for row in sorted(self._rows):
-                fields = {k: _enc(v) for k, v in self._rows[row].items()}
+                rec = self._rows[row]
+                fields = {"uid": rec.uid, **{k: _enc(getattr(rec, k)) for k in self._field_seq[row]}}
+                # field_seq copied: a checkpoint is written after its snapshot, and a field scored in
+                # between must not restore as ready without its value.
                 rows.append({"row": row, "group": self._row_group[row], "fields": fields,
-                             "field_seq": self._field_seq[row]})
+                             "field_seq": dict(self._field_seq[row])})
             return {"group_size": self.group_size, "rows": rows,
                     "consumed": {c: sorted(s) for c, s in self._consumed.items()},
                     "next_row": self._next_row, "seq": self._seq, "counters": dict(self.counters)}
@@ -218,7 +250,7 @@ class ExperienceStore:
             for r in state["rows"]:
                 row = int(r["row"])
                 fields = {k: _dec(v) for k, v in r["fields"].items()}
-                self._rows[row] = fields
+                self._rows[row] = from_row(fields, r["group"])
                 self._field_seq[row] = {k: int(v) for k, v in r["field_seq"].items()}
                 self._uid_row[fields["uid"]] = row
                 self._row_group[row] = r["group"]

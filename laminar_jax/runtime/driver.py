@@ -29,7 +29,6 @@ from laminar_jax.monitor.sink import RunStats
 from laminar_jax.runtime.rollout_worker import InjectedFault
 from laminar_jax.scheduler.modes import get_policy
 from laminar_jax.threads import WorkerGroup
-from laminar_jax.types import from_row
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +130,7 @@ class Driver:
                         stopped_early = True
                         break
                     try:
-                        trajs = [from_row(r) for r in self._next_batch()]  # prompts marked consumed
+                        trajs = self._next_batch()  # prompts marked consumed
                     except InterruptedError:
                         stopped_early = True
                         break
@@ -159,8 +158,9 @@ class Driver:
         if self.profiler is not None and profile.active() is self.profiler:
             self.profiler.stop()
 
-    def _next_batch(self) -> list[dict]:
-        """Block (bounded) for the next batch, re-checking every worker's health while waiting."""
+    def _next_batch(self) -> list:
+        """Block (bounded) for the next batch (the samples' Trajectory records), re-checking every
+        worker's health while waiting."""
         rt = self.cfg.runtime
         deadline = time.monotonic() + rt.wait_timeout_s
         while True:
@@ -217,7 +217,7 @@ class Driver:
         if out is None:
             return
         self.monitor.duplicates += out["duplicates"]
-        trajs = [from_row(r) for r in out["rows"]]
+        trajs = out["rows"]
         with profile.phase("learner.host"):
             self._ahead = (trajs, self.learner.prepare(trajs, next_version))
 

@@ -70,7 +70,7 @@ class RestartingBuffer(RemoteBuffer):
                     log.warning("dropped a batch from the buffer actor that was replaced meanwhile; "
                                 "its prompts are generated again")
                     return None
-                self._trained.extend(sorted({r["prompt_uid"] for r in out["rows"]}))
+                self._trained.extend(sorted({r.prompt_uid for r in out["rows"]}))
             elif method == "snapshot" and current:
                 self._restore, self._trained = out, []
             elif method == "set_learner_version":

@@ -7,7 +7,7 @@
   RolloutActor x N       the RayFleet: one RolloutWorker + RolloutServer each (runtime/ray_actors.py)
   RelayActor x nodes     one RelayServer per node, chained master-first
 
-Actor calls carry plain data (WorkItem, Trajectory, SequenceState, dicts of numpy arrays),
+Actor calls carry plain data (Trajectory records, EvalItems, SequenceState, dicts of numpy arrays),
 serialised by Ray inside the cluster; weights travel through the relays and the weight store.
 """
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from laminar_jax.monitor import profile
 from laminar_jax.weights.prefetch import Prefetcher
-from laminar_jax.types import WorkItem
+from laminar_jax.types import EPISODE_FIELDS, Trajectory, WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 log = logging.getLogger(__name__)
@@ -61,9 +61,10 @@ class BoardView:
         return [n for _, n in [self._mine, *self._others]]
 
 
-def make_request(item: WorkItem):
-    """The engine's request for a work item: the prompt and its seed (nothing the reward needs), and
-    an eval item's own sampling (greedy or the eval temperature; None: the server's defaults)."""
+def make_request(item: Trajectory | WorkItem):
+    """The engine's request for a sample (its record, or an eval round's work item): the prompt and
+    its seed (nothing the reward needs), and an eval item's own sampling (greedy or the eval
+    temperature; None: the server's defaults)."""
     from laminar_jax.rollout.records import Request
 
     return Request(uid=item.uid, prompt_ids=np.asarray(item.prompt_ids, np.int32), prompt_uid=item.prompt_uid,
@@ -299,14 +300,18 @@ def pull_timeout(cfg) -> float:
 
 class EpisodeFeed:
     """The worker's multi-turn side: work items become episodes (EpisodeDriver), rewards come from
-    the environments. `record_of(uid)` gives the prompt's record (data_source, ground_truth, extra_info)."""
+    the environments. An environment is chosen and reset with the sample's EPISODE_FIELDS, read off
+    its record; `record_of(uid)` gives them for a work item that is not a record."""
 
     def __init__(self, driver, record_of: Callable[[str], dict], turn):
         self.driver, self.record_of, self.turn = driver, record_of, turn
 
-    def start(self, item: WorkItem) -> None:
+    def start(self, item: Trajectory | WorkItem) -> None:
         req = dataclasses.replace(make_request(item), turn=self.turn)
-        self.driver.start(req, dict(self.record_of(item.uid), uid=item.uid))
+        # A sample's record carries its prompt's fields; only another work item's are looked up.
+        record = ({k: getattr(item, k) for k in EPISODE_FIELDS} if isinstance(item, Trajectory)
+                  else self.record_of(item.uid))
+        self.driver.start(req, dict(record, uid=item.uid))
 
     def starting(self) -> int:
         return self.driver.starting()
