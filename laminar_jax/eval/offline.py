@@ -43,13 +43,12 @@ def load_run_policy(run_dir: str, version: Optional[int] = None):
     from laminar_jax.learner.publish import unflatten_params
     from laminar_jax.model import build_model
     from laminar_jax.relay import WeightStore
-    from laminar_jax.relay.store import run_store_url
 
     run_cfg = load_config(os.path.join(run_dir, "config.json"))
     store = WeightStore.of_run(run_cfg.relay, run_dir)
     version = store.latest() if version is None else version
     if version is None:
-        raise FileNotFoundError(f"--checkpoint={run_dir}: its weight store {run_store_url(run_cfg.relay, run_dir)} holds no version")
+        raise FileNotFoundError(f"--checkpoint={run_dir}: its weight store {store.url} holds no version")
     model = build_model(run_cfg.model)
     _, state = nnx.split(model)
     nnx.update(model, unflatten_params(store.read(version), state))

@@ -20,7 +20,6 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     from laminar_jax.config import load_config
     from laminar_jax.model.sharded import abstract_model
     from laminar_jax.relay import WeightStore
-    from laminar_jax.relay.store import run_store_url
     from laminar_jax.weights.host import host_params
 
     cfg = load_config(os.path.join(run_dir, "config.json"))
@@ -35,7 +34,7 @@ def export_pretrained(run_dir: str, out_dir: str, version: Optional[int] = None)
     if "lora.base_sha256" in flat:  # learner.lora: an adapter version, merged into the run's base
         from laminar_jax.weights.lora_base import merged_flat
 
-        flat = merged_flat(cfg.relay, run_store_url(cfg.relay, run_dir), flat)
+        flat = merged_flat(cfg.relay, store.url, flat)
     nnx.update(model, host_params(flat, state))
     write_hf_dir(model, cfg.model, out_dir)
     return model
