@@ -70,9 +70,10 @@ class WeightsPlane:
         elif lora is not None:  # the base, once, where every server reads it (weights/lora_base.py)
             from laminar_jax.weights.lora_base import adopt_base, write_base
 
-            if learner.version > 0:  # resumed: the run's base, not the one rebuilt (not checkpointed)
-                adopt_base(learner, self.rcfg, self.store_url)
-            if initial:
+            # Resumed: the run's base, not the one rebuilt (not checkpointed). Adopted, it is the store's
+            # own, so it is not copied back to the host and hashed again to be checked against itself.
+            adopted = learner.version > 0 and adopt_base(learner, self.rcfg, self.store_url)
+            if initial and not adopted:
                 write_base(self.rcfg, self.store_url, lora.base(), lora.base_id)
         if isinstance(learner, LearnerGroup):  # process 0 publishes; weights skip this process
             if self.handoff is not None:
