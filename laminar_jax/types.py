@@ -74,17 +74,19 @@ class Trajectory:
     extra_info: Any = None
 
     def __getitem__(self, name: str) -> Any:
-        value = getattr(self, name, None) if name in _FIELD_NAMES else None
-        if value is None:
+        if name not in self:
             raise KeyError(f"trajectory {self.uid!r} has no field {name!r} set")
-        return value
+        return getattr(self, name)
 
     def __contains__(self, name: object) -> bool:
         return name in _FIELD_NAMES and getattr(self, name) is not None
 
     def get(self, name: str, default: Any = None) -> Any:
-        value = getattr(self, name, None) if name in _FIELD_NAMES else None
-        return default if value is None else value
+        return getattr(self, name) if name in self else default
+
+    def episode_record(self) -> dict[str, Any]:
+        """What an environment is chosen and reset with (a multi-turn episode): EPISODE_FIELDS."""
+        return {k: getattr(self, k) for k in EPISODE_FIELDS}
 
     @property
     def num_tokens(self) -> int:

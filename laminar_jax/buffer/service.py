@@ -28,7 +28,7 @@ import numpy as np
 
 from laminar_jax.eval.rounds import EvalItem, EvalSink, eval_share
 from laminar_jax.threads import Worker
-from laminar_jax.types import EPISODE_FIELDS, REQUIRED_FIELDS, Trajectory, to_row
+from laminar_jax.types import REQUIRED_FIELDS, Trajectory, to_row
 
 LATENCY_WINDOW = 4096  # samples whose dispatch-to-completion latency the percentiles cover
 
@@ -212,8 +212,7 @@ class BufferService:
 
     def episode_record(self, uid: str) -> dict:
         """What an environment is chosen and reset with: the sample's data_source, ground_truth, extra_info."""
-        rec = self.store.row(uid)
-        return {k: getattr(rec, k) for k in EPISODE_FIELDS}
+        return self.store.row(uid).episode_record()
 
     def server_failed(self, i: int, name: str) -> int:
         """Server `name` died: requeue every sample it owned (regenerated from the prompt, ahead of

@@ -43,7 +43,7 @@ class Meter:
 
     def check_time(self) -> None:
         if time.thread_time() > self.deadline:
-            raise BudgetExceeded(f"ran longer than {self.budget.seconds} s")
+            raise BudgetExceeded(f"ran longer than {self.budget.seconds} s of CPU time")
 
     def check_size(self, n: int, what: str) -> None:
         if n > self.budget.chars:

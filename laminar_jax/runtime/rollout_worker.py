@@ -18,7 +18,7 @@ import numpy as np
 
 from laminar_jax.monitor import profile
 from laminar_jax.weights.prefetch import Prefetcher
-from laminar_jax.types import EPISODE_FIELDS, Trajectory, WorkItem
+from laminar_jax.types import Trajectory, WorkItem
 from laminar_jax.scheduler.modes import ModePolicy, server_may_admit, swap_now
 
 log = logging.getLogger(__name__)
@@ -300,7 +300,7 @@ def pull_timeout(cfg) -> float:
 
 class EpisodeFeed:
     """The worker's multi-turn side: work items become episodes (EpisodeDriver), rewards come from
-    the environments. An environment is chosen and reset with the sample's EPISODE_FIELDS, read off
+    the environments. An environment is chosen and reset with the sample's `episode_record()`, read off
     its record; `record_of(uid)` gives them for a work item that is not a record."""
 
     def __init__(self, driver, record_of: Callable[[str], dict], turn):
@@ -309,8 +309,7 @@ class EpisodeFeed:
     def start(self, item: Trajectory | WorkItem) -> None:
         req = dataclasses.replace(make_request(item), turn=self.turn)
         # A sample's record carries its prompt's fields; only another work item's are looked up.
-        record = ({k: getattr(item, k) for k in EPISODE_FIELDS} if isinstance(item, Trajectory)
-                  else self.record_of(item.uid))
+        record = item.episode_record() if isinstance(item, Trajectory) else self.record_of(item.uid)
         self.driver.start(req, dict(record, uid=item.uid))
 
     def starting(self) -> int:
